@@ -1,0 +1,18 @@
+"""onegemm: Triton GEMMs for Mixture-of-Experts and FP8 work, built on one core GEMM.
+
+Without a CUDA GPU, every kernel runs under Triton's CPU interpreter: this module sets
+TRITON_INTERPRET=1 before any kernel is defined (Triton reads it when a kernel is decorated),
+unless the variable is already set. Inputs are then CPU tensors.
+"""
+
+import os as _os
+
+import torch as _torch
+
+if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
+    _os.environ["TRITON_INTERPRET"] = "1"
+
+from .core import INTERPRET, linear, matmul  # noqa: E402
+
+__all__ = ["INTERPRET", "matmul", "linear"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""onegemm.blockscaled (see README.md)."""

@@ -1,0 +1,163 @@
+"""onegemm.matmul and onegemm.linear: the launch-per-tile GEMM (tutorial-03 style)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import checks
+from .runtime import Kernel, empty, next_pow2_bucket
+from .tiles import gemm_tile, grouped_tile
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    M_BUCKET, LAYOUT,
+    ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C = act(A @ B + bias), one program per output tile.
+
+    a_ptr [M, K], b_ptr [K, N], c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
+    bias_ptr [N] (stride_bias) or None.
+    M_BUCKET, LAYOUT: autotune key only (next power of two of M; which operands are
+        K-contiguous), unused in the body.
+    Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs in grouped (GROUP_M) order.
+    """
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    gemm_tile(
+        pid_m, pid_n, a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+        ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
+        num_warps=warps, num_stages=stages,
+    )
+
+
+# Hopper (H200) configs. 128x256 / 256x128 tiles with 8 warps (two consumer warpgroups)
+# are what wgmma needs to approach the bf16 peak; 128x128 and 64-row tiles cover small M and
+# small N, where big tiles leave most of the 132 SMs idle. BLOCK_K=128 rows are for fp8
+# (same bytes per stage as BLOCK_K=64 in bf16).
+MATMUL_CONFIGS = [
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(256, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 128, 64, 4, 4),
+    _cfg(64, 256, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4),
+    _cfg(64, 64, 64, 4, 5),
+    _cfg(128, 256, 128, 8, 3),
+    _cfg(256, 128, 128, 8, 3),
+    _cfg(128, 128, 128, 8, 4),
+    _cfg(64, 128, 128, 4, 4),
+    _cfg(64, 64, 128, 4, 4),
+    _cfg(128, 128, 32, 4, 4),
+    _cfg(64, 64, 32, 4, 4),
+]
+
+# Under the interpreter: one small config. Cost grows with programs x K iterations, so CPU
+# tests stay quick; 32 is also tl.dot's minimum for fp8 on the interpreter's fp16 emulation.
+INTERPRET_CONFIG = _cfg(32, 32, 32, 1, 1, group_m=4)
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """Keep the configs that suit the dtype and the M bucket (tuning fewer is faster)."""
+    a = named_args["a_ptr"]
+    itemsize = a.element_size()
+    # One K step moves BLOCK_K * itemsize bytes per row: 64 for fp8 and 128 for 16-bit inputs
+    # fill a 128-byte TMA/wgmma swizzle row; fp32 takes 32 to keep shared memory in budget.
+    want_bk = {1: 128, 2: 64, 4: 32}[itemsize]
+    m_bucket = named_args["M_BUCKET"]
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] == want_bk]
+    if m_bucket <= 64:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
+    return kept or configs
+
+
+_matmul = Kernel(
+    matmul_kernel,
+    MATMUL_CONFIGS,
+    key=["M_BUCKET", "N", "K", "LAYOUT"],
+    interpret_config=INTERPRET_CONFIG,
+    prune=prune_configs,
+)
+
+
+def _layout(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int(a.stride(1) == 1) * 2 + int(b.stride(0) == 1)
+
+
+def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.Config | None = None):
+    """out = act(a @ b + bias), accumulated in fp32, cast to ``out_dtype``.
+
+    a [M, K], b [K, N], any strides (b may be ``W.t()`` of an nn.Linear weight, or a slice).
+    Dtypes: float16, bfloat16, float32, float8_e4m3fn / float8_e5m2 (fp8 defaults to a
+    bfloat16 output). bias [N]. activation: None, "relu", "gelu", "gelu_tanh", "silu".
+    ``config`` forces one triton.Config instead of autotuning (benchmarks and tests use it).
+    """
+    checks.check_tensor("a", a, ndim=2)
+    checks.check_tensor("b", b, ndim=2)
+    checks.check_operand_dtypes(a, b)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is {tuple(b.shape)}: b must be [K, N] with K = {a.shape[1]}")
+    checks.check_activation(activation)
+    M, K = a.shape
+    N = b.shape[1]
+    checks.check_bias(bias, (N,))
+    checks.check_same_device(a=a, b=b, bias=bias)
+    out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
+
+    c = empty((M, N), device=a.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return c
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    args = (
+        a, b, c, bias, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        next_pow2_bucket(M), _layout(a, b),
+    )
+    meta = dict(
+        ACTIVATION=activation,
+        UPCAST=checks.upcast_flag(a.dtype),
+        PRECISION=checks.dot_precision(a.dtype),
+    )
+    if config is None:
+        _matmul[grid](*args, **meta)
+    else:
+        _matmul.run(grid, config, *args, **meta)
+    return c
+
+
+def linear(x, weight, bias=None, *, activation=None):
+    """F.linear semantics with an optional fused activation: act(x @ weight.T + bias).
+
+    x [..., K], weight [N, K] (nn.Linear layout; read through ``weight.t()``, no copy),
+    bias [N]. The output has x's leading dims and x's dtype.
+    """
+    checks.check_tensor("x", x)
+    checks.check_tensor("weight", weight, ndim=2)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension [..., K], got a 0-D tensor")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x has {x.shape[-1]} features (last dim) but weight is {tuple(weight.shape)}: "
+            f"weight must be [out_features, {x.shape[-1]}]"
+        )
+    lead = x.shape[:-1]
+    out_dtype = torch.bfloat16 if x.dtype in checks.FP8_DTYPES else x.dtype
+    y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias, activation=activation, out_dtype=out_dtype)
+    return y.reshape(*lead, weight.shape[0])

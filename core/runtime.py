@@ -1,0 +1,93 @@
+"""Where onegemm's kernels run, and how they are launched.
+
+Two facts shape every launch in the project:
+
+* Without a GPU, kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by
+  ``onegemm/__init__.py`` before any kernel is defined). The interpreter cannot autotune
+  ("0 active drivers") and timing there means nothing, so a kernel runs with ONE fixed small
+  config. It also stores bfloat16 as raw uint16, so bf16 tiles must be upcast before arithmetic
+  (``UPCAST``; see DESIGN.md).
+* On a GPU, kernels are autotuned. The grid is always a lambda of the chosen config's meta
+  parameters: a grid built from a fixed BLOCK_M would leave tiles unwritten whenever the tuner
+  picks another block size (the seed lesson's first pitfall; ``tests/test_core.py`` guards it).
+
+``Kernel`` is the one place that chooses between the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+
+# Debug switch: fill every output onegemm allocates with NaN (or -1 for integers) before the
+# kernel runs, so a tile the kernel forgot to write shows as NaN instead of stale memory that
+# happens to be right (fresh pages are often zero). The test suite turns it on.
+POISON: bool = os.environ.get("ONEGEMM_POISON", "0") == "1"
+
+
+def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty for kernel outputs; NaN-poisoned when ``POISON`` is set."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
+
+
+def next_pow2_bucket(n: int, cap: int = 8192) -> int:
+    """Autotune key for a token-count dimension: next power of two, capped.
+
+    MoE and decode calls see a new M on every step; keying the tuner on the exact M would
+    re-benchmark every config each time. Tiles that suit M=3000 suit M=4096 too.
+    """
+    return min(triton.next_power_of_2(max(int(n), 1)), cap)
+
+
+class Kernel:
+    """A ``@triton.jit`` kernel plus its autotune configs, launched one of two ways.
+
+    ``kernel[grid](*args, **kwargs)`` autotunes on a GPU (configs pruned by ``prune``, the
+    result cached on disk, keyed by ``key``) and uses ``interpret_config`` under the
+    interpreter. ``kernel.run(grid, config, ...)`` forces one config: benchmarks use it to
+    compare GROUP_M=1 with GROUP_M=8, and tests use it to run several block sizes.
+    """
+
+    def __init__(self, fn, configs, key, interpret_config: triton.Config, prune=None):
+        self.fn = fn
+        self.configs = configs
+        self.interpret_config = interpret_config
+        self.tuned = None
+        if not INTERPRET:
+            self.tuned = triton.autotune(
+                configs=configs,
+                key=key,
+                prune_configs_by={"early_config_prune": prune} if prune else None,
+                cache_results=True,
+            )(fn)
+
+    def __getitem__(self, grid):
+        if self.tuned is not None:
+            return self.tuned[grid]
+        return functools.partial(self.run, grid, self.interpret_config)
+
+    def run(self, grid, config: triton.Config, *args, **kwargs):
+        return self.fn[grid](
+            *args,
+            **kwargs,
+            **config.kwargs,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+    def best_config(self):
+        """The config the tuner chose on its last call (None under the interpreter)."""
+        return None if self.tuned is None else self.tuned.best_config
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,0 +1,207 @@
+"""The shared tile body of every onegemm kernel, as ``@triton.jit`` helpers.
+
+A GEMM kernel in this project is three steps, each one helper here:
+
+1. ``grouped_tile``: program id -> (pid_m, pid_n) in grouped (GROUP_M) order, so that
+   consecutive programs share A row-blocks and B column-blocks in L2.
+2. ``mma_k_loop``: the K loop over broadcast 2-D pointer blocks, the ``k_remaining`` mask, fp32
+   accumulation, and two switches other packages need: per-K-block dequantisation scales
+   (blockscaled/) and arbitrary row/column index vectors, which give a row gather for free
+   (grouped/ MoE).
+3. ``epilogue`` + ``store_tile``: dequant scales, bias, activation, routing weight, cast, masked
+   store.
+
+``gemm_tile`` chains 2 and 3 for one output tile of a plain GEMM; the launch-per-tile kernel
+(core/matmul.py) calls it once, the persistent kernel (persistent/) calls it in a loop.
+Kernels never copy these bodies: a new need is a new constexpr or argument here.
+
+Conventions: ``rows``/``cols`` are int32/int64 index vectors into A's rows and B's columns.
+They must be valid indices even where the tile overhangs the matrix (callers wrap them with
+``% M`` or gather them from an index array), so loads need no M/N mask; only the store masks.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a linear tile id to (pid_m, pid_n), walking GROUP_M row-blocks column by column.
+
+    The last group is shorter when num_pid_m % GROUP_M != 0; ``group_size_m`` shrinks to what
+    is left, otherwise its tiles would map past num_pid_m (and others never be visited).
+    """
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_range(pid, size, BLOCK: tl.constexpr):
+    """Offsets of block ``pid`` along one dimension, and which of them lie inside ``size``.
+
+    Returns (offs, wrapped, mask): ``wrapped = offs % size`` is always a valid index, so a load
+    through it needs no mask (the overhanging rows re-read real data and are never stored).
+    """
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs % size, offs < size
+
+
+@triton.jit
+def mma_k_loop(
+    acc,
+    a_ptr, b_ptr, rows, cols, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    sa_ptr=None, sa_idx=None, stride_sa_idx=0, stride_sa_k=0,
+    sb_ptr=None, sb_idx=None, stride_sb_idx=0, stride_sb_k=0,
+):
+    """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
+
+    a_ptr: A's element [0, 0]; A[r, k] is at a_ptr + r*stride_am + k*stride_ak (any strides:
+        a transposed view just swaps them, no copy).
+    b_ptr: B's element [0, 0]; B[k, c] is at b_ptr + k*stride_bk + c*stride_bn (W.t() of an
+        nn.Linear weight has stride_bk == 1, the K-major layout Hopper's fp8 MMA wants).
+    rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (see module docstring).
+    K: the reduction length; the last block is masked by ``k_remaining``, so K need not be a
+        multiple of BLOCK_K (unmasked, it would read past the row and sum garbage).
+    UPCAST: convert tiles to fp32 before tl.dot. Set only for bf16 under the interpreter,
+        which stores bf16 as raw uint16 and computes garbage on it (DESIGN.md).
+    PRECISION: tl.dot input_precision for fp32 inputs ("ieee" or "tf32").
+
+    Per-K-block scales (blockscaled/): when ``sa_ptr`` is given, K block ``kb`` of the product
+    is multiplied by sa[sa_idx, kb] per row (sa_idx [BLOCK_M]: the scale row of each A row,
+    i.e. rows for 1x128 scales or rows // 128 for 128x128); likewise ``sb_ptr`` with
+    sb[kb, sb_idx] per column. The caller must then use BLOCK_K == the scale block (128).
+    Each block's dot starts from zero and is promoted to the fp32 ``acc`` after scaling:
+    Hopper's fp8 MMA accumulates in reduced precision, so accumulating across blocks inside
+    the tensor core would lose bits (DESIGN.md, Hopper notes).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    # int64: rows * stride_am passes 2^31 elements for tall or widely strided operands.
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_remaining = K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if sa_ptr is None and sb_ptr is None:
+            if a.dtype.is_fp8():
+                # Promote fp8 partial sums to fp32 once per K block rather than accumulating
+                # the whole K loop inside the tensor core (about 14 bits there on Hopper).
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        else:
+            part = tl.dot(a, b, input_precision=PRECISION)
+            if sa_ptr is not None:
+                sa = tl.load(sa_ptr + sa_idx.to(tl.int64) * stride_sa_idx + kb * stride_sa_k)
+                part = part * sa[:, None]
+            if sb_ptr is not None:
+                sb = tl.load(sb_ptr + kb * stride_sb_k + sb_idx.to(tl.int64) * stride_sb_idx)
+                part = part * sb[None, :]
+            acc += part
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def activate(x, ACTIVATION: tl.constexpr):
+    """x -> act(x) in fp32. ACTIVATION: None, "relu", "gelu" (erf), "gelu_tanh", "silu"."""
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "gelu":
+        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))  # 1/sqrt(2)
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no tanh needed (libdevice is not in the interpreter).
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))  # 2*sqrt(2/pi)
+    elif ACTIVATION == "silu":
+        x = x * tl.sigmoid(x)
+    return x
+
+
+@triton.jit
+def epilogue(
+    acc, offs_m, offs_n, mask_m, mask_n,
+    ACTIVATION: tl.constexpr,
+    bias_ptr=None, stride_bias=1,
+    scale_m_ptr=None, stride_scale_m=0,
+    scale_n_ptr=None, stride_scale_n=0,
+    weight_ptr=None, weight_idx=None,
+):
+    """out = weight[:, None] * act(acc * scale_m[:, None] * scale_n[None, :] + bias[None, :]).
+
+    Each term is optional (a None pointer switches it off at compile time).
+    scale_m_ptr / scale_n_ptr: dequantisation multipliers indexed by output row / column;
+        stride 0 broadcasts one scalar (tensor-wise scale).
+    bias_ptr: bias[offs_n * stride_bias], loaded in its own dtype and used in fp32.
+    weight_ptr: a per-row multiplier applied after the activation, e.g. the MoE routing
+        weight; ``weight_idx`` [BLOCK_M] says which element belongs to each row.
+    """
+    if scale_m_ptr is not None:
+        sm = tl.load(scale_m_ptr + offs_m.to(tl.int64) * stride_scale_m, mask=mask_m, other=0.0)
+        acc = acc * sm.to(tl.float32)[:, None]
+    if scale_n_ptr is not None:
+        sn = tl.load(scale_n_ptr + offs_n.to(tl.int64) * stride_scale_n, mask=mask_n, other=0.0)
+        acc = acc * sn.to(tl.float32)[None, :]
+    if bias_ptr is not None:
+        bias = tl.load(bias_ptr + offs_n.to(tl.int64) * stride_bias, mask=mask_n, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    acc = activate(acc, ACTIVATION)
+    if weight_ptr is not None:
+        w = tl.load(weight_ptr + weight_idx, mask=mask_m, other=0.0)
+        acc = acc * w.to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def store_tile(c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn):
+    """C[offs_m, offs_n] = acc cast to C's dtype, masked to the rows and columns that exist."""
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def gemm_tile(
+    pid_m, pid_n,
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    sa_ptr=None, stride_sa_m=0, stride_sa_k=0, SA_ROWS_PER_SCALE: tl.constexpr = 1,
+    sb_ptr=None, stride_sb_k=0, stride_sb_n=0, SB_COLS_PER_SCALE: tl.constexpr = 1,
+    scale_m_ptr=None, stride_scale_m=0, scale_n_ptr=None, stride_scale_n=0,
+):
+    """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
+
+    The optional scale arguments are blockscaled/'s: ``sa_ptr``/``sb_ptr`` are per-K-block
+    scales (SA_ROWS_PER_SCALE = 1 for 1x128, 128 for 128x128; SB_COLS_PER_SCALE likewise),
+    ``scale_m_ptr``/``scale_n_ptr`` row-wise / column-wise / scalar scales for the epilogue.
+    """
+    offs_m, rows, mask_m = tile_range(pid_m, M, BLOCK_M)
+    offs_n, cols, mask_n = tile_range(pid_n, N, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = mma_k_loop(
+        acc, a_ptr, b_ptr, rows, cols, K,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_K, UPCAST, PRECISION,
+        sa_ptr, rows // SA_ROWS_PER_SCALE, stride_sa_m, stride_sa_k,
+        sb_ptr, cols // SB_COLS_PER_SCALE, stride_sb_n, stride_sb_k,
+    )
+    acc = epilogue(
+        acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
+        bias_ptr, stride_bias,
+        scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
+    )
+    store_tile(c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn)

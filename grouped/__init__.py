@@ -1,0 +1,1 @@
+"""onegemm.grouped (see README.md)."""

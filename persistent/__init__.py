@@ -1,0 +1,1 @@
+"""onegemm.persistent (see README.md)."""

@@ -1,0 +1,299 @@
+"""onegemm.matmul / onegemm.linear and the core tile helpers against float64 torch."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import onegemm
+from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, _cfg
+from onegemm.core.tiles import grouped_tile
+from reference import TF32_TOL, TOL, assert_close, matmul_ref
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def make(shape, dtype, device, layout="contig", scale=1.0):
+    """A random [R, C] operand of ``dtype`` laid out as asked.
+
+    contig: row-major. transposed: a .t() view of a [C, R] tensor (column-major).
+    sliced: a strided view with gaps (every other row, an offset column window).
+    """
+    R, C = shape
+    if layout == "contig":
+        t = torch.randn(R, C, device=device) * scale
+    elif layout == "transposed":
+        t = (torch.randn(C, R, device=device) * scale).t()
+    elif layout == "sliced":
+        t = (torch.randn(2 * R + 1, C + 5, device=device) * scale)[1::2, 3 : 3 + C]
+    else:
+        raise ValueError(layout)
+    if dtype in FP8:
+        return t.to(dtype)
+    return t.to(dtype)
+
+
+def tol_for(dtype, out_dtype=None):
+    out_dtype = out_dtype or (torch.bfloat16 if dtype in FP8 else dtype)
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return TF32_TOL
+    return TOL[out_dtype]
+
+
+# (M, N, K): edge sizes of 1, odd sizes, K below / not a multiple of BLOCK_K, more than one group.
+SHAPES = [
+    (1, 1, 1),
+    (1, 300, 127),
+    (17, 33, 65),
+    (127, 1, 300),
+    (300, 127, 17),
+    (64, 64, 64),
+    (200, 100, 96),
+]
+LAYOUTS = [("contig", "contig"), ("transposed", "contig"), ("contig", "transposed"), ("sliced", "sliced")]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("layout_a,layout_b", LAYOUTS)
+def test_matmul_shapes_and_layouts(M, N, K, layout_a, layout_b, device):
+    a = make((M, K), torch.float16, device, layout_a)
+    b = make((K, N), torch.float16, device, layout_b)
+    out = onegemm.matmul(a, b)
+    assert out.dtype == torch.float16 and out.shape == (M, N)
+    assert_close(out, matmul_ref(a, b), TOL[torch.float16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,N,K", [(17, 33, 65), (127, 96, 300)])
+def test_matmul_dtypes(dtype, M, N, K, device):
+    a = make((M, K), dtype, device)
+    b = make((N, K), dtype, device).t()  # W.t(): K-major B, the nn.Linear layout
+    out = onegemm.matmul(a, b)
+    assert out.dtype == (torch.bfloat16 if dtype in FP8 else dtype)
+    assert_close(out, matmul_ref(a, b), tol_for(dtype))
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", [(torch.float8_e4m3fn, torch.float8_e5m2), (torch.float8_e5m2, torch.float8_e4m3fn)], ids=str)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.float16])
+def test_matmul_fp8_mixed_and_out_dtype(a_dtype, b_dtype, out_dtype, device):
+    a = make((40, 70), a_dtype, device)
+    b = make((70, 33), b_dtype, device)
+    out = onegemm.matmul(a, b, out_dtype=out_dtype)
+    assert out.dtype == (out_dtype or torch.bfloat16)
+    assert_close(out, matmul_ref(a, b), TOL[out.dtype])
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_epilogue(activation, with_bias, dtype, device):
+    M, N, K = 45, 70, 50
+    a = make((M, K), dtype, device)
+    b = make((K, N), dtype, device)
+    bias = torch.randn(N, device=device).to(dtype) if with_bias else None
+    out = onegemm.matmul(a, b, bias=bias, activation=activation)
+    assert_close(out, matmul_ref(a, b, bias, activation), tol_for(dtype))
+
+
+def test_matmul_strided_bias(device):
+    a = make((20, 40), torch.float32, device)
+    b = make((40, 30), torch.float32, device)
+    bias = torch.randn(30, 2, device=device)[:, 1]  # stride 2
+    assert_close(onegemm.matmul(a, b, bias=bias, activation="relu"), matmul_ref(a, b, bias, "relu"), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("M,N,K", [(0, 5, 7), (5, 0, 7), (0, 0, 0)])
+def test_matmul_empty_output(M, N, K, device):
+    a = torch.randn(M, K, device=device)
+    b = torch.randn(K, N, device=device)
+    out = onegemm.matmul(a, b)
+    assert out.shape == (M, N)
+
+
+def test_matmul_k_zero_gives_act_bias(device):
+    """K == 0: the product is all zeros, so the output is act(bias) (as in torch.addmm)."""
+    a = torch.randn(6, 0, device=device)
+    b = torch.randn(0, 9, device=device)
+    bias = torch.randn(9, device=device)
+    out = onegemm.matmul(a, b, bias=bias, activation="silu")
+    assert_close(out, matmul_ref(a, b, bias, "silu"), TOL[torch.float32])
+
+
+# ---- The seed lesson's four pitfalls: each test fails if the mistake comes back. ----
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 64), (64, 32)])
+def test_pitfall_grid_follows_chosen_config(block_m, block_n, device):
+    """A grid built from one fixed BLOCK_M leaves tiles unwritten (NaN-poisoned) or runs off the
+    end when another config runs. The grid lambda reads the config actually launched."""
+    M, N, K = 150, 90, 40
+    a = make((M, K), torch.float32, device)
+    b = make((K, N), torch.float32, device)
+    cfg = _cfg(block_m, block_n, 32, 4, 2, group_m=2)
+    out = onegemm.matmul(a, b, config=cfg)
+    assert_close(out, matmul_ref(a, b), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("K", [33, 65, 100])
+def test_pitfall_k_tail_is_masked(K, device):
+    """K not a multiple of BLOCK_K: A and B are windows into larger buffers whose columns/rows
+    past K hold 1e4. An unmasked last K block would add them to the result."""
+    M, N = 40, 24
+    big_a = torch.full((M, K + 40), 1e4, device=device)
+    big_b = torch.full((K + 40, N), 1e4, device=device)
+    big_a[:, :K] = torch.randn(M, K, device=device)
+    big_b[:K] = torch.randn(K, N, device=device)
+    a, b = big_a[:, :K], big_b[:K]
+    assert_close(onegemm.matmul(a, b), matmul_ref(a, b), TOL[torch.float32])
+
+
+def test_pitfall_fp32_accumulator_at_large_k(device):
+    """fp16 inputs, K = 4096, all-positive terms: the sum grows to ~1000, where an fp16
+    accumulator's spacing is 0.5 and most products (~0.25) would round away. The fp32
+    accumulator keeps the result within 1e-5 of float64 (output requested in fp32)."""
+    M, N, K = 32, 32, 4096
+    a = torch.rand(M, K, device=device).half()
+    b = torch.rand(K, N, device=device).half()
+    out = onegemm.matmul(a, b, out_dtype=torch.float32)
+    assert_close(out, matmul_ref(a, b), 1e-5)
+
+
+@pytest.mark.parametrize("M", [7 * 32, 5 * 32 + 3])
+def test_pitfall_short_last_group(M, device):
+    """num_pid_m % GROUP_M != 0 (7 or 6 row blocks with GROUP_M=4): the last group is shorter.
+    Mapping it with the full GROUP_M would send tiles past the matrix and skip others."""
+    cfg = INTERPRET_CONFIG
+    assert triton.cdiv(M, cfg.kwargs["BLOCK_M"]) % cfg.kwargs["GROUP_M"] != 0
+    a = make((M, 50), torch.float32, device)
+    b = make((50, 100), torch.float32, device)
+    assert_close(onegemm.matmul(a, b, config=cfg), matmul_ref(a, b), TOL[torch.float32])
+
+
+@triton.jit
+def _tile_map_kernel(out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+    tl.store(out_ptr + 2 * pid, pid_m)
+    tl.store(out_ptr + 2 * pid + 1, pid_n)
+
+
+@pytest.mark.parametrize("num_pid_m,num_pid_n,group_m", [(7, 5, 4), (1, 9, 8), (9, 1, 8), (16, 3, 8), (5, 5, 1)])
+def test_grouped_tile_is_a_bijection(num_pid_m, num_pid_n, group_m, device):
+    """Every (pid_m, pid_n) is visited exactly once, in GROUP_M-tall column-major groups."""
+    n = num_pid_m * num_pid_n
+    out = torch.full((n, 2), -1, dtype=torch.int32, device=device)
+    _tile_map_kernel[(n,)](out, num_pid_m, num_pid_n, group_m)
+    pairs = [tuple(p) for p in out.cpu().tolist()]
+    assert sorted(pairs) == [(m, k) for m in range(num_pid_m) for k in range(num_pid_n)]
+    # Inside the first full group, pid_m runs fastest.
+    if num_pid_m >= group_m and num_pid_n > 1:
+        assert pairs[: group_m] == [(m, 0) for m in range(group_m)]
+
+
+# ---- linear ----
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(lead, with_bias, device):
+    K, N = 40, 24
+    x = torch.randn(*lead, K, device=device)
+    w = torch.randn(N, K, device=device)
+    bias = torch.randn(N, device=device) if with_bias else None
+    out = onegemm.linear(x, w, bias, activation="gelu")
+    ref = matmul_ref(x.reshape(-1, K), w.t(), bias, "gelu").reshape(*lead, N)
+    assert out.shape == (*lead, N)
+    assert_close(out, ref, TOL[torch.float32])
+
+
+def test_linear_sliced_input(device):
+    x = torch.randn(10, 3, 64, device=device)[:, 1, 8:40]  # gaps in both leading and K dims
+    w = torch.randn(20, 32, device=device)
+    assert_close(onegemm.linear(x, w), matmul_ref(x, w.t()), TOL[torch.float32])
+
+
+# ---- bad input: ValueError / TypeError naming the argument ----
+
+
+def _bad_cases(device):
+    f32 = lambda *s: torch.randn(*s, device=device)  # noqa: E731
+    return [
+        ("a", dict(a=f32(3), b=f32(3, 4)), ValueError),
+        ("b", dict(a=f32(3, 4), b=f32(2, 4, 5)), ValueError),
+        ("b must be \\[K, N\\]", dict(a=f32(3, 4), b=f32(5, 6)), ValueError),
+        ("a and b must have the same dtype", dict(a=f32(3, 4), b=f32(4, 5).half()), TypeError),
+        ("a must have dtype", dict(a=torch.ones(3, 4, dtype=torch.int32, device=device), b=f32(4, 5)), TypeError),
+        ("both be float8_e5m2", dict(a=f32(3, 4).to(torch.float8_e5m2), b=f32(4, 5).to(torch.float8_e5m2)), TypeError),
+        ("bias must have shape", dict(a=f32(3, 4), b=f32(4, 5), bias=f32(4)), ValueError),
+        ("bias must be", dict(a=f32(3, 4), b=f32(4, 5), bias=[1.0] * 5), TypeError),
+        ("activation must be one of", dict(a=f32(3, 4), b=f32(4, 5), activation="tanh"), ValueError),
+        ("out_dtype", dict(a=f32(3, 4), b=f32(4, 5), out_dtype=torch.int8), TypeError),
+        ("a must be a", dict(a=torch.empty(3, 4, device="meta"), b=f32(4, 5)), ValueError),
+        ("a must be a torch.Tensor", dict(a=[[1.0]], b=f32(1, 5)), TypeError),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_matmul_bad_input(case, device):
+    match, kwargs, exc = _bad_cases(device)[case]
+    with pytest.raises(exc, match=match):
+        onegemm.matmul(**kwargs)
+
+
+def test_linear_bad_input(device):
+    with pytest.raises(ValueError, match="weight must be \\[out_features, 8\\]"):
+        onegemm.linear(torch.randn(3, 8, device=device), torch.randn(4, 7, device=device))
+
+
+# ---- GPU only ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (300, 1000, 513), (4096, 4096, 4096), (3000, 14336, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
+def test_gpu_autotuned_large(M, N, K, dtype, device):
+    """Autotuned (every config that survives pruning is launched), NaN-poisoned output."""
+    a = make((M, K), dtype, device)
+    b = make((N, K), dtype, device).t()
+    out = onegemm.matmul(a, b)
+    assert_close(out, matmul_ref(a, b), tol_for(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", MATMUL_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+def test_gpu_every_config(cfg, device):
+    """Each Hopper config, forced, on a shape with partial tiles on every edge."""
+    dtype = torch.float8_e4m3fn if cfg.kwargs["BLOCK_K"] == 128 else torch.bfloat16
+    a = make((333, 777), dtype, device)
+    b = make((555, 777), dtype, device).t()
+    bias = torch.randn(555, device=device, dtype=torch.bfloat16)
+    out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg)
+    assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets(device):
+    """A [M, K] with M * K > 2^31 elements: row offsets need int64 arithmetic."""
+    M, K, N = 2**31 // 512 + 4096, 512, 64
+    a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    b = torch.randn(K, N, device=device, dtype=torch.bfloat16)
+    out = onegemm.matmul(a, b)
+    tail = slice(M - 3000, M)  # rows whose offsets pass 2^31
+    assert_close(out[tail], matmul_ref(a[tail], b), TOL[torch.bfloat16])
+    del a
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_tf32_follows_torch(device):
+    a = make((256, 512), torch.float32, device)
+    b = make((512, 128), torch.float32, device)
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert_close(onegemm.matmul(a, b), matmul_ref(a, b), 1e-5)
+        torch.set_float32_matmul_precision("high")
+        assert_close(onegemm.matmul(a, b), matmul_ref(a, b), TF32_TOL)
+    finally:
+        torch.set_float32_matmul_precision(old)
