@@ -12,7 +12,10 @@ import torch as _torch
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
     _os.environ["TRITON_INTERPRET"] = "1"
 
-from .core import INTERPRET, linear, matmul  # noqa: E402
+# Each subpackage's __all__ is what it exports at the top level.
+from .core import *  # noqa: E402,F401,F403
+from .grouped import *  # noqa: E402,F401,F403
+from .persistent import *  # noqa: E402,F401,F403
+from .blockscaled import *  # noqa: E402,F401,F403
 
-__all__ = ["INTERPRET", "matmul", "linear"]
 __version__ = "0.1.0"

@@ -1,0 +1,109 @@
+"""What every benchmark in bench/ shares: timing, the results header, markdown and plots.
+
+Benchmarks compare onegemm with its peer measured in the same run, and report ratios.
+Timing is triton.testing.do_bench's median over CUDA events, after warm-up (the first call of
+a shape also autotunes, and is kept out of the numbers). Inputs are random, never zeros: an
+H200 ran a bf16 GEMM 13% faster on zeros than on random data (DESIGN.md / METHOD.md).
+
+The float64 references live in tests/reference.py; benchmarks import them from there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+sys.path.insert(0, str(REPO / "tests"))  # so benchmarks can `from reference import ...`
+
+
+def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median milliseconds of fn() (CUDA events)."""
+    fn()  # compile / autotune outside the timed region
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def tflops(flop: float, ms: float) -> float:
+    return flop / (ms * 1e-3) / 1e12
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def header(title: str) -> str:
+    """Markdown preamble: what ran, where, when, and the command that reproduces it."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
+    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+    return (
+        f"# {title}\n\n"
+        f"- GPU: {gpu} ({sms} SMs)\n"
+        f"- torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}\n"
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
+        f"- command: `python {cmd}`\n"
+        f"- timing: triton.testing.do_bench median (CUDA events), after a warm-up call that autotunes\n\n"
+    )
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ".3g") -> str:
+    columns = columns or list(rows[0].keys())
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        cells = []
+        for c in columns:
+            v = r.get(c, "")
+            cells.append(format(v, floatfmt) if isinstance(v, float) else str(v))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def write_results(name: str, text: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return path
+
+
+def plot_ratios(name: str, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str) -> Path:
+    """Grouped bar chart of ratios (1.0 = parity with the peer), saved as bench/results/NAME.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(labels) * max(1, len(series))), 4.5))
+    width = 0.8 / max(1, len(series))
+    for i, (label, ys) in enumerate(series.items()):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, ys, width=width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def require_gpu():
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks need a CUDA GPU (run them on the H200 through the device tool)")
