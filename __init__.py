@@ -6,10 +6,19 @@ unless the variable is already set. Inputs are then CPU tensors.
 """
 
 import os as _os
+import sys as _sys
 
 import torch as _torch
 
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
+    if "triton" in _sys.modules:
+        # triton.language's own @jit helpers (tl.cdiv, tl.sigmoid, ...) were already compiled
+        # for a GPU; under the interpreter they would fail inside every kernel.
+        raise ImportError(
+            "onegemm needs Triton's CPU interpreter on this machine (no CUDA GPU), but triton was "
+            "imported before onegemm. Import onegemm first, or set TRITON_INTERPRET=1 before "
+            "starting Python."
+        )
     _os.environ["TRITON_INTERPRET"] = "1"
 
 # Each subpackage's __all__ is what it exports at the top level.
