@@ -138,10 +138,11 @@ def test_pitfall_grid_follows_chosen_config(block_m, block_n, device):
 @pytest.mark.parametrize("K", [33, 65, 100])
 def test_pitfall_k_tail_is_masked(K, device):
     """K not a multiple of BLOCK_K: A and B are windows into larger buffers whose columns/rows
-    past K hold 1e4. An unmasked last K block would add them to the result."""
+    past K hold NaN. An unmasked last K block of either operand puts NaN in the result (a
+    finite pad would hide a missing mask on one side: pad * 0 from the other side is 0)."""
     M, N = 40, 24
-    big_a = torch.full((M, K + 40), 1e4, device=device)
-    big_b = torch.full((K + 40, N), 1e4, device=device)
+    big_a = torch.full((M, K + 40), float("nan"), device=device)
+    big_b = torch.full((K + 40, N), float("nan"), device=device)
     big_a[:, :K] = torch.randn(M, K, device=device)
     big_b[:K] = torch.randn(K, N, device=device)
     a, b = big_a[:, :K], big_b[:K]
