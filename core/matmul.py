@@ -8,7 +8,8 @@ import triton.language as tl
 
 from . import checks
 from .runtime import Kernel, empty, next_pow2_bucket
-from .tiles import gemm_tile, grouped_tile
+from .tiles import gemm_tile, grouped_tile, make_operands
+from .tma import choose_tma, ensure_allocator
 
 
 @triton.jit
@@ -18,7 +19,9 @@ def matmul_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     M_BUCKET, LAYOUT,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr = 1,
 ):
     """C = act(A @ B + bias), one program per output tile.
 
@@ -26,14 +29,21 @@ def matmul_kernel(
     bias_ptr [N] (stride_bias) or None.
     M_BUCKET, LAYOUT: autotune key only (next power of two of M; which operands are
         K-contiguous), unused in the body.
+    USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT: the TMA flavour and its operand layout
+        (tiles.make_operands; core/tma.py decides them on the host).
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs in grouped (GROUP_M) order.
     """
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    a, b, c = make_operands(
+        a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT,
+    )
     gemm_tile(
-        pid_m, pid_n, a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+        pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
         ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        USE_TMA=USE_TMA, A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG, EPI_SPLIT=EPI_SPLIT,
     )
 
 
@@ -87,7 +97,7 @@ def prune_configs(configs, named_args, **kwargs):
 _matmul = Kernel(
     matmul_kernel,
     MATMUL_CONFIGS,
-    key=["M_BUCKET", "N", "K", "LAYOUT"],
+    key=["M_BUCKET", "N", "K", "LAYOUT", "USE_TMA"],
     interpret_config=INTERPRET_CONFIG,
     prune=prune_configs,
 )
@@ -97,14 +107,9 @@ def _layout(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(a.stride(1) == 1) * 2 + int(b.stride(0) == 1)
 
 
-def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.Config | None = None):
-    """out = act(a @ b + bias), accumulated in fp32, cast to ``out_dtype``.
-
-    a [M, K], b [K, N], any strides (b may be ``W.t()`` of an nn.Linear weight, or a slice).
-    Dtypes: float16, bfloat16, float32, float8_e4m3fn / float8_e5m2 (fp8 defaults to a
-    bfloat16 output). bias [N]. activation: None, "relu", "gelu", "gelu_tanh", "silu".
-    ``config`` forces one triton.Config instead of autotuning (benchmarks and tests use it).
-    """
+def check_matmul_inputs(a, b, bias, activation, out_dtype):
+    """The checks of the matmul contract, shared by every op that offers it (matmul,
+    persistent_matmul). Returns (M, N, K, out_dtype)."""
     checks.check_tensor("a", a, ndim=2)
     checks.check_tensor("b", b, ndim=2)
     checks.check_operand_dtypes(a, b)
@@ -115,15 +120,20 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
     N = b.shape[1]
     checks.check_bias(bias, (N,))
     checks.check_same_device(a=a, b=b, bias=bias)
-    out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
+    return M, N, K, checks.resolve_out_dtype(out_dtype, a.dtype)
 
-    c = empty((M, N), device=a.device, dtype=out_dtype)
-    if M == 0 or N == 0:
-        return c
 
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+def launch_args(a, b, c, bias, activation, tma: bool | None):
+    """(args, meta) for a kernel with matmul_kernel's parameters, the flavour resolved.
 
+    args: the positional arguments (pointers, sizes, strides, autotune key values); meta: the
+    constexprs that are not part of a config. ``tma``: see core.tma.choose_tma.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    layout = choose_tma(tma, a, b, c)
+    if layout is not None:
+        ensure_allocator()
     args = (
         a, b, c, bias, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
@@ -134,7 +144,33 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
         ACTIVATION=activation,
         UPCAST=checks.upcast_flag(a.dtype),
         PRECISION=checks.dot_precision(a.dtype),
+        USE_TMA=layout is not None,
+        A_K_CONTIG=layout is None or layout.a_k_contig,
+        B_K_CONTIG=layout is None or layout.b_k_contig,
     )
+    return args, meta
+
+
+def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.Config | None = None, tma=None):
+    """out = act(a @ b + bias), accumulated in fp32, cast to ``out_dtype``.
+
+    a [M, K], b [K, N], any strides (b may be ``W.t()`` of an nn.Linear weight, or a slice).
+    Dtypes: float16, bfloat16, float32, float8_e4m3fn / float8_e5m2 (fp8 defaults to a
+    bfloat16 output). bias [N]. activation: None, "relu", "gelu", "gelu_tanh", "silu".
+    ``config`` forces one triton.Config instead of autotuning (benchmarks and tests use it).
+    ``tma``: None picks the TMA flavour (tensor-descriptor loads) on a Hopper GPU when a, b and
+    the output allow it and pointer loads otherwise; False forces pointers; True forces TMA or
+    raises ValueError (see core/tma.py).
+    """
+    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
+    c = empty((M, N), device=a.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return c
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    args, meta = launch_args(a, b, c, bias, activation, tma)
     if config is None:
         _matmul[grid](*args, **meta)
     else:

@@ -15,6 +15,15 @@ A GEMM kernel in this project is three steps, each one helper here:
 (core/matmul.py) calls it once, the persistent kernel (persistent/) calls it in a loop.
 Kernels never copy these bodies: a new need is a new constexpr or argument here.
 
+Two flavours of loads and stores, one contract. The pointer flavour (the default) reads
+through broadcast pointer blocks and works for any strides. The TMA flavour (``USE_TMA``, for
+Hopper) reads and writes through tensor descriptors that ``make_operands`` builds once per
+program: the TMA unit copies whole boxes into shared memory asynchronously, zero-filling
+what lies outside the matrix (so no masks), and frees the warps from address arithmetic.
+It needs a unit last stride and 16-byte aligned base and strides (core/tma.py decides, and
+the host falls back to pointers otherwise), and it cannot gather rows: ``rows``/``cols`` are
+then only used by the optional scale loads, the tile's origin comes from ``off_m``/``off_n``.
+
 Conventions: ``rows``/``cols`` are int32/int64 index vectors into A's rows and B's columns.
 They must be valid indices even where the tile overhangs the matrix (callers wrap them with
 ``% M`` or gather them from an index array), so loads need no M/N mask; only the store masks.
@@ -52,6 +61,42 @@ def tile_range(pid, size, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def make_operands(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
+    A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
+    EPI_SPLIT: tl.constexpr = 1,
+):
+    """What the K loop and the store read and write: (a, b, c).
+
+    Pointer flavour: the three pointers, unchanged. TMA flavour: tensor descriptors, built once
+    per program (a persistent kernel reuses them for all its tiles):
+      a: over A [M, K] with [BLOCK_M, BLOCK_K] boxes if A_K_CONTIG (stride_ak == 1), else over
+         A's transpose [K, M] (stride_am == 1) with [BLOCK_K, BLOCK_M] boxes;
+      b: over B [K, N] with [BLOCK_K, BLOCK_N] boxes, or, if B_K_CONTIG (stride_bk == 1, i.e.
+         B = W.t()), over W [N, K] with [BLOCK_N, BLOCK_K] boxes;
+      c: over C [M, N] (stride_cn == 1) with [BLOCK_M, BLOCK_N // EPI_SPLIT] boxes.
+    The host (core/tma.py) has checked the unit strides and the 16-byte alignment TMA needs.
+    """
+    a = a_ptr
+    b = b_ptr
+    c = c_ptr
+    if USE_TMA:
+        if A_K_CONTIG:
+            a = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        else:
+            a = tl.make_tensor_descriptor(a_ptr, [K, M], [stride_ak, 1], [BLOCK_K, BLOCK_M])
+        if B_K_CONTIG:
+            b = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b = tl.make_tensor_descriptor(b_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
+        c = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N // EPI_SPLIT])
+    return a, b, c
+
+
+@triton.jit
 def mma_k_loop(
     acc,
     a_ptr, b_ptr, rows, cols, K,
@@ -61,6 +106,8 @@ def mma_k_loop(
     PRECISION: tl.constexpr,
     sa_ptr=None, sa_idx=None, stride_sa_idx=0, stride_sa_k=0,
     sb_ptr=None, sb_idx=None, stride_sb_idx=0, stride_sb_k=0,
+    USE_TMA: tl.constexpr = False, off_m=0, off_n=0,
+    A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
 ):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
@@ -82,15 +129,35 @@ def mma_k_loop(
     Each block's dot starts from zero and is promoted to the fp32 ``acc`` after scaling:
     Hopper's fp8 MMA accumulates in reduced precision, so accumulating across blocks inside
     the tensor core would lose bits (DESIGN.md, Hopper notes).
+
+    TMA flavour (USE_TMA): a_ptr / b_ptr are ``make_operands``' descriptors (A_K_CONTIG and
+    B_K_CONTIG must be the ones they were built with) and the tile starts at row ``off_m`` and
+    column ``off_n``; rows/cols only index the scales. Boxes past M, N or K arrive zero-filled,
+    which is what the masks give the pointer flavour.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    # int64: rows * stride_am passes 2^31 elements for tall or widely strided operands.
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+    if not USE_TMA:
+        # int64: rows * stride_am passes 2^31 elements for tall or widely strided operands.
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_remaining = K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
+        if USE_TMA:
+            k0 = kb * BLOCK_K
+            # A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
+            # stored and transposed in shared memory, which wgmma reads either way for 16-bit
+            # types (Triton converts for fp8, which wants K-major operands).
+            if A_K_CONTIG:
+                a = a_ptr.load([off_m, k0])
+            else:
+                a = a_ptr.load([k0, off_m]).T
+            if B_K_CONTIG:
+                b = b_ptr.load([off_n, k0]).T
+            else:
+                b = b_ptr.load([k0, off_n])
+        else:
+            k_remaining = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -110,8 +177,9 @@ def mma_k_loop(
                 sb = tl.load(sb_ptr + kb * stride_sb_k + sb_idx.to(tl.int64) * stride_sb_idx)
                 part = part * sb[None, :]
             acc += part
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if not USE_TMA:
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
     return acc
 
 
@@ -165,10 +233,31 @@ def epilogue(
 
 
 @triton.jit
-def store_tile(c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn):
-    """C[offs_m, offs_n] = acc cast to C's dtype, masked to the rows and columns that exist."""
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+def store_tile(
+    c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn,
+    USE_TMA: tl.constexpr = False, off_m=0, off_n=0, EPI_SPLIT: tl.constexpr = 1,
+):
+    """C[offs_m, offs_n] = acc cast to C's dtype, masked to the rows and columns that exist.
+
+    TMA flavour (USE_TMA): c_ptr is ``make_operands``' descriptor and the tile starts at
+    (off_m, off_n); the TMA unit clips the box at the matrix edge, so no mask is needed.
+    EPI_SPLIT = 2 stores the tile as two [BLOCK_M, BLOCK_N / 2] halves: the shared-memory
+    staging buffer a TMA store goes through is halved, which leaves room for one more
+    K-loop pipeline stage with 128x256 tiles (option swept by bench/bench_persistent.py).
+    """
+    if USE_TMA:
+        if EPI_SPLIT == 1:
+            c_ptr.store([off_m, off_n], acc.to(c_ptr.dtype))
+        else:
+            BLOCK_M: tl.constexpr = acc.shape[0]
+            HALF_N: tl.constexpr = acc.shape[1] // 2
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c_ptr.store([off_m, off_n], left.to(c_ptr.dtype))
+            c_ptr.store([off_m, off_n + HALF_N], right.to(c_ptr.dtype))
+    else:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -182,12 +271,16 @@ def gemm_tile(
     sa_ptr=None, stride_sa_m=0, stride_sa_k=0, SA_ROWS_PER_SCALE: tl.constexpr = 1,
     sb_ptr=None, stride_sb_k=0, stride_sb_n=0, SB_COLS_PER_SCALE: tl.constexpr = 1,
     scale_m_ptr=None, stride_scale_m=0, scale_n_ptr=None, stride_scale_n=0,
+    USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
+    EPI_SPLIT: tl.constexpr = 1,
 ):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
 
     The optional scale arguments are blockscaled/'s: ``sa_ptr``/``sb_ptr`` are per-K-block
     scales (SA_ROWS_PER_SCALE = 1 for 1x128, 128 for 128x128; SB_COLS_PER_SCALE likewise),
     ``scale_m_ptr``/``scale_n_ptr`` row-wise / column-wise / scalar scales for the epilogue.
+    USE_TMA: a_ptr, b_ptr and c_ptr are the descriptors ``make_operands`` returned (built with
+    the same A_K_CONTIG, B_K_CONTIG and EPI_SPLIT); the strides are then unused.
     """
     offs_m, rows, mask_m = tile_range(pid_m, M, BLOCK_M)
     offs_n, cols, mask_n = tile_range(pid_n, N, BLOCK_N)
@@ -198,10 +291,14 @@ def gemm_tile(
         BLOCK_K, UPCAST, PRECISION,
         sa_ptr, rows // SA_ROWS_PER_SCALE, stride_sa_m, stride_sa_k,
         sb_ptr, cols // SB_COLS_PER_SCALE, stride_sb_n, stride_sb_k,
+        USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, A_K_CONTIG, B_K_CONTIG,
     )
     acc = epilogue(
         acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
         bias_ptr, stride_bias,
         scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
     )
-    store_tile(c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn)
+    store_tile(
+        c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn,
+        USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, EPI_SPLIT,
+    )

@@ -1,0 +1,130 @@
+"""Host side of the TMA flavour: which operands may use tensor descriptors, and their allocator.
+
+The kernels build their tensor descriptors in-kernel (``tl.make_tensor_descriptor``, see
+``tiles.make_operands``): the block shape then comes from the autotuned config's constexprs,
+with no host descriptor to rebuild per config (a host ``TensorDescriptor`` needs a config
+pre_hook, and Triton's autotuner does not cache results to disk for configs with pre_hooks).
+In-kernel descriptors live in a small global scratch buffer that Triton asks
+``triton.set_allocator``'s allocator for at launch. That allocator is a ContextVar, so a new
+thread starts without one: ``ensure_allocator`` is called on every launch that may use TMA.
+
+TMA (Hopper's Tensor Memory Accelerator) copies a box of a 2-D tensor whose last dimension is
+contiguous; the base address and every other stride must be multiples of 16 bytes. A view that
+breaks this (a row slice at an odd element offset, a view strided in both dimensions, a
+row length that is not a multiple of 16 bytes) runs the pointer flavour instead.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from .runtime import INTERPRET
+
+_ALIGN = 16  # bytes: TMA's requirement on the base address and on every non-unit stride
+
+
+class TmaLayout(NamedTuple):
+    """How the TMA flavour reads A [M, K] and B [K, N] (the kernels' constexprs).
+
+    a_k_contig: A's K stride is 1, so the descriptor covers A as [M, K]; otherwise it covers
+        A's transpose as [K, M] (A is a ``.t()`` view) and the kernel transposes each tile.
+    b_k_contig: B's K stride is 1 (B = W.t() of an [N, K] weight), so the descriptor covers
+        W as [N, K], the K-major layout Hopper's fp8 MMA wants; otherwise B as [K, N].
+    """
+
+    a_k_contig: bool
+    b_k_contig: bool
+
+
+def _aligned(t: torch.Tensor, stride: int) -> bool:
+    return t.data_ptr() % _ALIGN == 0 and (stride * t.element_size()) % _ALIGN == 0
+
+
+def descriptor_orientation(t: torch.Tensor) -> int | None:
+    """Which dimension of the 2-D tensor ``t`` a descriptor can treat as contiguous.
+
+    1: row-major (stride(1) == 1), 0: column-major (stride(0) == 1), None: neither is
+    TMA-eligible. The other stride and the base address must be 16-byte aligned.
+    """
+    if t.stride(1) == 1 and _aligned(t, t.stride(0)):
+        return 1
+    if t.stride(0) == 1 and _aligned(t, t.stride(1)):
+        return 0
+    return None
+
+
+def tma_layout(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> TmaLayout | None:
+    """The TMA flavour's layout for C = A @ B, or None when any operand must use pointers.
+
+    C is written through a row-major descriptor, so it needs stride(1) == 1 as well.
+    """
+    oa, ob = descriptor_orientation(a), descriptor_orientation(b)
+    if oa is None or ob is None or c.stride(1) != 1 or not _aligned(c, c.stride(0)):
+        return None
+    return TmaLayout(a_k_contig=oa == 1, b_k_contig=ob == 0)
+
+
+def tma_hardware(device: torch.device) -> bool:
+    """Whether ``device`` runs tensor descriptors: Hopper (sm_90) or newer on a GPU.
+
+    Triton's interpreter runs them too (on CPU tensors), which lets CPU tests check the flavour.
+    """
+    if INTERPRET:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def choose_tma(tma: bool | None, a, b, c) -> TmaLayout | None:
+    """Resolve a public op's ``tma`` argument to a layout (TMA flavour) or None (pointers).
+
+    tma=None: automatic, TMA on a Hopper GPU when every operand allows it (the interpreter
+        defaults to pointers: that is the flavour CPU users run).
+    tma=False: always pointers. tma=True: TMA, or a ValueError saying which operand prevents it
+        (benchmarks use it, so they measure the flavour they name).
+    """
+    if tma not in (None, True, False):
+        raise TypeError(f"tma must be None (automatic), True or False, got {tma!r}")
+    if tma is False or (tma is None and INTERPRET):
+        return None
+    if a.numel() == 0 or b.numel() == 0:
+        return None  # K == 0: nothing to load (and TMA boxes need every dimension >= 1)
+    layout = tma_layout(a, b, c) if tma_hardware(a.device) else None
+    if tma is None or layout is not None:
+        return layout
+    if not tma_hardware(a.device):
+        raise ValueError(f"tma=True needs a Hopper (sm_90) or newer GPU, got {a.device}")
+    for name, t in (("a", a), ("b", b)):
+        if descriptor_orientation(t) is None:
+            raise ValueError(
+                f"tma=True but {name} (shape {tuple(t.shape)}, strides {t.stride()}, "
+                f"data_ptr % 16 = {t.data_ptr() % 16}) has no unit stride with 16-byte aligned "
+                f"base and other stride; pass tma=None to fall back to pointer loads"
+            )
+    raise ValueError(
+        f"tma=True but the output [M, N] = {tuple(c.shape)} rows are not a multiple of 16 bytes; "
+        f"pass tma=None to fall back to pointer loads"
+    )
+
+
+def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
+    # Descriptors are 128-byte records the kernel writes and the TMA unit reads; torch's
+    # caching allocator returns 256-byte aligned blocks, above any alignment Triton asks for.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give this thread (this context) the scratch allocator in-kernel descriptors need.
+
+    ``triton.set_allocator`` stores the allocator in a ContextVar: it is per thread, and a new
+    ``threading.Thread`` starts without one ("Kernel requires a runtime memory allocation").
+    An allocator the user set is kept; only the missing one is filled in.
+    """
+    if INTERPRET:
+        return  # the interpreter builds descriptors in Python, with no scratch memory
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_alloc)
