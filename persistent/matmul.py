@@ -1,0 +1,126 @@
+"""onegemm.persistent_matmul: the core GEMM with SM-count persistent scheduling.
+
+The launch-per-tile kernel (core/matmul.py) starts one program per output tile and lets the
+hardware hand tiles to SMs as they free up. A persistent kernel starts only as many programs
+as can run at once (one per SM) and each walks the tile list itself:
+
+    for tile in range(pid, num_tiles, num_programs):   # tiles pid, pid + P, pid + 2P, ...
+
+so per-program setup (here: building the TMA descriptors) is paid once per SM instead of
+once per tile, and there is no block-scheduling gap between tiles. The tile body is core's
+``grouped_tile`` + ``gemm_tile``, the very code the launch-per-tile kernel runs, so comparing
+the two (bench/bench_persistent.py) measures scheduling alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, check_matmul_inputs, launch_args, prune_configs
+from ..core.runtime import INTERPRET, Kernel, empty, sm_count
+from ..core.tiles import gemm_tile, grouped_tile, make_operands
+
+# Programs under the interpreter when num_programs is not given: a few, so the tile loop runs
+# more than once per program (what the persistent schedule is about) at a CPU-friendly cost.
+INTERPRET_PROGRAMS = 4
+
+
+@triton.jit
+def persistent_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    M_BUCKET, LAYOUT, PROGRAMS_KEY,
+    ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr = 1, FLATTEN: tl.constexpr = False,
+):
+    """C = act(A @ B + bias), each program looping over tiles pid, pid + P, ... (P programs).
+
+    a_ptr [M, K], b_ptr [K, N], c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
+    bias_ptr [N] (stride_bias) or None.
+    M_BUCKET, LAYOUT, PROGRAMS_KEY: autotune key only (next power of two of M; which operands
+        are K-contiguous; the program count asked for), unused in the body.
+    USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT: the TMA flavour (tiles.make_operands); its
+        descriptors are built once per program, before the tile loop.
+    FLATTEN: tl.range(flatten=True) merges the tile loop and the K loop into one software
+        pipeline, so the next tile's loads overlap this tile's epilogue (an option the
+        benchmark sweeps; off in the autotuned configs).
+    Grid: (P,), P = min(programs asked for, number of tiles); the loop stride is the launched
+        grid size, so it can never disagree with the grid.
+    """
+    a, b, c = make_operands(
+        a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT,
+    )
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        gemm_tile(
+            pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
+            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+            ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            USE_TMA=USE_TMA, A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG, EPI_SPLIT=EPI_SPLIT,
+        )
+
+
+# The launch-per-tile kernel's configs and pruning, unchanged: both schedulers choose among the
+# same tiles, so the benchmark's ratio is scheduling, not a different tile shape.
+_persistent = Kernel(
+    persistent_matmul_kernel,
+    MATMUL_CONFIGS,
+    key=["M_BUCKET", "N", "K", "LAYOUT", "PROGRAMS_KEY", "USE_TMA"],
+    interpret_config=INTERPRET_CONFIG,
+    prune=prune_configs,
+)
+
+
+def default_programs(device: torch.device) -> int:
+    """One program per SM on a GPU (all resident at once); INTERPRET_PROGRAMS on the interpreter."""
+    if INTERPRET:
+        return INTERPRET_PROGRAMS
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def persistent_matmul(
+    a, b, *, bias=None, activation=None, out_dtype=None, num_programs=None,
+    config: triton.Config | None = None, tma=None,
+):
+    """The same result as onegemm.matmul, computed by at most ``num_programs`` programs.
+
+    a [M, K], b [K, N], any strides; bias [N]; activation, out_dtype: as onegemm.matmul.
+    num_programs: the grid size asked for; default, the GPU's SM count. The grid launched is
+        min(num_programs, number of tiles): a program past the last tile would only build its
+        descriptors and exit, so it is not started. Any value >= 1 gives the same result.
+    config: force one triton.Config instead of autotuning (benchmarks and tests); its kwargs
+        may add EPI_SPLIT (1 or 2) and FLATTEN (bool), the options the benchmark sweeps.
+    tma: None picks tensor-descriptor (TMA) loads on a Hopper GPU when a, b and the output
+        allow it; False forces pointer loads; True forces TMA or raises ValueError.
+    """
+    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
+    if num_programs is None:
+        num_programs = default_programs(a.device)
+    elif isinstance(num_programs, bool) or not isinstance(num_programs, int):
+        raise TypeError(f"num_programs must be an int >= 1 or None, got {type(num_programs).__name__}")
+    elif num_programs < 1:
+        raise ValueError(f"num_programs must be >= 1 (the number of programs to launch), got {num_programs}")
+
+    c = empty((M, N), device=a.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return c
+
+    def grid(meta):
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(num_programs, tiles),)
+
+    args, meta = launch_args(a, b, c, bias, activation, tma)
+    args = args + (num_programs,)  # PROGRAMS_KEY, after matmul_kernel's M_BUCKET and LAYOUT
+    if config is None:
+        _persistent[grid](*args, **meta)
+    else:
+        _persistent.run(grid, config, *args, **meta)
+    return c
