@@ -242,8 +242,10 @@ def store_tile(
     TMA flavour (USE_TMA): c_ptr is ``make_operands``' descriptor and the tile starts at
     (off_m, off_n); the TMA unit clips the box at the matrix edge, so no mask is needed.
     EPI_SPLIT = 2 stores the tile as two [BLOCK_M, BLOCK_N / 2] halves: the shared-memory
-    staging buffer a TMA store goes through is halved, which leaves room for one more
-    K-loop pipeline stage with 128x256 tiles (option swept by bench/bench_persistent.py).
+    staging buffer a TMA store goes through is halved. Compiled for sm_90, the persistent
+    128x256x64 bf16 kernel with 3 stages needs 213 KB whole and 180 KB split, and a 4th stage
+    fits only split (229 KB of 232 KB); whether that is faster is for
+    bench/bench_persistent.py, which sweeps it.
     """
     if USE_TMA:
         if EPI_SPLIT == 1:
