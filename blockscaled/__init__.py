@@ -1,1 +1,7 @@
-"""onegemm.blockscaled (see README.md)."""
+"""onegemm.blockscaled: FP8 quantisation, the block-scaled GEMM and Fp8Linear (see README.md)."""
+
+from .linear import Fp8Linear
+from .matmul import blockscaled_matmul
+from .quantize import quantize_fp8
+
+__all__ = ["quantize_fp8", "blockscaled_matmul", "Fp8Linear"]

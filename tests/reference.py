@@ -54,3 +54,76 @@ def matmul_ref(a, b, bias=None, activation=None):
     if bias is not None:
         out = out + bias.double()
     return act_ref(out, activation)
+
+
+# ---- FP8 (blockscaled/) ----
+
+SCALE_BLOCK = 128
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """1 - 2<x, y> / (|x|^2 + |y|^2) in float64 (DeepSeek's measure; 0 = identical)."""
+    x, y = x.detach().double(), y.detach().double().to(x.device)
+    denom = (x * x + y * y).sum().item()
+    return 1.0 - 2.0 * (x * y).sum().item() / denom if denom > 0 else 0.0
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio of x against ref, in dB."""
+    x, ref = x.detach().double(), ref.detach().double().to(x.device)
+    noise = (x - ref).norm().item()
+    return math.inf if noise == 0 else 20.0 * math.log10(ref.norm().item() / noise)
+
+
+def _block_ids(M: int, K: int, rows_per_scale: int, cols_per_scale: int, device):
+    """For every element of an [M, K] matrix, the (row, col) of its scale."""
+    r = torch.arange(M, device=device) // rows_per_scale
+    c = torch.arange(K, device=device) // cols_per_scale
+    return r[:, None].expand(M, K), c[None, :].expand(M, K)
+
+
+def block_dims(block, M: int, K: int):
+    """rows and columns sharing one scale: (1, 128), (128, 128), "row", "tensor"."""
+    if block == "row":
+        return 1, max(K, 1)
+    if block == "tensor":
+        return max(M, 1), max(K, 1)
+    return tuple(block)
+
+
+def quantize_fp8_ref(x: torch.Tensor, block, dtype=torch.float8_e4m3fn, pow2_scale=False):
+    """The quantiser's contract in float64, element by element through scatter/gather (an
+    implementation independent of onegemm's einops/Triton ones).
+    Returns (q, scale) with scale shaped as quantize_fp8 documents."""
+    M, K = x.shape
+    rb, cb = block_dims(block, M, K)
+    ri, ci = _block_ids(M, K, rb, cb, x.device)
+    nr, nc = -(-M // rb), -(-K // cb)
+    flat = (ri * nc + ci).reshape(-1)
+    ax = x.double().abs().reshape(-1)
+    amax = torch.zeros(nr * nc, dtype=torch.float64, device=x.device).scatter_reduce(0, flat, ax, "amax")
+    fmax = torch.finfo(dtype).max
+    scale = torch.where(amax > 0, (amax / fmax).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    if pow2_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = scale.float().double()  # scales are fp32 (amax / fmax rounds once, as in fp32)
+    q = (x.double() / scale[flat].reshape(M, K)).clamp(-fmax, fmax).to(dtype)
+    shape = (M, 1) if block == "row" else () if block == "tensor" else (nr, nc)
+    return q, scale.float().reshape(shape)
+
+
+def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, rows_per_scale: int, cols_per_scale: int):
+    """q * scale in float64, each element times the scale of its block (scale [R, C] or scalar)."""
+    M, K = q.shape
+    s = scale.double()
+    if s.numel() == 1:
+        return q.double() * s.reshape(())
+    ri, ci = _block_ids(M, K, rows_per_scale, cols_per_scale, q.device)
+    return q.double() * s[ri, ci]
+
+
+def blockscaled_matmul_ref(a, b, scale_a, scale_b, a_block, b_block, bias=None, activation=None):
+    """act((a * scale_a) @ (b * scale_b) + bias) in float64, the granularities given explicitly:
+    a_block = (rows, cols) of A sharing one scale, b_block = (rows, cols) of B likewise
+    (e.g. (1, 128) and (128, 128) for the DeepSeek-V3 recipe with b = W.t())."""
+    return matmul_ref(dequantize_ref(a, scale_a, *a_block), dequantize_ref(b, scale_b, *b_block), bias, activation)

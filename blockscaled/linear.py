@@ -1,0 +1,88 @@
+"""onegemm.Fp8Linear: an nn.Linear with an fp8 weight, for prototyping FP8 inference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..core import checks
+from .matmul import blockscaled_matmul
+from .quantize import BLOCK, quantize_fp8, quantize_fp8_unchecked
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W.T + bias with the DeepSeek-V3 recipe: W quantised once in 128x128 blocks,
+    x quantised per call in 1x128 blocks (the fused quantiser), both fp8 e4m3 with fp32
+    scales, multiplied by blockscaled_matmul with the bias fused in its epilogue.
+
+    Buffers (saved in the state_dict, so it round-trips through safetensors):
+      weight        float8_e4m3fn [out_features, in_features]
+      weight_scale  float32 [ceil(out_features/128), ceil(in_features/128)]
+    and ``bias`` [out_features] (a Parameter in ``dtype``, or None).
+
+    x [..., in_features] of float32 / bfloat16 / float16 -> y [..., out_features], x's dtype.
+    ``dtype`` is the dtype of the bias and of the random initial weight before quantisation
+    (default: torch's default dtype), as in nn.Linear.
+
+    The forward pass does not check x for NaN/inf (that needs a host sync per call); a
+    non-finite activation gives a non-finite output, as nn.Linear would.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        dtype = dtype or torch.get_default_dtype()
+        # nn.Linear's initialisation, then quantised: a fresh Fp8Linear behaves like a fresh Linear.
+        w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        self.register_buffer("weight", torch.empty(0, device=device, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.empty(0, device=device, dtype=torch.float32))
+        self.set_weight(w)
+        if bias:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound))
+        else:
+            self.register_parameter("bias", None)
+
+    @torch.no_grad()
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Quantise a float weight [out_features, in_features] (128x128 blocks) into the buffers."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight must be [out_features, in_features] = [{self.out_features}, {self.in_features}], got {tuple(weight.shape)}")
+        self.weight, self.weight_scale = quantize_fp8(weight.detach(), (BLOCK, BLOCK))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        """An Fp8Linear with linear's weight (quantised) and bias (copied), on its device."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.register_buffer("weight", torch.empty(0, device=w.device, dtype=torch.float8_e4m3fn))
+        module.register_buffer("weight_scale", torch.empty(0, device=w.device, dtype=torch.float32))
+        module.set_weight(w)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone())
+        else:
+            module.register_parameter("bias", None)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        checks.check_tensor("x", x)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x must be [..., in_features] = [..., {self.in_features}], got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        q, scale = quantize_fp8_unchecked(x2, (1, BLOCK))
+        # b = W.t(): K-major, the fast layout for Hopper's fp8 MMA; its 128x128 scale
+        # [kb, nb] is then weight_scale.t(), torch._scaled_mm's layout too.
+        y = blockscaled_matmul(q, self.weight.t(), scale, self.weight_scale.t(), out_dtype=x.dtype, bias=self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, weight=float8_e4m3fn 128x128, activations=1x128"

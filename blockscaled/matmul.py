@@ -1,0 +1,242 @@
+"""onegemm.blockscaled_matmul: fp8 GEMM with torch._scaled_mm's scale conventions.
+
+It is core's tile body (core/tiles.py gemm_tile) with its scale switches on:
+- block scales (1x128 / 128x1 / 128x128) go to the K loop, which multiplies each K block's
+  partial product by its scales and promotes it to the fp32 accumulator
+  (acc += dot(a, b) * sa[:, None] * sb[None, :]); so BLOCK_K = 128 in every config;
+- tensor-wise and row/column-wise scales are constant along K, so they go to the epilogue
+  (one multiply per output element); the K loop then is core's plain fp8 loop, which still
+  promotes to fp32 once per K block (max_num_imprecise_acc = BLOCK_K).
+
+Granularity is read from the scale shapes (kb = ceil(K/128), mb = ceil(M/128), nb = ceil(N/128)):
+
+    scale_a: numel 1 (tensor) | [M, 1] (row) | [M, kb] (1x128) | [mb, kb] (128x128)
+    scale_b: numel 1 (tensor) | [1, N] (col) | [kb, N] (128x1) | [kb, nb] (128x128)
+
+tried in that order, coarsest first. Two readings of one shape coincide only when the extra
+dimension is 1 (M == 1, K <= 128, N == 1, or a single block), and then both give every
+element the same multiplier, so the rule only picks the cheaper code path, never the result.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core import checks
+from ..core.runtime import Kernel, empty, next_pow2_bucket
+from ..core.tiles import gemm_tile, grouped_tile, make_operands
+from ..core.tma import choose_tma, ensure_allocator
+from .quantize import BLOCK
+
+
+@triton.jit
+def blockscaled_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    sa_ptr, stride_sa_m, stride_sa_k,
+    sb_ptr, stride_sb_k, stride_sb_n,
+    scale_m_ptr, stride_scale_m,
+    scale_n_ptr, stride_scale_n,
+    M_BUCKET, LAYOUT, SCALING,
+    ACTIVATION: tl.constexpr,
+    SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C = act((A * scale_a) @ (B * scale_b) + bias), one program per output tile.
+
+    a_ptr [M, K], b_ptr [K, N] fp8; c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
+    sa_ptr: block scales of A, sa[i // SA_ROWS_PER_SCALE, k // 128] at
+        sa_ptr + (i // SA_ROWS_PER_SCALE)*stride_sa_m + (k // 128)*stride_sa_k; or None.
+    sb_ptr: block scales of B, sb[k // 128, j // SB_COLS_PER_SCALE] at
+        sb_ptr + (k // 128)*stride_sb_k + (j // SB_COLS_PER_SCALE)*stride_sb_n; or None.
+    scale_m_ptr / scale_n_ptr: row-wise scale of A / column-wise scale of B, element i at
+        ptr + i*stride; stride 0 for a tensor-wise scalar; or None.
+    bias_ptr [N] (stride_bias) or None.
+    M_BUCKET, LAYOUT, SCALING: autotune key only (M's power-of-two bucket; which operands
+        are K-contiguous; the granularity pair).
+    USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour (tiles.make_operands, core/tma.py);
+        the scales are always read through pointers (one small vector per K block).
+    Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs in grouped (GROUP_M) order.
+    """
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    a, b, c = make_operands(
+        a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG,
+    )
+    gemm_tile(
+        pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+        ACTIVATION, False, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
+        sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
+        sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
+        scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
+        USE_TMA, A_K_CONTIG, B_K_CONTIG,
+    )
+
+
+def _cfg(bm, bn, warps, stages, group_m=8):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK, "GROUP_M": group_m},
+        num_warps=warps, num_stages=stages,
+    )
+
+
+# Hopper fp8. BLOCK_K = 128 everywhere: one scale per K block (and 128 bytes of fp8 per row
+# per stage, a full wgmma swizzle row). 128x256 with 8 warps (two consumer warpgroups) for
+# large M and N; 128x128 at 3-4 stages when N/128 * M/128 tiles are few; 64-row tiles for
+# decode-sized M, where 128-row tiles would be mostly masked. A 128x256x128 fp8 stage is
+# 48 KB of shared memory, so 3 stages fit Hopper's 227 KB; 4 would not leave the epilogue room.
+BLOCKSCALED_CONFIGS = [
+    _cfg(128, 256, 8, 3),
+    _cfg(256, 128, 8, 3),
+    _cfg(128, 128, 8, 4),
+    _cfg(128, 128, 4, 4),
+    _cfg(128, 128, 4, 3),
+    _cfg(64, 128, 4, 4),
+    _cfg(64, 256, 4, 3),
+    _cfg(64, 64, 4, 4),
+    # M = 16..64 is bound by reading B: narrow tiles give more programs (N/32 of them) to
+    # keep all 132 SMs loading.
+    _cfg(64, 32, 4, 5),
+]
+
+# Interpreter: one small config; BLOCK_K stays 128 (the scale block).
+INTERPRET_CONFIG = _cfg(32, 32, 1, 1, group_m=4)
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """Decode-sized M keeps the 64-row tiles; larger M keeps the rest."""
+    small_m = named_args["M_BUCKET"] <= 64
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 64) == small_m]
+    return kept or configs
+
+
+_blockscaled = Kernel(
+    blockscaled_matmul_kernel,
+    BLOCKSCALED_CONFIGS,
+    key=["M_BUCKET", "N", "K", "LAYOUT", "SCALING", "USE_TMA"],
+    interpret_config=INTERPRET_CONFIG,
+    prune=prune_configs,
+)
+
+A_KINDS = ("tensor", "row", "1x128", "128x128")
+B_KINDS = ("tensor", "col", "128x1", "128x128")
+
+
+def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> str:
+    """Which granularity scale_a's shape gives, coarsest first (module docstring)."""
+    kb, mb = triton.cdiv(K, BLOCK), triton.cdiv(M, BLOCK)
+    shape = tuple(scale_a.shape)
+    if scale_a.dim() <= 2 and scale_a.numel() == 1:
+        return "tensor"
+    for kind, want in (("row", (M, 1)), ("1x128", (M, kb)), ("128x128", (mb, kb))):
+        if shape == want:
+            return kind
+    raise ValueError(
+        f"scale_a has shape {shape}, which fits no granularity for a [M, K] = [{M}, {K}]: expected "
+        f"a scalar, [M, 1] = [{M}, 1], [M, ceil(K/128)] = [{M}, {kb}] (1x128) or "
+        f"[ceil(M/128), ceil(K/128)] = [{mb}, {kb}] (128x128)"
+    )
+
+
+def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> str:
+    kb, nb = triton.cdiv(K, BLOCK), triton.cdiv(N, BLOCK)
+    shape = tuple(scale_b.shape)
+    if scale_b.dim() <= 2 and scale_b.numel() == 1:
+        return "tensor"
+    for kind, want in (("col", (1, N)), ("128x1", (kb, N)), ("128x128", (kb, nb))):
+        if shape == want:
+            return kind
+    raise ValueError(
+        f"scale_b has shape {shape}, which fits no granularity for b [K, N] = [{K}, {N}]: expected "
+        f"a scalar, [1, N] = [1, {N}], [ceil(K/128), N] = [{kb}, {N}] (128x1) or "
+        f"[ceil(K/128), ceil(N/128)] = [{kb}, {nb}] (128x128)"
+    )
+
+
+def _check_fp8(name: str, t) -> None:
+    checks.check_tensor(name, t, ndim=2)
+    if t.dtype not in checks.FP8_DTYPES:
+        raise ValueError(f"{name} must be float8_e4m3fn or float8_e5m2 (quantize it with onegemm.quantize_fp8), got {t.dtype}")
+
+
+def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias=None, activation=None,
+                       config: triton.Config | None = None, tma: bool | None = None):
+    """out = act((a * scale_a) @ (b * scale_b) + bias), torch._scaled_mm's conventions.
+
+    a [M, K], b [K, N]: float8_e4m3fn or float8_e5m2 (not both e5m2), any strides; b given as
+        W.t() of an fp8 [N, K] weight is the fast (K-major) layout on Hopper.
+    scale_a, scale_b: fp32 dequantisation multipliers, any strides (torch._scaled_mm's
+        outer-dim-major scale_a and transposed scale_b included), granularity from the shape:
+        scale_a scalar | [M, 1] | [M, ceil(K/128)] | [ceil(M/128), ceil(K/128)];
+        scale_b scalar | [1, N] | [ceil(K/128), N] | [ceil(K/128), ceil(N/128)].
+    out_dtype: bfloat16 (default), float16 or float32. bias [N]. activation as in matmul.
+    ``config`` forces one triton.Config instead of autotuning (tests and benchmarks).
+    ``tma``: as in onegemm.matmul (None: tensor-descriptor loads of a and b on Hopper when
+    they allow it, pointer loads otherwise; False: pointers; True: TMA or ValueError).
+    """
+    _check_fp8("a", a)
+    _check_fp8("b", b)
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise ValueError("a and b cannot both be float8_e5m2 (Hopper's fp8 MMA takes e5m2 only against e4m3); make one float8_e4m3fn")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is {tuple(b.shape)}: b must be [K, N] with K = {a.shape[1]}")
+    M, K = a.shape
+    N = b.shape[1]
+    checks.check_tensor("scale_a", scale_a, dtypes=(torch.float32,))
+    checks.check_tensor("scale_b", scale_b, dtypes=(torch.float32,))
+    kind_a, kind_b = scale_kind_a(scale_a, M, K), scale_kind_b(scale_b, K, N)
+    checks.check_activation(activation)
+    checks.check_bias(bias, (N,))
+    checks.check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
+
+    c = empty((M, N), device=a.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return c
+
+    # Block scales -> the K loop (pointer, 2 strides, rows/cols per scale); the others ->
+    # the epilogue (pointer, 1 stride; 0 broadcasts the scalar).
+    sa, sa_strides, sa_rows, scale_m, scale_m_stride = None, (0, 0), 1, None, 0
+    if kind_a in ("1x128", "128x128"):
+        sa, sa_strides, sa_rows = scale_a, scale_a.stride(), (1 if kind_a == "1x128" else BLOCK)
+    else:
+        scale_m, scale_m_stride = scale_a, (0 if kind_a == "tensor" else scale_a.stride(0))
+    sb, sb_strides, sb_cols, scale_n, scale_n_stride = None, (0, 0), 1, None, 0
+    if kind_b in ("128x1", "128x128"):
+        sb, sb_strides, sb_cols = scale_b, scale_b.stride(), (1 if kind_b == "128x1" else BLOCK)
+    else:
+        scale_n, scale_n_stride = scale_b, (0 if kind_b == "tensor" else scale_b.stride(1))
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    args = (
+        a, b, c, bias, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        sa, *sa_strides, sb, *sb_strides,
+        scale_m, scale_m_stride, scale_n, scale_n_stride,
+        next_pow2_bucket(M),
+        int(a.stride(1) == 1) * 2 + int(b.stride(0) == 1),
+        A_KINDS.index(kind_a) * 4 + B_KINDS.index(kind_b),
+    )
+    layout = choose_tma(tma, a, b, c)
+    if layout is not None:
+        ensure_allocator()
+    meta = dict(
+        ACTIVATION=activation, SA_ROWS_PER_SCALE=sa_rows, SB_COLS_PER_SCALE=sb_cols,
+        USE_TMA=layout is not None,
+        A_K_CONTIG=layout is None or layout.a_k_contig,
+        B_K_CONTIG=layout is None or layout.b_k_contig,
+    )
+    if config is None:
+        _blockscaled[grid](*args, **meta)
+    else:
+        _blockscaled.run(grid, config, *args, **meta)
+    return c

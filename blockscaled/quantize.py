@@ -1,0 +1,237 @@
+"""onegemm.quantize_fp8: fp32/bf16/fp16 -> fp8 with one fp32 scale per block.
+
+Scale rule (the same in the Triton kernel, the torch path and tests/reference.py):
+
+    amax  = max |x| over the block
+    scale = max(amax / FP8_MAX, FLT_MIN)     if amax > 0
+          = 1.0                              if the block is all zeros (so q = 0, scale finite)
+    pow2_scale: scale -> the next power of two >= scale (exact; a power of two stays put)
+    q     = clamp(x / scale, -FP8_MAX, FP8_MAX) rounded to nearest-even fp8
+
+so x ~= q.float() * scale. The floor FLT_MIN (smallest normal fp32) keeps the scale normal for
+blocks of denormals, whose amax / FP8_MAX would underflow to 0 and turn x / scale into inf.
+Rounding the scale UP keeps |x| / scale <= FP8_MAX; the clamp only catches the last ulp of the
+division, so values saturate at the format's max instead of becoming NaN (e4m3fn has no inf).
+
+Non-finite input: NaN is counted as +inf in the amax, so a block holding NaN or inf gets an
+inf scale. ``quantize_fp8`` then raises ValueError. Reading the scales back is a host sync,
+but on tensors 128x smaller than x; Fp8Linear skips the check on its hot path, and a
+non-finite activation then gives a non-finite output, as it would in nn.Linear.
+"""
+
+from __future__ import annotations
+
+import einops
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..core import checks
+from ..core.runtime import INTERPRET, Kernel, empty, next_pow2_bucket
+
+BLOCK = 128  # the scale block of the DeepSeek-V3 recipe and of torch._scaled_mm's blockwise mode
+BLOCKS = ((1, BLOCK), (BLOCK, BLOCK), "row", "tensor")
+FLT_MIN = torch.finfo(torch.float32).tiny
+IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max  # 448 for e4m3fn, 57344 for e5m2
+
+
+# ---- Triton: fused amax + scale + cast ----
+
+
+@triton.jit
+def _round_up_pow2(scale):
+    """Next power of two >= scale, for positive normal (or inf) fp32: clear the mantissa and,
+    if it was not already zero, add one to the exponent. Exact, unlike exp2(ceil(log2(s)))."""
+    bits = scale.to(tl.int32, bitcast=True)
+    up = tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+    return ((bits & 0x7F800000) + up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_kernel(
+    x_ptr, q_ptr, s_ptr,
+    M, K, cols_per_scale,
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
+    M_BUCKET,
+    FP8_MAX: tl.constexpr, FLT_MIN: tl.constexpr, POW2: tl.constexpr,
+    ROWS_PER_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """q = fp8(x / scale) with one fp32 scale per ROWS_PER_SCALE x cols_per_scale block.
+
+    x_ptr [M, K] (fp32/bf16/fp16), q_ptr [M, K] (fp8): element [i, j] at ptr + i*stride_m + j*stride_k.
+    s_ptr [ceil(M / ROWS_PER_SCALE), ceil(K / cols_per_scale)] fp32, any strides.
+    ROWS_PER_SCALE: 1 (1x128 blocks, row-wise) or BLOCK_M (128x128 blocks).
+    cols_per_scale: 128 for blocks, K for row-wise (the program then loops over the row).
+    M_BUCKET: autotune key only.
+    Grid: (cdiv(M, BLOCK_M), cdiv(K, cols_per_scale)); program (pm, pk) owns rows
+    [pm*BLOCK_M, +BLOCK_M) and the pk-th column group. Two passes over the group: amax, then
+    cast. The second pass re-reads x, which for a 128-column group is still in L1/L2.
+    """
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < M
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pk * cols_per_scale
+    k_end = tl.minimum(k_start + cols_per_scale, K)
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
+
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        cols = k0 + offs_k
+        mask = mask_m[:, None] & (cols < k_end)[None, :]
+        x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        # NaN counts as inf: the block's scale becomes inf and quantize_fp8 reports it.
+        ax = tl.where(x == x, tl.abs(x), float("inf"))
+        amax = tl.maximum(amax, tl.max(ax, axis=1))
+    if ROWS_PER_SCALE > 1:
+        amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FLT_MIN)
+    scale = tl.where(amax > 0, scale, 1.0)
+    if POW2:
+        scale = _round_up_pow2(scale)
+    # One store per scale: the first row of each ROWS_PER_SCALE group writes it.
+    s_mask = mask_m & (rows % ROWS_PER_SCALE == 0)
+    tl.store(s_ptr + (rows // ROWS_PER_SCALE).to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=s_mask)
+
+    for k0 in range(k_start, k_end, BLOCK_K):
+        cols = k0 + offs_k
+        mask = mask_m[:, None] & (cols < k_end)[None, :]
+        x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        # div_rn: correctly rounded, so the kernel gives the same fp8 bits as torch's x / scale.
+        q = tl.math.div_rn(x, scale[:, None])
+        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+        tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def _qcfg(bm, warps):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_K": BLOCK}, num_warps=warps, num_stages=2)
+
+
+# Memory-bound: a few tile heights are enough. 128x128 blocks need BLOCK_M = 128 (prune).
+QUANT_CONFIGS = [_qcfg(16, 4), _qcfg(32, 4), _qcfg(64, 4), _qcfg(128, 8), _qcfg(128, 4)]
+QUANT_INTERPRET_CONFIG = _qcfg(BLOCK, 1)
+
+
+def _prune_quant(configs, named_args, **kwargs):
+    if named_args["ROWS_PER_SCALE"] > 1:
+        return [c for c in configs if c.kwargs["BLOCK_M"] == named_args["ROWS_PER_SCALE"]]
+    return configs
+
+
+_quantize = Kernel(
+    quantize_kernel,
+    QUANT_CONFIGS,
+    key=["M_BUCKET", "K", "cols_per_scale", "ROWS_PER_SCALE"],
+    interpret_config=QUANT_INTERPRET_CONFIG,
+    prune=_prune_quant,
+)
+
+
+def _scale_shape(block, M: int, K: int) -> tuple:
+    mb, kb = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    return {(1, BLOCK): (M, kb), (BLOCK, BLOCK): (mb, kb), "row": (M, 1), "tensor": ()}[block]
+
+
+def _quantize_triton(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
+    """The fused kernel for (1, 128), (128, 128) and "row"; returns (q, scale)."""
+    M, K = x.shape
+    q = empty((M, K), dtype=dtype, device=x.device)
+    if block == (1, BLOCK):
+        # [M, kb] stored outer-dim-major (a transposed [kb, M]): the layout torch._scaled_mm's
+        # blockwise mode wants for scale_a, and the GEMM's K loop then loads BLOCK_M
+        # consecutive scales (coalesced) per K block.
+        scale = empty((triton.cdiv(K, BLOCK), M), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = empty(_scale_shape(block, M, K), dtype=torch.float32, device=x.device)
+    cols_per_scale = K if block == "row" else BLOCK
+    rows_per_scale = BLOCK if block == (BLOCK, BLOCK) else 1
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(K, cols_per_scale))
+
+    _quantize[grid](
+        x, q, scale, M, K, cols_per_scale,
+        x.stride(0), x.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
+        next_pow2_bucket(M),
+        FP8_MAX=fp8_max(dtype), FLT_MIN=FLT_MIN, POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale,
+    )
+    return q, scale
+
+
+# ---- torch: the CPU path (the interpreter's fp32 -> fp8 cast is wrong) and "tensor" ----
+
+
+def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2_scale: bool) -> torch.Tensor:
+    scale = torch.where(amax > 0, (amax / fp8_max(dtype)).clamp_min(FLT_MIN), 1.0)
+    if pow2_scale:  # the bit trick of _round_up_pow2
+        bits = scale.view(torch.int32)
+        up = ((bits & 0x7FFFFF) != 0).to(torch.int32) * 0x800000
+        scale = ((bits & 0x7F800000) + up).view(torch.float32)
+    return scale
+
+
+def _quantize_torch(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
+    M, K = x.shape
+    x = x.float()
+    ax = x.abs()
+    ax = torch.where(torch.isnan(ax), float("inf"), ax)  # NaN counts as inf (module docstring)
+    rb, cb = {(1, BLOCK): (1, BLOCK), (BLOCK, BLOCK): (BLOCK, BLOCK), "row": (1, max(K, 1)), "tensor": (max(M, 1), max(K, 1))}[block]
+    # Zero padding to whole blocks leaves every amax unchanged (|x| >= 0).
+    ax = F.pad(ax, (0, (-K) % cb, 0, (-M) % rb))
+    amax = einops.reduce(ax, "(mb rb) (kb cb) -> mb kb", "max", rb=rb, cb=cb)
+    scale = _scale_from_amax(amax, dtype, pow2_scale)
+    full = einops.repeat(scale, "mb kb -> (mb rb) (kb cb)", rb=rb, cb=cb)[:M, :K]
+    fmax = fp8_max(dtype)
+    q = (x / full).clamp(-fmax, fmax).to(dtype)
+    if block == (1, BLOCK):
+        scale = scale.t().contiguous().t()  # outer-dim-major, as the kernel writes it
+    return q, scale.reshape(_scale_shape(block, M, K))
+
+
+def _check_args(x, block, dtype):
+    checks.check_tensor("x", x, ndim=2, dtypes=IN_DTYPES)
+    if not isinstance(block, str):
+        block = tuple(block) if isinstance(block, (tuple, list)) else block
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+    if dtype not in checks.FP8_DTYPES:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    return block
+
+
+def quantize_fp8_unchecked(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False):
+    """quantize_fp8 without the non-finite check (no host sync): Fp8Linear's hot path."""
+    block = _check_args(x, block, dtype)
+    M, K = x.shape
+    if x.numel() == 0:
+        return torch.empty((M, K), dtype=dtype, device=x.device), torch.ones(_scale_shape(block, M, K), device=x.device)
+    if INTERPRET or block == "tensor":
+        # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
+        # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it.
+        return _quantize_torch(x, block, dtype, pow2_scale)
+    return _quantize_triton(x, block, dtype, pow2_scale)
+
+
+def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False):
+    """Quantise x [M, K] to fp8 with fp32 scales: x ~= q.float() * scale per block.
+
+    block: (1, 128) -> scale [M, ceil(K/128)] (stored outer-dim-major on the GPU, the layout
+        torch._scaled_mm wants for scale_a); (128, 128) -> [ceil(M/128), ceil(K/128)];
+        "row" -> [M, 1]; "tensor" -> 0-dim.
+    dtype: torch.float8_e4m3fn (max 448) or torch.float8_e5m2 (max 57344); values saturate there.
+    pow2_scale: round each scale up to a power of two (exact rescaling), quantising with it.
+    An all-zero block gets scale 1.0 and zeros. Non-finite input raises ValueError.
+    On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
+    """
+    q, scale = quantize_fp8_unchecked(x, block, dtype=dtype, pow2_scale=pow2_scale)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("x must be finite: it holds NaN or inf (its block's scale would be inf)")
+    return q, scale

@@ -1,0 +1,542 @@
+"""onegemm.quantize_fp8 and onegemm.blockscaled_matmul against float64 torch references.
+
+CPU tests quantise with torch (the interpreter's fp32 -> fp8 cast is wrong on a few percent
+of elements); the GPU tests also check the fused Triton quantiser bit for bit against the
+torch path, and blockscaled_matmul against torch._scaled_mm's blockwise mode.
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+
+import onegemm
+from onegemm.blockscaled.matmul import BLOCKSCALED_CONFIGS
+from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton
+from reference import (
+    TOL,
+    assert_close,
+    blockscaled_matmul_ref,
+    calc_diff,
+    quantize_fp8_ref,
+    rel_err,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BLOCKS = [(1, 128), (128, 128), "row", "tensor"]
+# Kernel error (same fp8 values and scales as the reference, fp32 output): fp32 accumulation
+# on CPU; on Hopper each 128-deep K block is summed in the tensor core's ~14-bit accumulator
+# before promotion, so allow 1e-3 there (the quantisation error itself is ~3e-2).
+KERNEL_TOL = 1e-5 if onegemm.INTERPRET else 1e-3
+
+
+def bits(q):
+    return q.view(torch.uint8)
+
+
+def make_input(shape, device, layout="contig", dtype=torch.float32, spread=True):
+    """Random normal [R, C]; ``spread``: rows scaled by 1e-3..1e3 (so block scales differ)."""
+    R, C = shape
+    if layout == "contig":
+        t = torch.randn(R, C, device=device)
+    elif layout == "transposed":
+        t = torch.randn(C, R, device=device).t()
+    elif layout == "sliced":
+        t = torch.randn(2 * R + 1, C + 5, device=device)[1::2, 3 : 3 + C]
+    else:
+        raise ValueError(layout)
+    if not spread:
+        return t.to(dtype)
+    rows = torch.logspace(-3, 3, R, device=device)[torch.randperm(R, device=device)]
+    return (t * rows[:, None]).to(dtype)
+
+
+# ---------------------------------------------------------------- quantize_fp8
+
+
+QUANT_SHAPES = [(1, 1), (17, 300), (300, 127), (129, 257)]
+
+
+@pytest.mark.parametrize("shape", QUANT_SHAPES, ids=str)
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("pow2_scale", [False, True])
+def test_quantize_matches_reference(shape, block, dtype, pow2_scale, device):
+    x = make_input(shape, device)
+    q, scale = onegemm.quantize_fp8(x, block, dtype=dtype, pow2_scale=pow2_scale)
+    q_ref, scale_ref = quantize_fp8_ref(x, block, dtype, pow2_scale)
+    assert q.dtype == dtype and q.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == scale_ref.shape
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(bits(q), bits(q_ref))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_quantize_views_and_input_dtypes(layout, in_dtype, device):
+    x = make_input((130, 300), device, layout, dtype=in_dtype)
+    for block in BLOCKS:
+        q, scale = onegemm.quantize_fp8(x, block)
+        q_ref, scale_ref = quantize_fp8_ref(x, block)
+        assert torch.equal(scale, scale_ref) and torch.equal(bits(q), bits(q_ref)), block
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("pow2_scale", [False, True])
+def test_quantize_round_trip_and_saturation(block, dtype, pow2_scale, device):
+    """|q * scale - x| <= half an fp8 ulp (relative, normal range) or half the smallest
+    subnormal times the scale; the largest |q| of each block is at the format's max
+    (pow2: within a factor 2 of it), never above."""
+    x = make_input((150, 260), device)
+    q, scale = onegemm.quantize_fp8(x, block, dtype=dtype, pow2_scale=pow2_scale)
+    M, K = x.shape
+    rb, cb = {"row": (1, K), "tensor": (M, K)}.get(block, block) if isinstance(block, str) else block
+    s = scale.reshape(-1, 1) if scale.dim() == 0 else scale
+    full = s.repeat_interleave(rb, 0).repeat_interleave(cb, 1)[:M, :K] if s.numel() > 1 else s.reshape(1, 1)
+    fi = torch.finfo(dtype)
+    mant = {E4M3: 3, E5M2: 2}[dtype]
+    err = (q.double() * full.double() - x.double()).abs()
+    bound = x.double().abs() * 2.0 ** -(mant + 1) + full.double() * fi.smallest_normal * 2.0 ** -(mant + 1)
+    assert (err <= bound * (1 + 1e-6)).all(), f"max excess {(err - bound).max().item():.3e}"
+    qmax = q.float().abs()
+    assert qmax.max().item() <= fi.max
+    block_max = torch.nn.functional.max_pool2d(qmax[None, None], (min(rb, M), min(cb, K)), ceil_mode=True)[0, 0]
+    if pow2_scale:
+        assert (block_max >= fi.max / 2).all() and (block_max <= fi.max).all()  # amax / scale in (max/2, max], then rounded
+    else:
+        assert (block_max == fi.max).all()
+
+
+def test_quantize_saturates_huge_values(device):
+    """3e38 (near fp32's max) quantises to +-448 with a finite scale; no NaN in e4m3fn."""
+    x = make_input((4, 256), device)
+    x[1, 5], x[2, 200] = 3e38, -3e38
+    for block in BLOCKS:
+        q, scale = onegemm.quantize_fp8(x, block)
+        assert torch.isfinite(scale).all() and not torch.isnan(q.float()).any()
+        assert q[1, 5].item() == 448.0 and q[2, 200].item() == -448.0
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("pow2_scale", [False, True])
+def test_quantize_zero_and_tiny_blocks(block, pow2_scale, device):
+    """An all-zero block: scale 1.0, q all zero. A block of denormals (1e-40): a finite scale
+    >= FLT_MIN (amax / 448 would underflow to 0), and q * scale still close to x."""
+    x = make_input((256, 384), device)
+    x[:128, :128] = 0.0
+    x[128:, 256:] = 1e-40 * torch.rand(128, 128, device=device)
+    if block == "row":
+        x[5] = 0.0
+    q, scale = onegemm.quantize_fp8(x, block, pow2_scale=pow2_scale)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert (q[:128, :128].float() == 0).all()
+    if block == (128, 128):
+        assert scale[0, 0].item() == 1.0
+        assert scale[1, 2].item() >= torch.finfo(torch.float32).tiny
+    if block == (1, 128):
+        assert (scale[:128, 0] == 1.0).all()
+    if block == "row":
+        assert scale[5, 0].item() == 1.0
+    q_ref, scale_ref = quantize_fp8_ref(x, block, pow2_scale=pow2_scale)
+    assert torch.equal(scale, scale_ref) and torch.equal(bits(q), bits(q_ref))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_quantize_rejects_non_finite(bad, block, device):
+    x = make_input((40, 300), device)
+    x[torch.randint(40, ()).item(), torch.randint(300, ()).item()] = bad
+    with pytest.raises(ValueError, match="x must be finite"):
+        onegemm.quantize_fp8(x, block)
+
+
+def test_quantize_pow2_scales_are_powers_of_two(device):
+    x = make_input((64, 512), device)
+    q, scale = onegemm.quantize_fp8(x, (1, 128), pow2_scale=True)
+    _, plain = onegemm.quantize_fp8(x, (1, 128))
+    log2 = torch.log2(scale.double())
+    assert torch.equal(log2, log2.round())
+    assert (scale >= plain).all() and (scale < 2 * plain).all()
+
+
+@pytest.mark.parametrize("shape,block,scale_shape", [((0, 300), (1, 128), (0, 3)), ((5, 0), (128, 128), (1, 0)), ((0, 0), "tensor", ())], ids=str)
+def test_quantize_empty(shape, block, scale_shape, device):
+    q, scale = onegemm.quantize_fp8(torch.randn(*shape, device=device), block)
+    assert q.shape == shape and tuple(scale.shape) == scale_shape
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(block=(64, 64)), ValueError, "block must be one of"),
+        (dict(block="col"), ValueError, "block must be one of"),
+        (dict(dtype=torch.float16), TypeError, "dtype must be torch.float8"),
+    ],
+)
+def test_quantize_bad_args(kwargs, exc, match, device):
+    with pytest.raises(exc, match=match):
+        onegemm.quantize_fp8(torch.randn(4, 8, device=device), **kwargs)
+
+
+def test_quantize_bad_x(device):
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        onegemm.quantize_fp8(torch.randn(2, 4, 8, device=device))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        onegemm.quantize_fp8(torch.ones(4, 8, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), "row"], ids=str)
+@pytest.mark.parametrize("pow2_scale", [False, True])
+def test_quantize_kernel_scales(block, pow2_scale, device):
+    """The Triton kernel's scales equal the torch path's bit for bit (also under the
+    interpreter, which runs the amax and scale code); its fp8 values are checked on the GPU
+    (test_gpu_quantize_kernel_matches_torch), the interpreter's fp8 cast being wrong."""
+    x = make_input((130, 300), device, "sliced")
+    _, scale = _quantize_triton(x, block, E4M3, pow2_scale)
+    _, scale_ref = _quantize_torch(x, block, E4M3, pow2_scale)
+    assert torch.equal(scale, scale_ref)
+
+
+# ---------------------------------------------------------------- blockscaled_matmul
+
+
+# Each granularity: how to build the scale for a [R, C] operand from quantize_fp8, what
+# (rows, cols) of the operand share one scale, for A [M, K] and for B [K, N] (= W.t(), W [N, K]).
+A_GRANS = {"tensor": "tensor", "row": "row", "1x128": (1, 128), "128x128": (128, 128)}
+B_GRANS = {"tensor": "tensor", "col": "row", "128x1": (1, 128), "128x128": (128, 128)}
+
+
+def quant_a(a, gran, dtype=E4M3):
+    """A [M, K] quantised with granularity ``gran``; returns (q, scale, (rows, cols) per scale)."""
+    M, K = a.shape
+    q, s = quantize_fp8_ref(a, A_GRANS[gran], dtype)
+    return q, s, {"tensor": (M, K), "row": (1, K), "1x128": (1, 128), "128x128": (128, 128)}[gran]
+
+
+def quant_b(w, gran, dtype=E4M3):
+    """B = W.t() for W [N, K]: quantise W by rows (its 1x128 blocks are B's 128x1 blocks)
+    and pass B and its scale as transposed views, the layout torch._scaled_mm wants."""
+    N, K = w.shape
+    q, s = quantize_fp8_ref(w, B_GRANS[gran], dtype)
+    s = s if s.dim() == 0 else s.t()
+    return q.t(), s, {"tensor": (K, N), "col": (K, 1), "128x1": (128, 1), "128x128": (128, 128)}[gran]
+
+
+@pytest.mark.parametrize("gran_a", list(A_GRANS))
+@pytest.mark.parametrize("gran_b", list(B_GRANS))
+def test_every_granularity_pair(gran_a, gran_b, device):
+    """All 16 pairs on a shape with partial blocks in M, N and K (kernel error, tight)."""
+    M, N, K = 130, 150, 300
+    qa, sa, ba = quant_a(make_input((M, K), device), gran_a)
+    qb, sb, bb = quant_b(make_input((N, K), device), gran_b)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
+SHAPES = [(1, 1, 1), (1, 300, 127), (17, 33, 65), (127, 1, 300), (300, 127, 17), (129, 257, 129)]
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("layout", ["contig", "a_transposed", "b_row_major", "sliced"])
+def test_deepseek_recipe_shapes_and_layouts(M, N, K, layout, device):
+    """1x128 x 128x128 on odd shapes; operands as transposed / strided views and the scales
+    both contiguous and in torch._scaled_mm's layout."""
+    a = make_input((M, K), device)
+    w = make_input((N, K), device)
+    qa, sa = quantize_fp8_ref(a, (1, 128))
+    qw, sw = quantize_fp8_ref(w, (128, 128))
+    qb, sb = qw.t(), sw.t()
+    if layout == "a_transposed":
+        qa = qa.t().contiguous().t()
+        sa = sa.t().contiguous().t()  # outer-dim-major scale_a, torch._scaled_mm's layout
+    elif layout == "b_row_major":
+        qb, sb = qb.contiguous(), sb.contiguous()
+    elif layout == "sliced":
+        big = torch.zeros(2 * M, K + 7, device=device).to(E4M3)
+        big[::2, 7:] = qa
+        qa = big[::2, 7:]
+        sbig = torch.rand(sa.shape[0], 2 * sa.shape[1] + 1, device=device)
+        sbig[:, 1::2] = sa
+        sa = sbig[:, 1::2]
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, (1, 128), (128, 128)), KERNEL_TOL)
+
+
+# Sizes: TMA needs 16-byte strides (M, N, K multiples of 16 here), but not of the 32x32x128
+# interpreter tiles, so every edge has a partial box.
+@pytest.mark.parametrize("M,N,K", [(112, 152, 272), (48, 40, 64)])
+@pytest.mark.parametrize("grans", [("1x128", "128x128"), ("128x128", "128x1"), ("row", "tensor")], ids=str)
+@pytest.mark.parametrize("a_layout", ["contig", "transposed"])
+def test_tma_flavour(M, N, K, grans, a_layout, device):
+    """core's TMA flavour (tensor descriptors; the interpreter runs them too), forced: boxes
+    past M, N and K must arrive zero-filled, and the scales still follow rows and columns."""
+    a = make_input((M, K), device)
+    qa, sa, ba = quant_a(a, grans[0])
+    if a_layout == "transposed":
+        qa = qa.t().contiguous().t()
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, tma=True)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
+@pytest.mark.parametrize("K", [129, 200, 300])
+def test_k_tail_is_masked(K, device):
+    """K not a multiple of 128: a, b and both scales are windows into buffers whose entries
+    past K (and past ceil(K/128) scale blocks) hold large values; reading them would show."""
+    M, N = 40, 70
+    kb = triton.cdiv(K, 128)
+    qa, sa = quantize_fp8_ref(make_input((M, K), device), (1, 128))
+    qw, sw = quantize_fp8_ref(make_input((N, K), device), (128, 128))
+    big_a = torch.full((M, K + 64), 448.0, device=device).to(E4M3)
+    big_a[:, :K] = qa
+    big_w = torch.full((N, K + 64), 448.0, device=device).to(E4M3)
+    big_w[:, :K] = qw
+    big_sa = torch.full((M, kb + 1), 1e6, device=device)
+    big_sa[:, :kb] = sa
+    a, b, s_a = big_a[:, :K], big_w[:, :K].t(), big_sa[:, :kb]
+    out = onegemm.blockscaled_matmul(a, b, s_a, sw.t(), out_dtype=torch.float32)
+    assert_close(out, blockscaled_matmul_ref(a, b, s_a, sw.t(), (1, 128), (128, 128)), KERNEL_TOL)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_bias_activation_out_dtype(activation, out_dtype, device):
+    M, N, K = 70, 90, 260
+    # No magnitude spread: products of 1e3-sized rows would overflow the fp16 output.
+    qa, sa = quantize_fp8_ref(make_input((M, K), device, spread=False), (1, 128))
+    qw, sw = quantize_fp8_ref(make_input((N, K), device, spread=False), (128, 128))
+    bias = (torch.randn(N, device=device) * 100).to(torch.bfloat16)
+    out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=out_dtype, bias=bias, activation=activation)
+    assert out.dtype == out_dtype
+    ref = blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (1, 128), (128, 128), bias, activation)
+    assert_close(out, ref, max(TOL[out_dtype], KERNEL_TOL))
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", [(E4M3, E5M2), (E5M2, E4M3)], ids=str)
+def test_mixed_fp8_formats(a_dtype, b_dtype, device):
+    qa, sa = quantize_fp8_ref(make_input((50, 300), device), (1, 128), a_dtype)
+    qw, sw = quantize_fp8_ref(make_input((60, 300), device), (128, 128), b_dtype)
+    out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+    assert_close(out, blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (1, 128), (128, 128)), KERNEL_TOL)
+
+
+def test_quantisation_error_is_fp8_sized(device):
+    """End to end against the unquantised product: calc_diff well under 1e-3 (DeepSeek-V3's
+    figure), and far above the kernel error (so the check is not vacuous)."""
+    a = torch.randn(96, 512, device=device)
+    w = torch.randn(80, 512, device=device)
+    qa, sa = onegemm.quantize_fp8(a)
+    qw, sw = onegemm.quantize_fp8(w, (128, 128))
+    out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+    d = calc_diff(out, a.double() @ w.double().t())
+    assert 1e-5 < d < 1e-3, d
+
+
+# Ambiguous shapes (module docstring of blockscaled/matmul.py): each is read the coarsest way,
+# and the test checks that the other reading gives the same numbers, by expanding the scale
+# to the other granularity's full shape and running the kernel on that too.
+def test_ambiguous_m1_1x128_is_128x128(device):
+    """M == 1: [1, kb] is both 1x128 and 128x128."""
+    qa, sa = quantize_fp8_ref(make_input((1, 300), device), (1, 128))
+    qw, sw = quantize_fp8_ref(make_input((70, 300), device), (128, 128))
+    out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+    for block in [(1, 128), (128, 128)]:
+        assert_close(out, blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), block, (128, 128)), KERNEL_TOL)
+
+
+def test_ambiguous_small_m_reads_128x128(device):
+    """M <= 128: [1, kb] is the 128x128 reading (one row block); it equals 1x128 scales with
+    that row repeated M times. With M > 128 the same shape fits nothing and is refused."""
+    M, K = 100, 300
+    qa, sa = quantize_fp8_ref(make_input((M, K), device), (128, 128))
+    qw, sw = quantize_fp8_ref(make_input((60, K), device), (128, 128))
+    out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+    as_1x128 = onegemm.blockscaled_matmul(qa, qw.t(), sa.expand(M, -1), sw.t(), out_dtype=torch.float32)
+    assert_close(out, blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (128, 128), (128, 128)), KERNEL_TOL)
+    assert_close(as_1x128, out, KERNEL_TOL)
+    qa2 = torch.randn(200, K, device=device).to(E4M3)
+    with pytest.raises(ValueError, match="scale_a has shape"):
+        onegemm.blockscaled_matmul(qa2, qw.t(), sa, sw.t())
+
+
+def test_ambiguous_k_le_128_row_is_one_block(device):
+    """K <= 128: [M, 1] is both row-wise and 1x128, [1, N] both col-wise and 128x1, [1, nb]
+    128x128; all readings agree (rows of scale b broadcast over the single K block)."""
+    M, N, K = 60, 150, 100
+    qa, sa = quantize_fp8_ref(make_input((M, K), device), "row")
+    qw, sw = quantize_fp8_ref(make_input((N, K), device), "row")
+    out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+    ref = blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (1, 128), (128, 1))
+    assert_close(out, ref, KERNEL_TOL)
+    # The 128x128 reading of B: a [1, nb] scale, one value per 128 columns.
+    sw_blk = torch.rand(1, triton.cdiv(N, 128), device=device) + 0.5
+    out_blk = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw_blk, out_dtype=torch.float32)
+    assert_close(out_blk, blockscaled_matmul_ref(qa, qw.t(), sa, sw_blk, (1, 128), (128, 128)), KERNEL_TOL)
+
+
+def test_ambiguous_n1(device):
+    """N == 1: [kb, 1] is both 128x1 and 128x128."""
+    qa, sa = quantize_fp8_ref(make_input((40, 300), device), (1, 128))
+    qw, sw = quantize_fp8_ref(make_input((1, 300), device), (1, 128))
+    out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+    for block in [(128, 1), (128, 128)]:
+        assert_close(out, blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (1, 128), block), KERNEL_TOL)
+
+
+@pytest.mark.parametrize("M,N", [(0, 5), (5, 0)])
+def test_empty_output(M, N, device):
+    K = 64
+    out = onegemm.blockscaled_matmul(
+        torch.randn(M, K, device=device).to(E4M3), torch.randn(K, N, device=device).to(E4M3),
+        torch.ones((), device=device), torch.ones((), device=device),
+    )
+    assert out.shape == (M, N)
+
+
+def test_k_zero_gives_act_bias(device):
+    a = torch.empty(6, 0, device=device, dtype=E4M3)
+    b = torch.empty(0, 9, device=device, dtype=E4M3)
+    bias = torch.randn(9, device=device)
+    out = onegemm.blockscaled_matmul(a, b, torch.ones(6, 0, device=device), torch.ones(0, 9, device=device),
+                                     out_dtype=torch.float32, bias=bias, activation="silu")
+    assert_close(out, torch.nn.functional.silu(bias.double()).expand(6, 9), 1e-6)
+
+
+def _bad_cases(device):
+    f8 = lambda *s: torch.randn(*s, device=device).to(E4M3)  # noqa: E731
+    one = torch.ones((), device=device)
+    M, K, N = 200, 300, 150
+    return [
+        ("scale_a has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, 2, device=device), scale_b=one), ValueError),
+        ("scale_a has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, device=device), scale_b=one), ValueError),
+        ("scale_b has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(N, 3, device=device)), ValueError),
+        ("scale_b has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(3, 3, device=device)), ValueError),
+        ("scale_a must have dtype", dict(a=f8(M, K), b=f8(K, N), scale_a=one.half(), scale_b=one), TypeError),
+        ("a must be float8", dict(a=torch.randn(M, K, device=device), b=f8(K, N), scale_a=one, scale_b=one), ValueError),
+        ("b must be float8", dict(a=f8(M, K), b=torch.randn(K, N, device=device).bfloat16(), scale_a=one, scale_b=one), ValueError),
+        ("both be float8_e5m2", dict(a=f8(M, K).to(E5M2), b=f8(K, N).to(E5M2), scale_a=one, scale_b=one), ValueError),
+        ("b must be \\[K, N\\]", dict(a=f8(M, K), b=f8(K + 1, N), scale_a=one, scale_b=one), ValueError),
+        ("bias must have shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=one, bias=torch.ones(M, device=device)), ValueError),
+        ("a must be 2-D", dict(a=f8(2, M, K), b=f8(K, N), scale_a=one, scale_b=one), ValueError),
+        ("out_dtype", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=one, out_dtype=E4M3), TypeError),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_bad_input(case, device):
+    match, kwargs, exc = _bad_cases(device)[case]
+    with pytest.raises(exc, match=match):
+        onegemm.blockscaled_matmul(**kwargs)
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1), (333, 777), (4096, 7168), (16, 4096)], ids=str)
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), "row"], ids=str)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("pow2_scale", [False, True])
+def test_gpu_quantize_kernel_matches_torch(shape, block, dtype, pow2_scale, device):
+    """The fused kernel (autotuned) gives the torch path's fp8 bits and scales exactly."""
+    for layout in ["contig", "transposed"]:
+        x = make_input(shape, device, layout, dtype=torch.bfloat16)
+        q, scale = _quantize_triton(x, block, dtype, pow2_scale)
+        q_ref, scale_ref = _quantize_torch(x, block, dtype, pow2_scale)
+        assert torch.equal(scale, scale_ref), layout
+        mismatch = (bits(q) != bits(q_ref)).sum().item()
+        assert mismatch == 0, f"{layout}: {mismatch} of {q.numel()} fp8 values differ"
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_kernel_non_finite_and_zero(device):
+    x = make_input((256, 512), device)
+    x[:128, :128] = 0
+    x[200, 300] = float("nan")
+    q, scale = _quantize_triton(x, (128, 128), E4M3, False)
+    assert scale[0, 0].item() == 1.0 and (q[:128, :128].float() == 0).all()
+    assert math.isinf(scale[1, 2].item())
+    with pytest.raises(ValueError, match="x must be finite"):
+        onegemm.quantize_fp8(x, (128, 128))
+
+
+def _scaled_mm_blockwise(qa, sa, qw, sw):
+    """torch._scaled_mm's DeepSeek recipe (DESIGN.md): scale_a [M, kb] outer-dim-major,
+    scale_b [kb, nb] a transposed view of a contiguous [nb, kb]. Skips (never passes) if this
+    torch refuses the recipe."""
+    try:
+        return torch._scaled_mm(qa, qw.t(), scale_a=sa.t().contiguous().t(), scale_b=sw.contiguous().t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        pytest.skip(f"torch {torch.__version__} refuses blockwise torch._scaled_mm: {str(e).splitlines()[0]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(128, 256, 512), (2048, 7168, 2048), (4096, 2112, 7168), (16, 4096, 4096), (8192, 4096, 4096)])
+def test_gpu_matches_scaled_mm_blockwise(M, N, K, device):
+    """Same fp8 values and scales as cuBLAS's blockwise _scaled_mm: the two bf16 results agree
+    to bf16 rounding, and both are within the kernel tolerance of float64."""
+    qa, sa = onegemm.quantize_fp8(torch.randn(M, K, device=device, dtype=torch.bfloat16))
+    qw, sw = onegemm.quantize_fp8(torch.randn(N, K, device=device, dtype=torch.bfloat16), (128, 128))
+    ours = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t())
+    theirs = _scaled_mm_blockwise(qa, sa, qw, sw)
+    ref = blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (1, 128), (128, 128))
+    assert_close(ours, ref, TOL[torch.bfloat16])
+    assert_close(ours, theirs, TOL[torch.bfloat16], "onegemm vs torch._scaled_mm")
+    assert rel_err(ours, ref) <= 1.5 * rel_err(theirs, ref) + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", BLOCKSCALED_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+@pytest.mark.parametrize("grans", [("1x128", "128x128"), ("row", "col")], ids=str)
+@pytest.mark.parametrize("tma", [False, True])
+def test_gpu_every_config(cfg, grans, tma, device):
+    """Each Hopper config, forced, in both load flavours, with partial tiles and partial scale
+    blocks on every edge (sizes multiples of 16 so that TMA may run, none of 128)."""
+    M, N, K = 336, 560, 784
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, bias=bias, activation="gelu", config=cfg, tma=tma)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "gelu"), KERNEL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gran_a", list(A_GRANS))
+@pytest.mark.parametrize("gran_b", list(B_GRANS))
+def test_gpu_every_pair_autotuned(gran_a, gran_b, device):
+    M, N, K = 1000, 1536, 2100
+    qa, sa, ba = quant_a(make_input((M, K), device), gran_a)
+    qb, sb, bb = quant_b(make_input((N, K), device), gran_b)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_calc_diff_at_large_k(device):
+    """The accuracy target: calc_diff < 1e-3 against the unquantised product up to K = 16384
+    (per-K-block promotion keeps the tensor core's short accumulator from drifting)."""
+    for K in [4096, 16384]:
+        a = torch.randn(256, K, device=device)
+        w = torch.randn(512, K, device=device)
+        qa, sa = onegemm.quantize_fp8(a)
+        qw, sw = onegemm.quantize_fp8(w, (128, 128))
+        out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+        assert calc_diff(out, a.double() @ w.double().t()) < 1e-3, K
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets(device):
+    """A [M, K] fp8 with M * K > 2^31 elements (2.1 GB): row offsets need int64."""
+    M, K, N = 2**31 // 4096 + 2048, 4096, 128
+    a = torch.empty(M, K, device=device, dtype=E4M3)
+    a[: M // 2].copy_(torch.randn(M // 2, K, device=device, dtype=torch.bfloat16))
+    a[M // 2 :].copy_(torch.randn(M - M // 2, K, device=device, dtype=torch.bfloat16))
+    sa = torch.rand(M, K // 128, device=device) + 0.5
+    qw, sw = onegemm.quantize_fp8(torch.randn(N, K, device=device), (128, 128))
+    out = onegemm.blockscaled_matmul(a, qw.t(), sa, sw.t(), out_dtype=torch.float32)
+    tail = slice(M - 3000, M)
+    assert_close(out[tail], blockscaled_matmul_ref(a[tail], qw.t(), sa[tail], sw.t(), (1, 128), (128, 128)), KERNEL_TOL)
+    del a, out
+    torch.cuda.empty_cache()
