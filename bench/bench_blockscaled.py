@@ -1,0 +1,210 @@
+"""FP8 block-scaled GEMM: onegemm.blockscaled_matmul (1x128 x 128x128) vs cuBLAS, speed and accuracy.
+
+    python bench/bench_blockscaled.py           # on the H200: tables + bench/results/blockscaled.{md,png}
+    python bench/bench_blockscaled.py --quick   # CPU interpreter: the same code path on tiny shapes
+
+Inputs: x [M, K] and an nn.Linear-style weight W [N, K], random bf16. Each GEMM computes x @ W.T:
+    onegemm       blockscaled_matmul(qx, qW.t(), sx, sW.t()): x 1x128, W 128x128 (DeepSeek-V3)
+    Fp8Linear     onegemm.Fp8Linear on W: the per-call 1x128 quantisation of x + the GEMM
+    cuBLAS-block  torch._scaled_mm blockwise, the same fp8 values and scales as onegemm
+    cuBLAS-row    torch._scaled_mm row-wise (x per row, W per output channel)
+    cuBLAS-tensor torch._scaled_mm tensor-wise
+    cuBLAS-bf16   torch.matmul(x, W.t()) on the unquantised bf16 inputs
+Speed: each ratio is the peer's time / onegemm's time (above 1: onegemm faster); the times of
+the quantisers are outside the GEMM timings (Fp8Linear's column includes its activation one).
+Accuracy: calc_diff and SQNR of each output against the fp32 product of the unquantised bf16
+inputs (first 1024 rows), and calc_diff of onegemm with K up to 16384.
+Targets (issue 5): >= 0.9x cuBLAS-block and >= 1.3x cuBLAS-bf16 at M >= 2048; calc_diff < 1e-3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
+import torch  # noqa: E402
+from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
+from onegemm.blockscaled.matmul import _blockscaled  # noqa: E402
+from onegemm.blockscaled.quantize import _quantize_torch  # noqa: E402
+from reference import assert_close, blockscaled_matmul_ref, calc_diff, sqnr_db  # noqa: E402
+
+LLM_NK = [(4096, 4096), (7168, 2048), (2112, 7168), (14336, 4096)]
+SHAPES = [("square", s, s, s) for s in (1024, 2048, 4096, 8192)] + [
+    ("LLM", m, n, k) for m in (16, 128, 2048, 8192) for (n, k) in LLM_NK
+]
+QUICK_SHAPES = [("square", 128, 128, 128), ("LLM", 16, 160, 272), ("LLM", 70, 96, 300)]
+K_SWEEP = [(512, 1024, k) for k in (1024, 4096, 16384)]
+QUICK_K_SWEEP = [(32, 64, k) for k in (256, 640)]
+ACC_ROWS = 1024  # accuracy on the first rows only: keeps the fp32 reference to a few hundred MB
+PEERS = ["cuBLAS-block", "cuBLAS-row", "cuBLAS-tensor", "cuBLAS-bf16"]
+BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def _scaled_mm(qa, qb, sa, sb):
+    return torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=BF16)
+
+
+def make_gemms(x, w):
+    """{name: zero-argument callable returning x @ W.T in bf16}. Quantisation happens here,
+    outside the timed calls. cuBLAS layouts: DESIGN.md (scale_a outer-dim-major, scale_b a
+    transposed view of a contiguous [N/128, K/128]; row-wise scales contiguous)."""
+    qx, sx = onegemm.quantize_fp8(x)  # 1x128, outer-dim-major scale (torch._scaled_mm's layout)
+    qw, sw = onegemm.quantize_fp8(w, (128, 128))
+    qx_r, sx_r = _quantize_torch(x, "row", E4M3, False)
+    qw_r, sw_r = _quantize_torch(w, "row", E4M3, False)
+    qx_t, sx_t = _quantize_torch(x, "tensor", E4M3, False)
+    qw_t, sw_t = _quantize_torch(w, "tensor", E4M3, False)
+    sw_r_t = sw_r.t().contiguous()
+    layer = onegemm.Fp8Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=BF16)
+    layer.weight, layer.weight_scale = qw, sw
+    gemms = {
+        "onegemm": lambda: onegemm.blockscaled_matmul(qx, qw.t(), sx, sw.t()),
+        "Fp8Linear": lambda: layer(x),
+        "cuBLAS-block": lambda: _scaled_mm(qx, qw.t(), sx, sw.t()),
+        "cuBLAS-row": lambda: _scaled_mm(qx_r, qw_r.t(), sx_r, sw_r_t),
+        "cuBLAS-tensor": lambda: _scaled_mm(qx_t, qw_t.t(), sx_t, sw_t),
+        "cuBLAS-bf16": lambda: torch.matmul(x, w.t()),
+    }
+    return gemms, (qx, sx, qw, sw)
+
+
+def run_or_reason(fn):
+    """(output, None), or (None, reason) when a peer refuses the shape (e.g. cuBLAS blockwise
+    at small M). Only peers may be refused; onegemm's errors propagate."""
+    try:
+        return fn(), None
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        return None, str(e).strip().splitlines()[0][:80]
+
+
+def config_name(quick: bool) -> str:
+    cfg = None if quick else _blockscaled.best_config()
+    if cfg is None:
+        return "interpreter"
+    k = cfg.kwargs
+    return f"{k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def measure(kind, M, N, K, device, timer, quick):
+    x = torch.randn(M, K, device=device, dtype=BF16)
+    w = torch.randn(N, K, device=device, dtype=BF16)
+    gemms, (qx, sx, qw, sw) = make_gemms(x, w)
+    r = min(M, ACC_ROWS)
+    ref = x[:r].float() @ w.float().t()
+    speed = dict(kind=kind, M=M, N=N, K=K)
+    acc = dict(kind=kind, M=M, N=N, K=K)
+    ms = {}
+    for name, fn in gemms.items():
+        out, reason = (fn(), None) if name in ("onegemm", "Fp8Linear") else run_or_reason(fn)
+        if out is None:
+            print(f"  {name} refused {M}x{N}x{K}: {reason}", flush=True)
+            ms[name] = math.nan
+            acc[f"calc_diff {name}"] = acc[f"SQNR dB {name}"] = "n/a"
+            continue
+        if name == "onegemm":
+            # The kernel itself against float64 on the same fp8 values (the quick run's check).
+            assert_close(out[:r], blockscaled_matmul_ref(qx[:r], qw.t(), sx[:r], sw.t(), (1, 128), (128, 128)), 1e-2)
+            speed["tile"] = config_name(quick)
+        ms[name] = timer(fn)
+        acc[f"calc_diff {name}"] = calc_diff(out[:r], ref)
+        acc[f"SQNR dB {name}"] = sqnr_db(out[:r], ref)
+    speed["onegemm TFLOP/s"] = tflops(2.0 * M * N * K, ms["onegemm"])
+    for peer in PEERS:
+        speed[f"vs {peer}"] = ms[peer] / ms["onegemm"]
+    speed["Fp8Linear vs cuBLAS-bf16"] = ms["cuBLAS-bf16"] / ms["Fp8Linear"]
+    return speed, acc
+
+
+def k_sweep(M, N, K, device):
+    x = torch.randn(M, K, device=device, dtype=BF16)
+    w = torch.randn(N, K, device=device, dtype=BF16)
+    gemms, _ = make_gemms(x, w)
+    ref = x.float() @ w.float().t()
+    row = dict(M=M, N=N, K=K)
+    for name in ["onegemm", "cuBLAS-block", "cuBLAS-row", "cuBLAS-tensor", "cuBLAS-bf16"]:
+        out, _ = (gemms[name](), None) if name == "onegemm" else run_or_reason(gemms[name])
+        row[f"calc_diff {name}"] = "n/a" if out is None else calc_diff(out, ref)
+    return row
+
+
+def summarize(speed: list[dict]) -> list[dict]:
+    out = []
+    for group, sel in [
+        ("all", speed),
+        ("M >= 2048 (targets)", [r for r in speed if r["M"] >= 2048]),
+        ("M <= 128", [r for r in speed if r["M"] <= 128]),
+    ]:
+        row = dict(group=group, shapes=len(sel))
+        for col in [f"vs {p}" for p in PEERS] + ["Fp8Linear vs cuBLAS-bf16"]:
+            row[col] = geomean([r[col] for r in sel])
+        out.append(row)
+    return out
+
+
+def report(speed, acc, sweep) -> str:
+    text = header("FP8 block-scaled GEMM: onegemm.blockscaled_matmul vs torch._scaled_mm and bf16 cuBLAS")
+    text += (
+        __doc__.split("\n\n", 2)[2] + "\n"
+        "Speed ratios are peer time / onegemm time (above 1: onegemm faster); 'tile' is the config "
+        "onegemm's autotuner chose. 'nan' means the peer refused the shape (the reason is printed "
+        "in the run's log).\n\n"
+    )
+    text += "## Summary (geomean of ratios)\n\n" + markdown_table(summarize(speed)) + "\n"
+    worst = max((v for r in acc for k, v in r.items() if k == "calc_diff onegemm"), default=math.nan)
+    worst_k = max((r["calc_diff onegemm"] for r in sweep), default=math.nan)
+    text += f"Largest onegemm calc_diff: {worst:.3g} over the shapes, {worst_k:.3g} in the K sweep (target < 1e-3).\n\n"
+    text += (
+        "## What the numbers say\n\n"
+        "<!-- EXPLANATION: written by a person after reading this run's numbers. "
+        "bench/bench_blockscaled.py regenerates everything else in this file. -->\n\n"
+    )
+    text += "## Speed, every shape\n\n" + markdown_table(speed) + "\n"
+    text += "## Accuracy against the unquantised bf16 product (fp32), every shape\n\n" + markdown_table(acc, floatfmt=".3g") + "\n"
+    text += "## calc_diff as K grows\n\n" + markdown_table(sweep) + "\n"
+    return text
+
+
+def run(quick: bool):
+    device = "cpu" if quick else "cuda"
+
+    def timer(fn):
+        if quick:
+            return math.nan  # the interpreter's time means nothing: the code path ran above
+        return bench_ms(fn, warmup_ms=10, rep_ms=50)
+
+    speed, acc = [], []
+    for kind, M, N, K in QUICK_SHAPES if quick else SHAPES:
+        s, a = measure(kind, M, N, K, device, timer, quick)
+        speed.append(s)
+        acc.append(a)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}, flush=True)
+    sweep = [k_sweep(M, N, K, device) for M, N, K in (QUICK_K_SWEEP if quick else K_SWEEP)]
+    text = report(speed, acc, sweep)
+    labels = [f"{r['kind']} {r['M']}x{r['N']}x{r['K']}" for r in speed]
+    series = {f"vs {p}": [r[f"vs {p}"] for r in speed] for p in PEERS}
+    print(markdown_table(summarize(speed)))
+    print(markdown_table(acc))
+    print(markdown_table(sweep))
+    if quick:
+        assert "## Speed, every shape" in text and all(len(v) == len(labels) for v in series.values())
+        assert all(r["calc_diff onegemm"] < 1e-2 for r in acc + sweep)
+        print(f"quick: onegemm and Fp8Linear ran and matched the reference on {len(speed)} shapes; no files written")
+        return
+    write_results("blockscaled", text)
+    path = plot_ratios("blockscaled", labels, series, "speed-up (peer time / onegemm time)",
+                       f"blockscaled_matmul (1x128 x 128x128) vs cuBLAS on {torch.cuda.get_device_name()}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes under the CPU interpreter, no timing, no files")
+    args = p.parse_args()
+    if not args.quick and not torch.cuda.is_available():
+        sys.exit("the benchmark needs a CUDA GPU; use --quick for the CPU code-path check")
+    run(args.quick)
