@@ -127,3 +127,60 @@ def blockscaled_matmul_ref(a, b, scale_a, scale_b, a_block, b_block, bias=None, 
     a_block = (rows, cols) of A sharing one scale, b_block = (rows, cols) of B likewise
     (e.g. (1, 128) and (128, 128) for the DeepSeek-V3 recipe with b = W.t())."""
     return matmul_ref(dequantize_ref(a, scale_a, *a_block), dequantize_ref(b, scale_b, *b_block), bias, activation)
+
+
+# ---- grouped/ (grouped_matmul, MoE) ----
+
+
+def grouped_mm_ref(a, b, offs=None, bias=None, activation=None):
+    """float64 torch._grouped_mm semantics, one group at a time (see onegemm.grouped_matmul).
+
+    Rows (columns) past offs[-1] are zero. bias [G, N] ([sum_N] for 3D x 2D).
+    """
+    a, b = a.double(), b.double()
+    bias = None if bias is None else bias.double()
+    ends = [] if offs is None else offs.tolist()
+    starts = [0] + ends[:-1]
+    if a.dim() == 3 and b.dim() == 3:
+        return act_ref(a @ b + (0 if bias is None else bias[:, None, :]), activation)
+    if a.dim() == 2 and b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[s:e] = matmul_ref(a[s:e], b[g], None if bias is None else bias[g], activation)
+        return out
+    if a.dim() == 2 and b.dim() == 2:
+        out = a.new_zeros(len(ends), a.shape[0], b.shape[1])
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[g] = matmul_ref(a[:, s:e], b[s:e], None if bias is None else bias[g], activation)
+        return out
+    out = a.new_zeros(a.shape[1], b.shape[1])  # 3D x 2D
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        out[:, s:e] = matmul_ref(a[g], b[:, s:e], None if bias is None else bias[s:e], activation)
+    return out
+
+
+def route_ref(logits, top_k, renormalize=True):
+    """DESIGN.md routing in float64: softmax, top-k, optional renormalisation."""
+    p = torch.softmax(logits.double(), dim=-1)
+    w, ids = torch.topk(p, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids
+
+
+def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """float64 y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j] (DESIGN.md).
+
+    Ids outside [0, E) contribute nothing (onegemm's expert-parallel convention).
+    """
+    x, w_gate_up, w_down = x.double(), w_gate_up.double(), w_down.double()
+    I = w_gate_up.shape[1] // 2
+    y = torch.zeros_like(x)
+    for e in range(w_gate_up.shape[0]):
+        t, j = torch.nonzero(topk_ids == e, as_tuple=True)
+        if t.numel() == 0:
+            continue
+        gu = x[t] @ w_gate_up[e].t()
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        y.index_add_(0, t, topk_weights[t, j].double()[:, None] * (h @ w_down[e].t()))
+    return y

@@ -1,0 +1,196 @@
+"""MoE expert FFN on grouped_matmul's kernel: route, sort by expert, two fused GEMMs, combine.
+
+    y[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * (W3_e x_t)),   e = ids[t, j]
+
+The (token, slot) pairs are sorted by expert on the device; GEMM1 gathers the token rows of x
+inside the kernel and applies SwiGLU in its epilogue, GEMM2 multiplies by the routing weight in
+its epilogue and writes each pair's row to its own place, and the top-k rows of a token are then
+summed in a fixed order. No step reads a value back to the host, so a forward pass can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..core import checks
+from ..core.matmul import matmul
+from ..core.runtime import INTERPRET, empty
+from .ops import launch_ragged
+
+
+def route(logits, top_k: int, renormalize: bool = True):
+    """Mixtral / Qwen3 routing: softmax in fp32, top-k, optional renormalisation.
+
+    logits [T, E] (any float dtype) -> (weights fp32 [T, top_k], ids int32 [T, top_k]).
+    """
+    checks.check_tensor("logits", logits, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    E = logits.shape[1]
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def sort_by_expert(topk_ids, num_experts: int):
+    """Sort the (token, slot) pairs by expert, on the device.
+
+    topk_ids [T, k] -> (pair int32 [T*k], token int32 [T*k], offs int32 [E]): row r of the
+    sorted order is pair ``pair[r]`` (= t*k + j) of token ``token[r]`` (= pair // k); expert
+    e owns rows [offs[e-1], offs[e]). The sort is stable, so the order (and the result) is the
+    same on every run. Ids outside [0, E) (e.g. experts on another rank under expert
+    parallelism) sort past offs[-1], where the grouped GEMM writes zeros: they contribute 0.
+    """
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int32)
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    sorted_ids, pair = torch.sort(flat, stable=True)
+    # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
+    experts = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
+    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    return pair.to(torch.int32), (pair // k).to(torch.int32), offs
+
+
+def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids):
+    checks.check_tensor("x", x, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=(x.dtype,))
+    checks.check_tensor("w_down", w_down, ndim=3, dtypes=(x.dtype,))
+    checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    T, H = x.shape
+    E, two_i, H1 = w_gate_up.shape
+    if H1 != H or two_i % 2:
+        raise ValueError(f"w_gate_up must be [E, 2I, H] = [E, 2I, {H}] (gate rows then up rows), got {tuple(w_gate_up.shape)}")
+    if tuple(w_down.shape) != (E, H, two_i // 2):
+        raise ValueError(f"w_down must be [E, H, I] = {(E, H, two_i // 2)}, got {tuple(w_down.shape)}")
+    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"topk_weights and topk_ids must both be [T, k] with T = {T}, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}"
+        )
+    checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
+
+
+def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """SwiGLU expert FFN: y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j].
+
+    x [T, H] (fp16, bf16, fp32); w_gate_up [E, 2I, H] (gate rows W1 then up rows W3);
+    w_down [E, H, I]; topk_weights [T, k]; topk_ids [T, k] int32/int64 (ids outside [0, E)
+    contribute nothing). Returns [T, H] in x's dtype. Deterministic: bitwise the same on a rerun.
+    """
+    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    I = two_i // 2
+    k = topk_ids.shape[1]
+    P = T * k
+    if P == 0:
+        return torch.zeros_like(x)
+    pair, token, offs = sort_by_expert(topk_ids, E)
+
+    # GEMM1: h[r] = silu(x[token[r]] @ W1_e^T) * (x[token[r]] @ W3_e^T), rows sorted by expert.
+    # B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
+    h = empty((P, I), dtype=x.dtype, device=x.device)
+    launch_ragged(
+        x, w_gate_up, h, offs, ragged="M", G=E, M=P, N=I, K=H,
+        strides_a=(0, x.stride(0), x.stride(1)),
+        strides_b=(w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)),
+        strides_c=(0, h.stride(0), h.stride(1)),
+        a_rows=token, swiglu=True, m_bucket=P // E,
+    )
+    # GEMM2: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T), fp32 so the combine rounds once.
+    y_pairs = empty((P, H), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    launch_ragged(
+        h, w_down, y_pairs, offs, ragged="M", G=E, M=P, N=H, K=I,
+        strides_a=(0, h.stride(0), h.stride(1)),
+        strides_b=(w_down.stride(0), w_down.stride(2), w_down.stride(1)),
+        strides_c=(0, y_pairs.stride(0), y_pairs.stride(1)),
+        c_rows=pair, weight=weights, m_bucket=P // E,
+    )
+    # Combine: a plain sum over the k slots of each token, in slot order (no atomics), hence
+    # the same bits on every run.
+    return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+class MoEFFN(nn.Module):
+    """A Mixtral-style sparse MoE block: router, top-k routing, SwiGLU experts via moe_ffn.
+
+    gate_weight [E, H] (router), w_gate_up [E, 2I, H], w_down [E, H, I]. The router logits
+    are computed by onegemm.matmul in fp32 (near-ties then break as in an fp32 reference).
+    """
+
+    def __init__(self, gate_weight, w_gate_up, w_down, top_k: int = 2, renormalize: bool = True):
+        super().__init__()
+        E, H = gate_weight.shape
+        if w_gate_up.dim() != 3 or w_gate_up.shape[0] != E or w_gate_up.shape[2] != H:
+            raise ValueError(f"w_gate_up must be [{E}, 2I, {H}] to match gate_weight [E, H] = {(E, H)}, got {tuple(w_gate_up.shape)}")
+        if not 1 <= top_k <= E:
+            raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
+        self.gate_weight = nn.Parameter(gate_weight, requires_grad=False)
+        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)
+        self.w_down = nn.Parameter(w_down, requires_grad=False)
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_weight.shape[0]
+
+    def router_logits(self, x):
+        return matmul(x, self.gate_weight.t(), out_dtype=torch.float32)
+
+    def forward(self, x):
+        """x [T, H] -> [T, H] in x's dtype."""
+        checks.check_tensor("x", x, ndim=2, dtypes=(self.w_gate_up.dtype,))
+        weights, ids = route(self.router_logits(x), self.top_k, self.renormalize)
+        return moe_ffn(x, self.w_gate_up, self.w_down, weights, ids)
+
+    @classmethod
+    def from_safetensors(cls, path, prefix: str = "", top_k: int = 2, *, renormalize: bool = True, device=None):
+        """Load a layer saved with Hugging Face Mixtral key names.
+
+        "{prefix}gate.weight" [E, H]; for each expert e: "{prefix}experts.{e}.w1.weight" (gate)
+        and ".w3." (up) [I, H], ".w2." (down) [H, I]. E comes from the router's rows. Every
+        tensor is checked for presence, shape and dtype (all the router's). ``device``: where
+        the weights go (default: CUDA when kernels run on a GPU, else CPU).
+        """
+        if device is None:
+            device = "cpu" if INTERPRET else "cuda"
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = set(f.keys())
+
+            def load(name, shape=None, dtype=None):
+                key = prefix + name
+                if key not in keys:
+                    near = sorted(k for k in keys if k.endswith(name.split(".")[-2] + ".weight"))[:3]
+                    raise ValueError(f"{path}: missing tensor {key!r} (prefix={prefix!r}; keys like it: {near})")
+                t = f.get_tensor(key)
+                if shape is not None and tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{path}: {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+                if dtype is not None and t.dtype != dtype:
+                    raise ValueError(f"{path}: {key!r} has dtype {t.dtype}, expected {dtype} (the router's)")
+                return t
+
+            gate = load("gate.weight")
+            if gate.dim() != 2:
+                raise ValueError(f"{path}: {prefix}gate.weight must be [E, H], got shape {tuple(gate.shape)}")
+            E, H = gate.shape
+            w1 = load("experts.0.w1.weight", dtype=gate.dtype)
+            if w1.dim() != 2 or w1.shape[1] != H:
+                raise ValueError(f"{path}: {prefix}experts.0.w1.weight must be [I, {H}], got shape {tuple(w1.shape)}")
+            I = w1.shape[0]
+            gate_up, down = [], []
+            for e in range(E):
+                w1 = load(f"experts.{e}.w1.weight", (I, H), gate.dtype)
+                w3 = load(f"experts.{e}.w3.weight", (I, H), gate.dtype)
+                gate_up.append(torch.cat([w1, w3], dim=0))
+                down.append(load(f"experts.{e}.w2.weight", (H, I), gate.dtype))
+        return cls(
+            gate.to(device), torch.stack(gate_up).to(device), torch.stack(down).to(device),
+            top_k=top_k, renormalize=renormalize,
+        )

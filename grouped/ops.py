@@ -1,0 +1,264 @@
+"""onegemm.grouped_matmul: torch._grouped_mm semantics on core's tile body, plus list mode."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..core import checks
+from ..core.runtime import INTERPRET, Kernel, empty, next_pow2_bucket, sm_count
+from ..core.matmul import _cfg
+from .kernels import (
+    GROUPED_CONFIGS,
+    INTERPRET_CONFIG,
+    LIST_CONFIGS,
+    list_kernel,
+    prune_grouped,
+    ragged_kernel,
+)
+
+# Under the interpreter every program pays a fixed Python cost (each nested @triton.jit call
+# re-patches builtins), and the upper-bound grid adds G + 1 rows of programs: wider tiles than
+# core's 32x32x32 halve the program count and the K steps (measured: MoE on the stored layer
+# 9.2 s -> 3.7 s). SwiGLU tiles are then 32 output columns wide.
+RAGGED_INTERPRET_CONFIG = _cfg(32, 64, 64, 1, 1, group_m=4)
+
+_ragged = Kernel(
+    ragged_kernel,
+    GROUPED_CONFIGS,
+    key=["M_BUCKET", "N", "K", "LAYOUT", "RAGGED", "SWIGLU"],
+    interpret_config=RAGGED_INTERPRET_CONFIG,
+    prune=prune_grouped,
+)
+
+
+def _prune_list(configs, named_args, **kwargs):
+    want_bk = {1: 128, 2: 64, 4: 32}[named_args["a_like"].element_size()]
+    return [c for c in configs if c.kwargs["BLOCK_K"] == want_bk] or configs
+
+
+_list = Kernel(
+    list_kernel,
+    LIST_CONFIGS,
+    key=["G", "TOTAL_BUCKET"],
+    interpret_config=INTERPRET_CONFIG,
+    prune=_prune_list,
+)
+
+# Under the interpreter the persistent walk uses a few programs: each one is a Python loop.
+_INTERPRET_PROGRAMS = 4
+
+
+def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
+    """Metadata checks always; value checks (monotone, within ``total``) only if ``validate``.
+
+    Reading the values needs them on the host, a device sync on a GPU: that is what the hot
+    path and CUDA-graph capture must avoid, so on a GPU it is opt-in (``check_offs=True``);
+    the kernel itself turns bad offs into a NaN output rather than trusting them.
+    """
+    if offs is None:
+        raise ValueError(f"offs is required for {what}: int32 [{G}] cumulative end offsets")
+    if not isinstance(offs, torch.Tensor):
+        raise TypeError(f"offs must be a torch.Tensor, got {type(offs).__name__}")
+    if offs.dtype != torch.int32:
+        raise TypeError(f"offs must be int32 (torch._grouped_mm convention), got {offs.dtype}")
+    if offs.dim() != 1 or offs.shape[0] != G:
+        raise ValueError(f"offs must be 1-D with {G} entries (one end offset per group) for {what}, got shape {tuple(offs.shape)}")
+    checks.check_device("offs", offs)
+    if validate and G > 0:
+        o = offs.to("cpu", torch.int64)
+        if (o[0] < 0) or bool((o[1:] < o[:-1]).any()):
+            raise ValueError(f"offs must be non-decreasing and >= 0 (cumulative end offsets), got {o.tolist()}")
+        if o[-1] > total:
+            raise ValueError(f"offs overrun: offs[-1] = {int(o[-1])} but the grouped dimension of {what} has {total}")
+
+
+def _bias_strides(bias):
+    if bias is None:
+        return 0, 0
+    return (bias.stride(0), bias.stride(1)) if bias.dim() == 2 else (0, bias.stride(0))
+
+
+def launch_ragged(
+    a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
+    bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
+    m_bucket=None, config=None,
+):
+    """Launch ragged_kernel (see its docstring for the meaning of every argument)."""
+    n_out_block = (lambda meta: meta["BLOCK_N"] // 2) if swiglu else (lambda meta: meta["BLOCK_N"])
+
+    def grid(meta):
+        bm, bn = meta["BLOCK_M"], n_out_block(meta)
+        if ragged == "M":
+            return ((triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn),)
+        if ragged == "N":
+            return (triton.cdiv(M, bm) * (triton.cdiv(N, bn) + G + 1),)
+        return (G * triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+
+    layout = int(strides_a[2] == 1) * 2 + int(strides_b[1] == 1)
+    args = (
+        a, b, c, bias, offs, a_rows, c_rows, weight,
+        G, M, N, K, *strides_a, *strides_b, *strides_c, *_bias_strides(bias),
+        next_pow2_bucket(m_bucket if m_bucket is not None else M), layout,
+    )
+    meta = dict(
+        RAGGED=ragged,
+        SWIGLU=swiglu,
+        ACTIVATION=activation,
+        UPCAST=checks.upcast_flag(a.dtype),
+        PRECISION=checks.dot_precision(a.dtype),
+        G_BLOCK=triton.next_power_of_2(G + 1),
+    )
+    if config is None:
+        _ragged[grid](*args, **meta)
+    else:
+        _ragged.run(grid, config, *args, **meta)
+    return c
+
+
+def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=None, check_offs=None, config=None):
+    """out[group] = act(a[group] @ b[group] + bias[group]), torch._grouped_mm semantics.
+
+    Modes (G groups; ``offs`` int32 [G] cumulative END offsets, read on the device):
+      2D x 3D: a [sum_M, K], b [G, K, N], offs over a's rows -> [sum_M, N]  (MoE forward)
+      3D x 3D: a [G, M, K], b [G, K, N], offs=None          -> [G, M, N]  (batched)
+      2D x 2D: a [M, sum_K], b [sum_K, N], offs over K      -> [G, M, N]  (MoE weight grad)
+      3D x 2D: a [G, M, K], b [K, sum_N], offs over b's cols -> [M, sum_N]
+    Groups may be empty; output rows (columns) past offs[-1] are zero. b may be a transposed
+    view of [G, N, K] expert weights (read in place). Dtypes: fp16, bf16, fp32, fp8 (fp8
+    defaults to a bf16 output). bias: [G, N] ([sum_N] for 3D x 2D). activation: as matmul's.
+
+    check_offs: read offs on the host to raise ValueError for decreasing or overrunning
+    offsets. Default (None): only when offs is on the CPU, where it costs no device sync; on a
+    GPU the call never syncs (CUDA-graph capturable) and bad offs give an all-NaN output.
+
+    List mode: ``grouped_matmul([a0, a1, ...], [b0, b1, ...])`` -> [a0 @ b0, a1 @ b1, ...],
+    each pair its own (M, N, K), one launch. ``config`` forces one triton.Config.
+    """
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        if offs is not None or bias is not None:
+            raise ValueError("list mode takes no offs and no bias: pass grouped_matmul([a0, ...], [b0, ...])")
+        return _grouped_list(a, b, activation=activation, out_dtype=out_dtype, config=config)
+
+    checks.check_tensor("a", a, ndim=(2, 3))
+    checks.check_tensor("b", b, ndim=(2, 3))
+    checks.check_operand_dtypes(a, b)
+    checks.check_activation(activation)
+    checks.check_same_device(a=a, b=b, offs=offs, bias=bias)
+    out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
+    validate = check_offs if check_offs is not None else (offs is not None and offs.device.type == "cpu")
+    mode = (a.dim(), b.dim())
+    if mode != (3, 3) and offs is None:
+        raise ValueError(f"offs is required for {a.dim()}D x {b.dim()}D grouped_matmul (int32 cumulative end offsets)")
+
+    if mode == (2, 3):
+        G, K, N = b.shape
+        M = a.shape[0]
+        if a.shape[1] != K:
+            raise ValueError(f"a is [sum_M, K] = {tuple(a.shape)} but b is [G, K, N] = {tuple(b.shape)}: K must match")
+        validate_offs(offs, G, M, "a's rows (2D x 3D)", validate)
+        checks.check_bias(bias, (G, N), "each group's output")
+        c = empty((M, N), dtype=out_dtype, device=a.device)
+        ragged, m_bucket = "M", M // max(G, 1)
+        sa = (0, a.stride(0), a.stride(1))
+        sb = (b.stride(0), b.stride(1), b.stride(2))
+        sc = (0, c.stride(0), c.stride(1))
+    elif mode == (3, 3):
+        if offs is not None:
+            raise ValueError("offs must be None for 3D x 3D (batched) grouped_matmul")
+        G, M, K = a.shape
+        if b.shape[0] != G or b.shape[1] != K:
+            raise ValueError(f"a is [G, M, K] = {tuple(a.shape)} so b must be [{G}, {K}, N], got {tuple(b.shape)}")
+        N = b.shape[2]
+        checks.check_bias(bias, (G, N), "each group's output")
+        c = empty((G, M, N), dtype=out_dtype, device=a.device)
+        ragged, m_bucket = "", M
+        sa = tuple(a.stride())
+        sb = tuple(b.stride())
+        sc = tuple(c.stride())
+    elif mode == (2, 2):
+        M, K = a.shape
+        N = b.shape[1]
+        if b.shape[0] != K:
+            raise ValueError(f"a is [M, sum_K] = {tuple(a.shape)} so b must be [{K}, N], got {tuple(b.shape)}")
+        G = offs.shape[0] if isinstance(offs, torch.Tensor) and offs.dim() == 1 else -1
+        validate_offs(offs, G, K, "the reduction dimension K (2D x 2D)", validate)
+        checks.check_bias(bias, (G, N), "each group's output")
+        c = empty((G, M, N), dtype=out_dtype, device=a.device)
+        ragged, m_bucket = "K", M
+        sa = (0, a.stride(0), a.stride(1))
+        sb = (0, b.stride(0), b.stride(1))
+        sc = tuple(c.stride())
+    else:  # (3, 2)
+        G, M, K = a.shape
+        N = b.shape[1]
+        if b.shape[0] != K:
+            raise ValueError(f"a is [G, M, K] = {tuple(a.shape)} so b must be [{K}, sum_N], got {tuple(b.shape)}")
+        validate_offs(offs, G, N, "b's columns (3D x 2D)", validate)
+        checks.check_bias(bias, (N,), "the output (one value per column of [M, sum_N])")
+        c = empty((M, N), dtype=out_dtype, device=a.device)
+        ragged, m_bucket = "N", M
+        sa = tuple(a.stride())
+        sb = (0, b.stride(0), b.stride(1))
+        sc = (0, c.stride(0), c.stride(1))
+
+    if c.numel() == 0 or G == 0:
+        return c.zero_()
+    return launch_ragged(
+        a, b, c, offs, ragged=ragged, G=G, M=M, N=N, K=K, strides_a=sa, strides_b=sb, strides_c=sc,
+        bias=bias, activation=activation, m_bucket=m_bucket, config=config,
+    )
+
+
+def _grouped_list(As, Bs, *, activation=None, out_dtype=None, config=None):
+    """List mode (see grouped_matmul): one launch of list_kernel over every pair's tiles."""
+    if not isinstance(As, (list, tuple)) or not isinstance(Bs, (list, tuple)):
+        raise TypeError("list mode needs a list of a's and a list of b's")
+    if len(As) != len(Bs):
+        raise ValueError(f"list mode needs as many b's as a's, got {len(As)} and {len(Bs)}")
+    checks.check_activation(activation)
+    if len(As) == 0:
+        return []
+    for i, (x, w) in enumerate(zip(As, Bs)):
+        checks.check_tensor(f"a[{i}]", x, ndim=2)
+        checks.check_tensor(f"b[{i}]", w, ndim=2)
+        checks.check_operand_dtypes(x, w, f"a[{i}]", f"b[{i}]")
+        if x.dtype != As[0].dtype or w.dtype != Bs[0].dtype:
+            raise TypeError(f"every pair must share one dtype: a[{i}], b[{i}] are {x.dtype}, {w.dtype} but a[0], b[0] are {As[0].dtype}, {Bs[0].dtype}")
+        if x.shape[1] != w.shape[0]:
+            raise ValueError(f"a[{i}] is [M, K] = {tuple(x.shape)} but b[{i}] is {tuple(w.shape)}: b[{i}] must be [K, N] with K = {x.shape[1]}")
+        checks.check_same_device(**{"a[0]": As[0], f"a[{i}]": x, f"b[{i}]": w})
+    out_dtype = checks.resolve_out_dtype(out_dtype, As[0].dtype)
+    device = As[0].device
+    Cs = [empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=device) for x, w in zip(As, Bs)]
+    G = len(As)
+    # The tables travel to the device once per call (one small host->device copy, no sync).
+    ptrs = torch.tensor([[x.data_ptr(), w.data_ptr(), c.data_ptr()] for x, w, c in zip(As, Bs, Cs)], dtype=torch.int64)
+    sizes = torch.tensor([[x.shape[0], w.shape[1], x.shape[1]] for x, w in zip(As, Bs)], dtype=torch.int32)
+    strides = torch.tensor(
+        [[x.stride(0), x.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1)] for x, w, c in zip(As, Bs, Cs)],
+        dtype=torch.int64,
+    )
+    ptrs = ptrs.t().contiguous().to(device, non_blocking=True)
+    sizes = sizes.to(device, non_blocking=True)
+    strides = strides.to(device, non_blocking=True)
+    shapes = [(x.shape[0], w.shape[1]) for x, w in zip(As, Bs)]
+    programs = _INTERPRET_PROGRAMS if INTERPRET else sm_count(device.index or 0)
+
+    def grid(meta):
+        tiles = sum(triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]) for m, n in shapes)
+        return (max(1, min(programs, tiles)),)
+
+    total = sum(m * n for m, n in shapes)
+    args = (ptrs[0], ptrs[1], ptrs[2], sizes, strides, G, As[0], Bs[0], Cs[0])
+    meta = dict(
+        ACTIVATION=activation,
+        UPCAST=checks.upcast_flag(As[0].dtype),
+        PRECISION=checks.dot_precision(As[0].dtype),
+        G_BLOCK=triton.next_power_of_2(G),
+    )
+    if config is None:
+        _list[grid](*args, TOTAL_BUCKET=next_pow2_bucket(total, cap=1 << 26), **meta)
+    else:
+        _list.run(grid, config, *args, TOTAL_BUCKET=0, **meta)
+    return Cs

@@ -1,0 +1,334 @@
+"""onegemm.grouped_matmul (all four offs modes and list mode) against float64 torch."""
+
+import pytest
+import torch
+
+import onegemm
+from onegemm.core.matmul import _cfg
+from reference import TOL, assert_close, grouped_mm_ref, matmul_ref
+
+
+def offs_of(sizes, device):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def rand(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def expert_weights(G, K, N, dtype, device):
+    """b [G, K, N] as a transposed view of [G, N, K] (how expert weights are stored)."""
+    return rand(G, N, K, dtype=dtype, device=device).transpose(1, 2)
+
+
+# Group sizes (rows of a per expert), then how many rows lie past offs[-1].
+# Empty groups first, last and in a row; a group of one row; all rows in one group; 127 and
+# 300 rows (more than one 32-row tile, last one partial).
+ROW_CASES = [
+    ([3, 0, 37, 20], 0),
+    ([0, 0, 17, 1, 0], 5),
+    ([1], 0),
+    ([0, 127, 0], 0),
+    ([300, 2], 1),
+    ([5, 9, 0, 7, 3, 11, 2, 4], 3),
+]
+
+
+@pytest.mark.parametrize("sizes,tail", ROW_CASES, ids=str)
+@pytest.mark.parametrize("N,K", [(50, 40), (130, 65)])  # 130 > 2 BLOCK_N, 65 > BLOCK_K
+def test_2d_3d_ragged_rows(sizes, tail, N, K, device):
+    G = len(sizes)
+    a = rand(sum(sizes) + tail, K, dtype=torch.float16, device=device)
+    b = expert_weights(G, K, N, torch.float16, device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs)
+    assert out.shape == (a.shape[0], N) and out.dtype == torch.float16
+    assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16])
+    if tail:  # rows past offs[-1] are exactly zero, not just small
+        assert (out[sum(sizes):] == 0).all()
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_2d_3d_dtypes(dtype, device):
+    sizes = [7, 0, 40, 13]
+    a = rand(sum(sizes) + 2, 48, dtype=dtype, device=device)
+    b = expert_weights(len(sizes), 48, 33, dtype, device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs)
+    out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+    assert out.dtype == out_dtype
+    tol = 1e-3 if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest" else TOL[out_dtype]
+    assert_close(out, grouped_mm_ref(a, b, offs), tol)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_2d_3d_bias_activation_out_dtype(activation, device):
+    sizes = [9, 0, 30]
+    G, K, N = 3, 36, 45
+    a = rand(sum(sizes), K, dtype=torch.bfloat16, device=device)
+    b = expert_weights(G, K, N, torch.bfloat16, device)
+    bias = rand(G, N, device=device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs, bias=bias, activation=activation, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert_close(out, grouped_mm_ref(a, b, offs, bias, activation), 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous_b", "sliced_a"])
+def test_2d_3d_layouts(layout, device):
+    sizes = [20, 11]
+    G, K, N = 2, 30, 24
+    if layout == "contiguous_b":
+        a = rand(31, K, device=device)
+        b = rand(G, K, N, device=device)  # row-major [G, K, N]: stride 1 along N
+    else:
+        a = rand(70, K + 7, device=device)[1::2, 3 : 3 + K][:31]  # strided rows and columns
+        b = expert_weights(G, K, N, torch.float32, device)
+    offs = offs_of(sizes, device)
+    assert_close(onegemm.grouped_matmul(a, b, offs), grouped_mm_ref(a, b, offs), 1e-5)
+
+
+@pytest.mark.parametrize("G,M,N,K", [(3, 17, 33, 65), (1, 1, 1, 1), (4, 40, 1, 7)])
+def test_3d_3d_batched(G, M, N, K, device):
+    a = rand(G, M, K, dtype=torch.float16, device=device)
+    b = expert_weights(G, K, N, torch.float16, device)
+    bias = rand(G, N, dtype=torch.float16, device=device)
+    out = onegemm.grouped_matmul(a, b, bias=bias)
+    assert out.shape == (G, M, N)
+    assert_close(out, grouped_mm_ref(a, b, None, bias), TOL[torch.float16])
+
+
+# 2D x 2D splits the reduction (the MoE weight gradient, x^T @ dy per expert): empty groups
+# give act(bias) (here zero without bias), K past offs[-1] is ignored.
+@pytest.mark.parametrize("sizes,tail", [([30, 0, 41, 1], 0), ([0, 65], 3), ([127], 0)], ids=str)
+def test_2d_2d_ragged_k(sizes, tail, device):
+    M, N = 19, 34
+    K = sum(sizes) + tail
+    a = rand(K, M, dtype=torch.float16, device=device).t()  # x^T: a transposed view
+    b = rand(K, N, dtype=torch.float16, device=device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs)
+    assert out.shape == (len(sizes), M, N)
+    assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16])
+    for g, s in enumerate(sizes):
+        if s == 0:
+            assert (out[g] == 0).all()
+
+
+@pytest.mark.parametrize("sizes,tail", [([12, 0, 40], 5), ([1, 33], 0)], ids=str)
+def test_3d_2d_ragged_cols(sizes, tail, device):
+    G, M, K = len(sizes), 21, 30
+    N = sum(sizes) + tail
+    a = rand(G, M, K, device=device)
+    b = rand(N, K, device=device).t()
+    bias = rand(N, device=device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs, bias=bias)
+    assert out.shape == (M, N)
+    assert_close(out, grouped_mm_ref(a, b, offs, bias), 1e-5)
+    assert (out[:, sum(sizes):] == 0).all()
+
+
+def test_empty_inputs(device):
+    b = expert_weights(3, 8, 5, torch.float32, device)
+    offs = torch.zeros(3, dtype=torch.int32, device=device)
+    assert onegemm.grouped_matmul(rand(0, 8, device=device), b, offs).shape == (0, 5)
+    a = rand(6, 8, device=device)  # every group empty: all rows lie past offs[-1]
+    out = onegemm.grouped_matmul(a, b, offs)
+    assert (out == 0).all()
+
+
+def test_config_block_sizes(device):
+    """The upper-bound grid follows the chosen config (here two block shapes)."""
+    sizes = [33, 0, 70, 5]
+    a = rand(sum(sizes), 40, dtype=torch.float16, device=device)
+    b = expert_weights(4, 40, 70, torch.float16, device)
+    offs = offs_of(sizes, device)
+    for cfg in [_cfg(16, 64, 32, 4, 2, group_m=2), _cfg(64, 32, 16, 4, 2, group_m=1)]:
+        out = onegemm.grouped_matmul(a, b, offs, config=cfg)
+        assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16], what=str(cfg))
+
+
+# ---- bad input ----
+
+BAD_OFFS = [
+    ("decreasing", [10, 5, 20], ValueError, "non-decreasing"),
+    ("negative", [-1, 5, 20], ValueError, "non-decreasing"),
+    ("overrun", [10, 20, 31], ValueError, "overrun"),
+]
+
+
+@pytest.mark.parametrize("name,values,exc,match", BAD_OFFS, ids=[c[0] for c in BAD_OFFS])
+def test_bad_offs_values(name, values, exc, match, device):
+    a = rand(30, 8, device=device)
+    b = expert_weights(3, 8, 4, torch.float32, device)
+    offs = torch.tensor(values, dtype=torch.int32, device=device)
+    with pytest.raises(exc, match=match):
+        onegemm.grouped_matmul(a, b, offs, check_offs=True)
+
+
+@pytest.mark.parametrize("name,values,exc,match", BAD_OFFS, ids=[c[0] for c in BAD_OFFS])
+def test_bad_offs_unchecked_give_nan(name, values, exc, match, device):
+    """Without the host check (a GPU's default: no sync) the kernel refuses to trust offs."""
+    a = rand(30, 8, device=device)
+    b = expert_weights(3, 8, 4, torch.float32, device)
+    offs = torch.tensor(values, dtype=torch.int32, device=device)
+    out = onegemm.grouped_matmul(a, b, offs, check_offs=False)
+    assert torch.isnan(out).all()
+
+
+BAD_CALLS = [
+    ("offs int64", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), torch.tensor([3, 6], device=d)), {}, TypeError, "int32"),
+    ("offs too short", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([6], d)), {}, ValueError, "2 entries"),
+    ("offs 2-D", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)[None]), {}, ValueError, "1-D"),
+    ("offs missing", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), None), {}, ValueError, "offs is required"),
+    ("offs given to 3Dx3D", lambda d: (rand(2, 6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {}, ValueError, "None"),
+    ("K mismatch", lambda d: (rand(6, 9, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {}, ValueError, "K must match"),
+    ("G mismatch 3Dx3D", lambda d: (rand(3, 6, 8, device=d), rand(2, 8, 4, device=d), None), {}, ValueError, r"\[3, 8, N\]"),
+    ("dtype mismatch", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, dtype=torch.float16, device=d), offs_of([3, 3], d)), {}, TypeError, "same dtype"),
+    ("bias shape", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {"bias": "bad"}, ValueError, r"bias must have shape \(2, 4\)"),
+    ("1-D a", lambda d: (rand(8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {}, ValueError, "a must be 2-D or 3-D"),
+    ("activation", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {"activation": "tanh"}, ValueError, "activation"),
+]
+
+
+@pytest.mark.parametrize("name,make,kwargs,exc,match", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input(name, make, kwargs, exc, match, device):
+    a, b, offs = make(device)
+    if kwargs.get("bias") == "bad":
+        kwargs = {"bias": rand(4, device=device)}
+    with pytest.raises(exc, match=match):
+        onegemm.grouped_matmul(a, b, offs, **kwargs)
+
+
+# ---- list mode ----
+
+LIST_CASES = [
+    # (M, N, K) per pair: mixed shapes, a pair with M = 0, K = 1, one-row and one-column pairs.
+    [(17, 33, 65), (1, 300, 7), (127, 1, 40), (0, 5, 9), (40, 45, 1)],
+    [(64, 64, 64)],
+    [(5, 6, 7)] * 9,
+]
+
+
+@pytest.mark.parametrize("shapes", LIST_CASES, ids=["mixed", "one", "many"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_list_mode(shapes, dtype, device):
+    As = [rand(m, k, dtype=dtype, device=device) for m, n, k in shapes]
+    # Mix layouts: every other b is a transposed view, the first a is a strided slice.
+    Bs = [rand(k, n, dtype=dtype, device=device) if i % 2 else rand(n, k, dtype=dtype, device=device).t() for i, (m, n, k) in enumerate(shapes)]
+    if shapes[0][0] > 0:
+        m, n, k = shapes[0]
+        As[0] = rand(2 * m, k + 3, dtype=dtype, device=device)[::2, 1 : 1 + k]
+    outs = onegemm.grouped_matmul(As, Bs)
+    assert isinstance(outs, list) and len(outs) == len(shapes)
+    for i, (x, w, o) in enumerate(zip(As, Bs, outs)):
+        assert o.dtype == dtype
+        assert_close(o, matmul_ref(x, w), TOL[dtype], what=f"pair {i} {tuple(x.shape)} @ {tuple(w.shape)}")
+
+
+def test_list_mode_activation_and_fp8(device):
+    As = [rand(20, 48, device=device).to(torch.float8_e4m3fn), rand(33, 70, device=device).to(torch.float8_e4m3fn)]
+    Bs = [rand(30, 48, device=device).to(torch.float8_e4m3fn).t(), rand(17, 70, device=device).to(torch.float8_e4m3fn).t()]
+    outs = onegemm.grouped_matmul(As, Bs, activation="relu")
+    for x, w, o in zip(As, Bs, outs):
+        assert o.dtype == torch.bfloat16
+        assert_close(o, matmul_ref(x, w, activation="relu"), TOL[torch.bfloat16])
+
+
+def test_list_mode_bad_input(device):
+    a = rand(4, 8, device=device)
+    with pytest.raises(ValueError, match="as many b's"):
+        onegemm.grouped_matmul([a, a], [a.t()])
+    with pytest.raises(ValueError, match=r"b\[1\] must be \[K, N\]"):
+        onegemm.grouped_matmul([a, a], [a.t(), a])
+    with pytest.raises(TypeError, match="share one dtype"):
+        onegemm.grouped_matmul([a, a.half()], [a.t(), a.t().half()])
+    with pytest.raises(ValueError, match="no offs"):
+        onegemm.grouped_matmul([a], [a.t()], offs_of([4], device))
+    assert onegemm.grouped_matmul([], []) == []
+
+
+# ---- GPU only ----
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_offs(device):
+    """No host sync: the call captures in a CUDA graph and replays with new offs contents."""
+    G, K, N, M = 8, 256, 384, 1000
+    a = rand(M, K, dtype=torch.bfloat16, device=device)
+    b = expert_weights(G, K, N, torch.bfloat16, device)
+    offs = offs_of([100] * 8, device)
+    onegemm.grouped_matmul(a, b, offs)  # autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = onegemm.grouped_matmul(a, b, offs)
+    for sizes in ([0, 300, 1, 0, 250, 49, 200, 100], [1000, 0, 0, 0, 0, 0, 0, 0], [10] * 8):
+        offs.copy_(offs_of(sizes, device))
+        a.copy_(rand(M, K, dtype=torch.bfloat16, device=device))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.bfloat16], what=str(sizes))
+        assert (out[sum(sizes):] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("rows_per_group", [4, 600])  # decode-like and prefill-like tiles
+def test_gpu_autotuned_moe_shapes(dtype, rows_per_group, device):
+    G, K, N = 16, 1024, 768
+    sizes = torch.randint(0, 2 * rows_per_group, (G,)).tolist()
+    sizes[3] = 0
+    a = rand(sum(sizes), K, dtype=dtype, device=device)
+    b = expert_weights(G, K, N, dtype, device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs)
+    assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.bfloat16 if dtype != torch.float16 else dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_matches_torch_grouped_mm(device):
+    G, K, N = 8, 512, 256
+    sizes = [64, 0, 200, 33, 1, 90, 128, 7]
+    a = rand(sum(sizes), K, dtype=torch.bfloat16, device=device)
+    b = expert_weights(G, K, N, torch.bfloat16, device)
+    offs = offs_of(sizes, device)
+    ref = torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+    assert_close(onegemm.grouped_matmul(a, b, offs), ref.float(), 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_int64_group_offsets(device):
+    """Group starts past 2^31 / K elements: offsets must be int64 in the kernel."""
+    K, N = 128, 64
+    M = (1 << 31) // K + 1000
+    a = torch.empty(M, K, dtype=torch.float16, device=device).normal_()
+    b = expert_weights(2, K, N, torch.float16, device)
+    offs = offs_of([M - 64, 64], device)
+    out = onegemm.grouped_matmul(a, b, offs)
+    assert_close(out[-64:], matmul_ref(a[-64:], b[1]), TOL[torch.float16])
+    del a, out
+
+
+@pytest.mark.gpu
+def test_gpu_bad_offs_nan_without_sync(device):
+    a = rand(300, 64, dtype=torch.bfloat16, device=device)
+    b = expert_weights(3, 64, 64, torch.bfloat16, device)
+    offs = torch.tensor([100, 50, 300], dtype=torch.int32, device=device)
+    assert torch.isnan(onegemm.grouped_matmul(a, b, offs).float()).all()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        onegemm.grouped_matmul(a, b, offs, check_offs=True)
+
+
+@pytest.mark.gpu
+def test_gpu_list_mode_large(device):
+    shapes = [(1000, 512, 256), (17, 4096, 1024), (4096, 129, 300)]
+    As = [rand(m, k, dtype=torch.bfloat16, device=device) for m, n, k in shapes]
+    Bs = [rand(n, k, dtype=torch.bfloat16, device=device).t() for m, n, k in shapes]
+    for x, w, o in zip(As, Bs, onegemm.grouped_matmul(As, Bs)):
+        assert_close(o, matmul_ref(x, w), TOL[torch.bfloat16])
+

@@ -1,0 +1,237 @@
+"""MoE: route, the device-side sort, moe_ffn and MoEFFN, on random and on the stored layer."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import onegemm
+from onegemm.grouped import STORED_LAYER, sort_by_expert
+from reference import TOL, assert_close, moe_ref, route_ref
+
+
+def moe_inputs(T, H, I, E, k, dtype, device):
+    x = torch.randn(T, H, device=device).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, device=device) * I**-0.5).to(dtype)
+    weights, ids = onegemm.route(torch.randn(T, E, device=device), k)
+    return x, w_gate_up, w_down, weights, ids
+
+
+# ---- routing ----
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (37, 8, 2), (64, 128, 8), (5, 3, 3)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_reference(T, E, k, renormalize, device):
+    logits = torch.randn(T, E, device=device).to(torch.bfloat16)  # continuous: no ties
+    w, ids = onegemm.route(logits, k, renormalize)
+    w_ref, ids_ref = route_ref(logits, k, renormalize)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids.long(), ids_ref)
+    assert_close(w, w_ref, 1e-6)
+    if renormalize:
+        assert torch.allclose(w.sum(-1), torch.ones(T, device=device))
+
+
+def test_route_bad_input(device):
+    with pytest.raises(ValueError, match="top_k"):
+        onegemm.route(torch.randn(4, 8, device=device), 9)
+    with pytest.raises(ValueError, match="logits must be 2-D"):
+        onegemm.route(torch.randn(8, device=device), 2)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 4, 1), (50, 8, 2), (33, 16, 4)])
+def test_sort_by_expert(T, E, k, device):
+    ids = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
+    pair, token, offs = sort_by_expert(ids, E)
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=E)
+    assert torch.equal(offs.long(), counts.cumsum(0))
+    assert torch.equal(token.long(), pair.long() // k)
+    assert sorted(pair.tolist()) == list(range(T * k))  # a permutation of the pairs
+    sorted_ids = flat[pair.long()]
+    assert (sorted_ids[1:] >= sorted_ids[:-1]).all()
+    # stable: pairs of one expert keep their original order
+    for e in range(E):
+        run = pair[offs[e] - counts[e] : offs[e]].tolist()
+        assert run == sorted(run)
+
+
+# ---- moe_ffn ----
+
+MOE_CASES = [
+    # T, H, I, E, k
+    (1, 32, 48, 4, 1),
+    (17, 64, 40, 8, 2),
+    (64, 48, 64, 16, 4),
+    (127, 40, 33, 5, 2),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k", MOE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_moe_ffn_matches_reference(T, H, I, E, k, dtype, device):
+    x, w_gate_up, w_down, weights, ids = moe_inputs(T, H, I, E, k, dtype, device)
+    y = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
+    assert y.dtype == dtype and y.shape == (T, H)
+    # The [P, I] intermediate is stored in x's dtype (as in production MoE kernels): one more
+    # rounding than the plain GEMM, hence 2x the GEMM bound for bf16.
+    tol = 1e-5 if dtype == torch.float32 else 2 * TOL[dtype]
+    assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), tol)
+
+
+def test_moe_ffn_skewed_and_empty_experts(device):
+    """All tokens on two of eight experts; six experts get no rows."""
+    T, H, I, E = 40, 32, 48, 8
+    x, w_gate_up, w_down, weights, _ = moe_inputs(T, H, I, E, 2, torch.float32, device)
+    ids = torch.stack([torch.full((T,), 6), torch.full((T,), 1)], dim=1).to(device, torch.int32)
+    y = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
+    assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 1e-5)
+
+
+def test_moe_ffn_ids_outside_range_contribute_nothing(device):
+    """Expert-parallel convention: an id outside [0, E) (an expert on another rank) is skipped."""
+    T, H, I, E = 20, 32, 40, 4
+    x, w_gate_up, w_down, weights, ids = moe_inputs(T, H, I, E, 2, torch.float32, device)
+    ids[::3, 1] = E
+    ids[1::4, 0] = -1
+    y = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
+    assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 1e-5)
+
+
+def test_moe_ffn_is_deterministic(device):
+    x, w_gate_up, w_down, weights, ids = moe_inputs(100, 64, 48, 8, 2, torch.bfloat16, device)
+    first = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
+    for _ in range(2):
+        assert torch.equal(onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids), first)
+
+
+def test_moe_ffn_int64_ids_and_strided_x(device):
+    T, H, I, E = 30, 32, 40, 4
+    x, w_gate_up, w_down, weights, ids = moe_inputs(T, H, I, E, 2, torch.float32, device)
+    x = torch.randn(T, 2 * H, device=device)[:, ::2]
+    y = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids.long())
+    assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 1e-5)
+
+
+def test_moe_ffn_bad_input(device):
+    x, w_gate_up, w_down, weights, ids = moe_inputs(8, 32, 40, 4, 2, torch.float32, device)
+    with pytest.raises(ValueError, match=r"w_down must be \[E, H, I\]"):
+        onegemm.moe_ffn(x, w_gate_up, w_down[:, :, :-1], weights, ids)
+    with pytest.raises(ValueError, match="w_gate_up must be"):
+        onegemm.moe_ffn(x, w_gate_up[:, :, :-1], w_down, weights, ids)
+    with pytest.raises(ValueError, match="topk_weights and topk_ids"):
+        onegemm.moe_ffn(x, w_gate_up, w_down, weights[:-1], ids)
+    with pytest.raises(TypeError, match="topk_ids"):
+        onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids.float())
+    with pytest.raises(TypeError, match="w_gate_up"):
+        onegemm.moe_ffn(x, w_gate_up.half(), w_down, weights, ids)
+
+
+# ---- the stored layer and MoEFFN ----
+
+
+def stored_ref(layer, x):
+    """float64 forward of a MoEFFN: router, route_ref, moe_ref."""
+    logits = x.double() @ layer.gate_weight.double().t()
+    w, ids = route_ref(logits, layer.top_k)
+    return moe_ref(x, layer.w_gate_up, layer.w_down, w, ids)
+
+
+def test_stored_layer_file():
+    tensors = load_file(str(STORED_LAYER))
+    assert STORED_LAYER.stat().st_size < 8e6
+    assert tensors["gate.weight"].shape == (8, 256)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    w1 = tensors["experts.0.w1.weight"].float()
+    assert w1.shape == (512, 256)
+    # scaled like trained weights, with heavy-tailed outliers (> 6 std) in every matrix
+    assert abs(w1.std().item() * 256**0.5 - 1) < 0.05
+    assert (w1.abs() > 6 * 256**-0.5).sum() >= 4
+
+
+@pytest.mark.parametrize("T", [1, 61])
+def test_moeffn_stored_layer(T, device):
+    layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, top_k=2, device=device)
+    assert layer.num_experts == 8 and layer.w_gate_up.shape == (8, 1024, 256)
+    x = torch.randn(T, 256, device=device).to(torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, 256)
+    assert_close(y, stored_ref(layer, x), 2 * TOL[torch.bfloat16])
+
+
+def test_moe_ffn_stored_layer_explicit_routing(device):
+    """moe_ffn on the stored weights with routing decoupled from the router GEMM."""
+    layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, device=device)
+    T = 48
+    x = torch.randn(T, 256, device=device).to(torch.bfloat16)
+    w, ids = onegemm.route(torch.randn(T, 8, device=device), 2)
+    y = onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, w, ids)
+    assert_close(y, moe_ref(x, layer.w_gate_up, layer.w_down, w, ids), 2 * TOL[torch.bfloat16])
+
+
+def _small_layer(E=3, H=16, I=24):
+    t = {"model.moe.gate.weight": torch.randn(E, H)}
+    for e in range(E):
+        t[f"model.moe.experts.{e}.w1.weight"] = torch.randn(I, H)
+        t[f"model.moe.experts.{e}.w3.weight"] = torch.randn(I, H)
+        t[f"model.moe.experts.{e}.w2.weight"] = torch.randn(H, I)
+    return t
+
+
+def test_from_safetensors_prefix(tmp_path, device):
+    path = tmp_path / "layer.safetensors"
+    save_file(_small_layer(), str(path))
+    layer = onegemm.MoEFFN.from_safetensors(path, prefix="model.moe.", top_k=1, device=device)
+    x = torch.randn(9, 16, device=device)
+    assert_close(layer(x), stored_ref(layer, x), 1e-5)
+
+
+BAD_FILES = [
+    ("missing expert", lambda t: t.pop("model.moe.experts.2.w3.weight"), "missing tensor 'model.moe.experts.2.w3.weight'"),
+    ("wrong shape", lambda t: t.__setitem__("model.moe.experts.1.w2.weight", torch.randn(16, 23)), r"experts.1.w2.weight' has shape \(16, 23\), expected \(16, 24\)"),
+    ("wrong dtype", lambda t: t.__setitem__("model.moe.experts.0.w3.weight", torch.randn(24, 16).half()), "dtype"),
+    ("no router", lambda t: t.pop("model.moe.gate.weight"), "missing tensor 'model.moe.gate.weight'"),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,match", BAD_FILES, ids=[c[0] for c in BAD_FILES])
+def test_from_safetensors_bad_file(name, corrupt, match, tmp_path, device):
+    t = _small_layer()
+    corrupt(t)
+    path = tmp_path / "bad.safetensors"
+    save_file(t, str(path))
+    with pytest.raises(ValueError, match=match):
+        onegemm.MoEFFN.from_safetensors(path, prefix="model.moe.", device=device)
+
+
+def test_from_safetensors_wrong_prefix(device):
+    with pytest.raises(ValueError, match="missing tensor 'layers.0.gate.weight'"):
+        onegemm.MoEFFN.from_safetensors(STORED_LAYER, prefix="layers.0.", device=device)
+
+
+# ---- GPU only ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k", [(4096, 2048, 768, 128, 8), (64, 2048, 768, 128, 8), (2048, 4096, 1024, 8, 2)], ids=str)
+def test_gpu_moe_ffn_real_sizes(T, H, I, E, k, device):
+    x, w_gate_up, w_down, weights, ids = moe_inputs(T, H, I, E, k, torch.bfloat16, device)
+    y = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
+    assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 2 * TOL[torch.bfloat16])
+    assert torch.equal(onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids), y)
+
+
+@pytest.mark.gpu
+def test_gpu_moeffn_cuda_graph(device):
+    layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, device=device)
+    x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
+    layer(x)  # autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(y, stored_ref(layer, x), 2 * TOL[torch.bfloat16])
