@@ -71,6 +71,7 @@ def blockscaled_matmul_kernel(
     gemm_tile(
         pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+        # UPCAST off (fp8 tiles are right in the interpreter), PRECISION unused for fp8.
         ACTIVATION, False, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
         sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
         sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
