@@ -17,7 +17,16 @@ import triton
 import triton.language as tl
 
 from ..core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, _cfg, prune_configs
-from ..core.tiles import activate, epilogue, gemm_tile, grouped_tile, mma_k_loop, store_tile, tile_range
+from ..core.tiles import (
+    activate,
+    epilogue,
+    gemm_tile,
+    grouped_tile,
+    make_operands,
+    mma_k_loop,
+    store_tile,
+    tile_range,
+)
 
 
 @triton.jit
@@ -77,6 +86,7 @@ def group_tile(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias_n,
     SWIGLU: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
 ):
     """One output tile of one group: core's K loop, epilogue and store on the group's operands.
 
@@ -90,6 +100,10 @@ def group_tile(
         accumulator splits into [BLOCK_M, BLOCK_N/2] gate and up halves; the tile writes
         silu(gate) * up, BLOCK_N/2 columns wide. The [rows, 2I] product is never stored.
     fill: store ``fill_value`` (0 for rows past offs[-1], NaN for bad offs) instead of a product.
+    USE_TMA: core's TMA flavour (not with a gather or SWIGLU; the host decides): descriptors
+        over the GROUP's A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips
+        at the group's edges, which is what the masks do for pointers. A scattered C
+        (c_rows_ptr) is still stored through pointers.
     """
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     offs_m, wrapped_m, mask_m = tile_range(pid_m, M_g, BLOCK_M)
@@ -100,17 +114,23 @@ def group_tile(
         rows = tl.load(a_rows_ptr + row0 + wrapped_m)
     if c_rows_ptr is not None:
         out_rows = tl.load(c_rows_ptr + row0 + wrapped_m)
+    a, b, c = make_operands(
+        a_g, b_g, c_g, M_g, N_g, K_g, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG,
+    )
     if fill:
-        acc = tl.full((BLOCK_M, BLOCK_N_OUT), fill_value, tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
     else:
         cols = wrapped_n
         if SWIGLU:
             cols = tl.reshape(tl.join(wrapped_n, wrapped_n + N_g), (BLOCK_N,))
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = mma_k_loop(
-            acc, a_g, b_g, rows, cols, K_g,
+            acc, a, b, rows, cols, K_g,
             stride_am, stride_ak, stride_bk, stride_bn,
             BLOCK_K, UPCAST, PRECISION,
+            USE_TMA=USE_TMA, off_m=pid_m * BLOCK_M, off_n=pid_n * BLOCK_N,
+            A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG,
         )
         if SWIGLU:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N_OUT, 2)))
@@ -119,7 +139,10 @@ def group_tile(
             acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
             bias_g, stride_bias_n, weight_ptr=weight_ptr, weight_idx=out_rows,
         )
-    store_tile(c_g, acc, out_rows, offs_n, mask_m, mask_n, stride_cm, stride_cn)
+    if USE_TMA and c_rows_ptr is None:
+        store_tile(c, acc, out_rows, offs_n, mask_m, mask_n, stride_cm, stride_cn, True, pid_m * BLOCK_M, pid_n * BLOCK_N)
+    else:
+        store_tile(c_g, acc, out_rows, offs_n, mask_m, mask_n, stride_cm, stride_cn)
 
 
 @triton.jit
@@ -136,6 +159,7 @@ def ragged_kernel(
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     G_BLOCK: tl.constexpr,
+    USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
 ):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
@@ -153,6 +177,7 @@ def ragged_kernel(
         ("M" only; see group_tile).
     M_BUCKET, LAYOUT: autotune key only (rows per group, next power of two; operand layout).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
+    USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, per group (see group_tile).
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values:
       "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT); "N": cdiv(M, BLOCK_M) *
       (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
@@ -197,7 +222,6 @@ def ragged_kernel(
         fill_value = tl.where(bad, float("nan"), 0.0)
     if valid:
         # int64: group offsets times strides pass 2^31 elements on large MoE batches.
-        s = start.to(tl.int64)
         g64 = g.to(tl.int64)
         a_g = a_ptr + g64 * stride_ag
         b_g = b_ptr + g64 * stride_bg
@@ -209,22 +233,23 @@ def ragged_kernel(
         if RAGGED == "M":
             row0 = start
             if a_rows_ptr is None:
-                a_g += s * stride_am
+                a_g += start.to(tl.int64) * stride_am
             if c_rows_ptr is None:
-                c_g += s * stride_cm
+                c_g += start.to(tl.int64) * stride_cm
         if RAGGED == "N":
-            b_g += s * stride_bn
-            c_g += s * stride_cn
+            b_g += start.to(tl.int64) * stride_bn
+            c_g += start.to(tl.int64) * stride_cn
             if bias_ptr is not None:
-                bias_g += s * stride_bias_n
+                bias_g += start.to(tl.int64) * stride_bias_n
         if RAGGED == "K":
-            a_g += s * stride_ak
-            b_g += s * stride_bk
+            a_g += start.to(tl.int64) * stride_ak
+            b_g += start.to(tl.int64) * stride_bk
         group_tile(
             pid_m, pid_n, a_g, b_g, c_g, bias_g, M_g, N_g, K_g,
             row0, a_rows_ptr, c_rows_ptr, weight_ptr, fill, fill_value,
             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias_n,
             SWIGLU, ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            USE_TMA, A_K_CONTIG, B_K_CONTIG,
         )
 
 

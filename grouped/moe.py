@@ -95,20 +95,22 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
     # GEMM1: h[r] = silu(x[token[r]] @ W1_e^T) * (x[token[r]] @ W3_e^T), rows sorted by expert.
     # B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
     h = empty((P, I), dtype=x.dtype, device=x.device)
+    w1 = w_gate_up.transpose(1, 2)  # [E, H, 2I]
     launch_ragged(
-        x, w_gate_up, h, offs, ragged="M", G=E, M=P, N=I, K=H,
+        x, w1, h, offs, ragged="M", G=E, M=P, N=I, K=H,
         strides_a=(0, x.stride(0), x.stride(1)),
-        strides_b=(w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)),
+        strides_b=tuple(w1.stride()),
         strides_c=(0, h.stride(0), h.stride(1)),
         a_rows=token, swiglu=True, m_bucket=P // E,
     )
     # GEMM2: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T), fp32 so the combine rounds once.
     y_pairs = empty((P, H), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    w2 = w_down.transpose(1, 2)  # [E, I, H]
     launch_ragged(
-        h, w_down, y_pairs, offs, ragged="M", G=E, M=P, N=H, K=I,
+        h, w2, y_pairs, offs, ragged="M", G=E, M=P, N=H, K=I,
         strides_a=(0, h.stride(0), h.stride(1)),
-        strides_b=(w_down.stride(0), w_down.stride(2), w_down.stride(1)),
+        strides_b=tuple(w2.stride()),
         strides_c=(0, y_pairs.stride(0), y_pairs.stride(1)),
         c_rows=pair, weight=weights, m_bucket=P // E,
     )

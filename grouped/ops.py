@@ -7,6 +7,7 @@ import triton
 
 from ..core import checks
 from ..core.runtime import INTERPRET, Kernel, empty, next_pow2_bucket, sm_count
+from ..core.tma import choose_tma, ensure_allocator
 from ..core.matmul import _cfg
 from .kernels import (
     GROUPED_CONFIGS,
@@ -26,7 +27,7 @@ RAGGED_INTERPRET_CONFIG = _cfg(32, 64, 64, 1, 1, group_m=4)
 _ragged = Kernel(
     ragged_kernel,
     GROUPED_CONFIGS,
-    key=["M_BUCKET", "N", "K", "LAYOUT", "RAGGED", "SWIGLU"],
+    key=["M_BUCKET", "N", "K", "LAYOUT", "RAGGED", "SWIGLU", "USE_TMA"],
     interpret_config=RAGGED_INTERPRET_CONFIG,
     prune=prune_grouped,
 )
@@ -79,12 +80,57 @@ def _bias_strides(bias):
     return (bias.stride(0), bias.stride(1)) if bias.dim() == 2 else (0, bias.stride(0))
 
 
+def _group_views(a, b, c):
+    """Group 0's A [M, K], B [K, N] and C [M, N] as 2-D views: what a TMA descriptor sees."""
+    a0 = a if a.dim() == 2 else a[0]
+    b0 = b if b.dim() == 2 else b[0]
+    c0 = c if c.dim() == 2 else c[0]
+    return a0, b0, c0
+
+
+def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides):
+    """core.tma.choose_tma for one group, plus what per-group base pointers add.
+
+    Group g's operands start at base + g * stride_g + start * stride (start read on the device),
+    so every such offset must keep TMA's 16-byte alignment: only a ragged M with row-major A
+    and C (start * stride_m, a whole number of aligned rows) and the batched mode qualify; a
+    ragged N or K shifts the base by single elements. A gather (MoE GEMM1) or the interleaved
+    SwiGLU columns need pointer loads.
+    """
+    reason = None
+    if gather or swiglu:
+        reason = "a row gather / SwiGLU tile reads through pointers"
+    elif ragged in ("N", "K"):
+        reason = f"offs over {ragged} shift group bases by single elements (TMA needs 16-byte alignment)"
+    elif any(st % (16 // t.element_size()) for st, t in zip(strides, (a, b, c))):
+        reason = "a group stride is not a multiple of 16 bytes"
+    if reason is None:
+        a0, b0, c0 = _group_views(a, b, c)
+        layout = choose_tma(tma, a0, b0, c0)
+        if layout is not None and ragged == "M" and not layout.a_k_contig:
+            reason = "a must be row-major for offs over rows (a column-major slice starts at any element)"
+        else:
+            return layout
+    if tma:
+        raise ValueError(f"tma=True but {reason}; pass tma=None to fall back to pointer loads")
+    return None
+
+
 def launch_ragged(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
-    m_bucket=None, config=None,
+    m_bucket=None, config=None, tma=None,
 ):
-    """Launch ragged_kernel (see its docstring for the meaning of every argument)."""
+    """Launch ragged_kernel (see its docstring for the meaning of every argument).
+
+    tma: None (automatic: core's TMA flavour on Hopper where every group's operands allow it),
+    False (pointers), True (TMA or ValueError).
+    """
+    flavour = _tma_flavour(
+        tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a[0], strides_b[0], strides_c[0])
+    )
+    if flavour is not None:
+        ensure_allocator()
     n_out_block = (lambda meta: meta["BLOCK_N"] // 2) if swiglu else (lambda meta: meta["BLOCK_N"])
 
     def grid(meta):
@@ -108,6 +154,9 @@ def launch_ragged(
         UPCAST=checks.upcast_flag(a.dtype),
         PRECISION=checks.dot_precision(a.dtype),
         G_BLOCK=triton.next_power_of_2(G + 1),
+        USE_TMA=flavour is not None,
+        A_K_CONTIG=flavour is None or flavour.a_k_contig,
+        B_K_CONTIG=flavour is None or flavour.b_k_contig,
     )
     if config is None:
         _ragged[grid](*args, **meta)
@@ -116,7 +165,7 @@ def launch_ragged(
     return c
 
 
-def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=None, check_offs=None, config=None):
+def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=None, check_offs=None, config=None, tma=None):
     """out[group] = act(a[group] @ b[group] + bias[group]), torch._grouped_mm semantics.
 
     Modes (G groups; ``offs`` int32 [G] cumulative END offsets, read on the device):
@@ -133,11 +182,12 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     GPU the call never syncs (CUDA-graph capturable) and bad offs give an all-NaN output.
 
     List mode: ``grouped_matmul([a0, a1, ...], [b0, b1, ...])`` -> [a0 @ b0, a1 @ b1, ...],
-    each pair its own (M, N, K), one launch. ``config`` forces one triton.Config.
+    each pair its own (M, N, K), one launch. ``config`` forces one triton.Config. ``tma``: as
+    in onegemm.matmul (None: TMA loads on Hopper where the layout allows; False; True).
     """
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        if offs is not None or bias is not None:
-            raise ValueError("list mode takes no offs and no bias: pass grouped_matmul([a0, ...], [b0, ...])")
+        if offs is not None or bias is not None or tma:
+            raise ValueError("list mode takes no offs, bias or tma: pass grouped_matmul([a0, ...], [b0, ...])")
         return _grouped_list(a, b, activation=activation, out_dtype=out_dtype, config=config)
 
     checks.check_tensor("a", a, ndim=(2, 3))
@@ -206,7 +256,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         return c.zero_()
     return launch_ragged(
         a, b, c, offs, ragged=ragged, G=G, M=M, N=N, K=K, strides_a=sa, strides_b=sb, strides_c=sc,
-        bias=bias, activation=activation, m_bucket=m_bucket, config=config,
+        bias=bias, activation=activation, m_bucket=m_bucket, config=config, tma=tma,
     )
 
 

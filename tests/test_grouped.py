@@ -332,3 +332,34 @@ def test_gpu_list_mode_large(device):
     for x, w, o in zip(As, Bs, onegemm.grouped_matmul(As, Bs)):
         assert_close(o, matmul_ref(x, w), TOL[torch.bfloat16])
 
+
+
+# ---- core's TMA flavour (descriptors run under the interpreter too) ----
+
+
+@pytest.mark.parametrize("mode", ["2d_3d", "3d_3d"])
+def test_tma_flavour(mode, device):
+    G, K, N = 3, 72, 80  # rows of 144 / 160 bytes: 16-byte aligned, as TMA needs
+    b = expert_weights(G, K, N, torch.float16, device)
+    if mode == "2d_3d":
+        sizes = [37, 0, 50]
+        a = rand(sum(sizes) + 3, K, dtype=torch.float16, device=device)
+        offs = offs_of(sizes, device)
+    else:
+        a = rand(G, 45, K, dtype=torch.float16, device=device)
+        offs = None
+    bias = rand(G, N, device=device)
+    out = onegemm.grouped_matmul(a, b, offs, bias=bias, activation="gelu", tma=True)
+    assert_close(out, grouped_mm_ref(a, b, offs, bias, "gelu"), TOL[torch.float16])
+    if mode == "2d_3d":
+        assert (out[sum(sizes):] == 0).all()
+
+
+def test_tma_refused_where_group_bases_misalign(device):
+    a = rand(20, 16, dtype=torch.float16, device=device)
+    b = rand(16, 24, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="tma=True but offs over K"):
+        onegemm.grouped_matmul(a.t().contiguous().t(), b, offs_of([8, 8], device), tma=True)
+    b3 = expert_weights(2, 16, 24, torch.float16, device)
+    with pytest.raises(ValueError, match="row-major"):
+        onegemm.grouped_matmul(rand(16, 24, dtype=torch.float16, device=device).t(), b3, offs_of([8, 12], device), tma=True)
