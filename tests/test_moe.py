@@ -6,6 +6,7 @@ from safetensors.torch import load_file, save_file
 
 import onegemm
 from onegemm.grouped import STORED_LAYER, sort_by_expert
+from onegemm.grouped.moe import moe_ffn_torch
 from reference import TOL, assert_close, moe_ref, route_ref
 
 
@@ -235,3 +236,13 @@ def test_gpu_moeffn_cuda_graph(device):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(y, stored_ref(layer, x), 2 * TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("use_grouped_mm", [False, True])
+def test_moe_ffn_torch_peer_matches_reference(use_grouped_mm, device):
+    """The plain-torch peer (benchmarks, python -m onegemm) computes the same function."""
+    dtype = torch.bfloat16 if use_grouped_mm else torch.float64
+    x, w_gate_up, w_down, weights, ids = moe_inputs(50, 32, 48, 6, 2, dtype, device)
+    ids[0, 1] = 6  # an id outside [0, E): contributes nothing
+    y = moe_ffn_torch(x, w_gate_up, w_down, weights, ids, use_grouped_mm=use_grouped_mm)
+    assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 1e-12 if dtype == torch.float64 else 2e-2)
