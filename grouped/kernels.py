@@ -311,18 +311,21 @@ SMALL_M_CONFIGS = [
 GROUPED_CONFIGS = MATMUL_CONFIGS + SMALL_M_CONFIGS
 
 
-def prune_grouped(configs, named_args, **kwargs):
-    """Core's pruning (BLOCK_K by dtype; BLOCK_M <= 64 for small M) plus the thin-M rules.
+# Rows per group -> the tile heights worth trying. A tile much taller than a group multiplies
+# padding; a much shorter one re-reads each weight tile once per row-block. Four bands keep
+# every autotune key to 3-5 configs (the benchmark tunes ~40 keys within its time budget).
+_BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128, 256))]
 
-    M_BUCKET here is the rows per group: a group of <= 16 rows only tries 16-row tiles, and a
-    group of >= 256 rows never tries them (they re-read each weight tile M/16 times).
-    """
+
+def prune_grouped(configs, named_args, **kwargs):
+    """Core's pruning (BLOCK_K by dtype), then tile heights by M_BUCKET = rows per group."""
     kept = prune_configs(configs, named_args)
     m = named_args["M_BUCKET"]
-    if m <= 16:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] == 16] or kept
-    elif m >= 256:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] >= 64] or kept
+    heights = next(h for limit, h in _BLOCK_M_BANDS if m <= limit)
+    kept = [c for c in kept if c.kwargs["BLOCK_M"] in heights] or kept
+    if 64 < m < 256:
+        # Mid-size groups: 128x256 tiles leave too few tiles per expert to fill 132 SMs.
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or kept
     if named_args.get("SWIGLU"):
         # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
         kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128] or kept
