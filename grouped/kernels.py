@@ -11,6 +11,10 @@ store_tile, gemm_tile); nothing here re-implements a K loop, an epilogue or a st
   free of host syncs and CUDA-graph capturable: the grid depends only on shapes.
 * ``list_kernel``: list mode, every pair its own (M, N, K), read from device arrays of
   pointers, sizes and strides; a persistent walk over all tiles of all groups.
+
+Where the operands allow it (row-major, 16-byte aligned group bases), the ragged kernel takes
+core's TMA flavour with one descriptor per group: its shape is the group's, so the TMA unit
+zero-fills and clips at group edges exactly where the pointer flavour masks.
 """
 
 import triton
@@ -326,7 +330,8 @@ def prune_grouped(configs, named_args, **kwargs):
     if 64 < m < 256:
         # Mid-size groups: 128x256 tiles leave too few tiles per expert to fill 132 SMs.
         kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or kept
-    if named_args.get("SWIGLU"):
+    # Constexprs passed by keyword reach the pruner in kwargs, positional arguments in named_args.
+    if kwargs.get("SWIGLU", named_args.get("SWIGLU")):
         # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
         kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128] or kept
     return kept
@@ -341,7 +346,3 @@ LIST_CONFIGS = [
     _cfg(64, 64, 32, 4, 4),
 ]
 
-__all__ = [
-    "ragged_kernel", "list_kernel", "GROUPED_CONFIGS", "LIST_CONFIGS", "INTERPRET_CONFIG",
-    "prune_grouped", "prune_configs",
-]
