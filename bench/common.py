@@ -1,8 +1,9 @@
 """What every benchmark in bench/ shares: timing, the results header, markdown and plots.
 
 Benchmarks compare onegemm with its peer measured in the same run, and report ratios.
-Timing is triton.testing.do_bench's median over CUDA events, after warm-up (the first call of
-a shape also autotunes, and is kept out of the numbers). Inputs are random, never zeros: an
+Timing (bench_ms) is the GPU time of one call replayed from a CUDA graph, median over
+triton.testing.do_bench's runs, after warm-up (the first call of a shape also autotunes, and
+is kept out of the numbers). Inputs are random, never zeros: an
 H200 ran a bf16 GEMM 13% faster on zeros than on random data (DESIGN.md / METHOD.md).
 
 The float64 references live in tests/reference.py; benchmarks import them from there.
@@ -26,10 +27,33 @@ RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO / "tests"))  # so benchmarks can `from reference import ...`
 
 
-def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    """Median milliseconds of fn() (CUDA events)."""
+def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100, graph: bool = True) -> float:
+    """Median milliseconds of fn() on the GPU.
+
+    graph=True (default): fn is captured once in a CUDA graph and the replays are timed with
+    do_bench (CUDA events, L2 flushed between runs). This measures the kernels alone: eager
+    calls of a Triton op cost 60-90 us of Python on the host (bench/diagnose_matmul.py,
+    H200), more than a small GEMM's GPU time, and production decode runs under CUDA graphs.
+    A peer that cannot be captured (a host-synced fallback) is timed eagerly instead.
+    graph=False: eager calls, host overhead included where it exceeds GPU time.
+    """
     fn()  # compile / autotune outside the timed region
     torch.cuda.synchronize()
+    if graph:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()  # warm the graph pool's allocations on the capture stream
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            torch.cuda.synchronize()
+            return triton.testing.do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - uncapturable peer: fall back to eager, say so
+            print(f"[bench_ms] CUDA graph capture failed ({type(e).__name__}: {str(e)[:80]}); timing eagerly", flush=True)
+            torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
@@ -53,7 +77,9 @@ def header(title: str) -> str:
         f"- torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}\n"
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
         f"- command: `python {cmd}`\n"
-        f"- timing: triton.testing.do_bench median (CUDA events), after a warm-up call that autotunes\n\n"
+        f"- timing: GPU time, median of triton.testing.do_bench over CUDA-graph replays of one call (L2 flushed "
+        f"between runs; autotuning done before). Eager calls add 60-90 us of Python launch overhead per Triton op "
+        f"(10-15 us for torch.matmul), which bounds small shapes; see bench/diagnose_matmul.py\n\n"
     )
 
 

@@ -17,7 +17,7 @@ def matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    M_BUCKET, LAYOUT,
+    M_BUCKET, LAYOUT, TMA_MODE,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -27,10 +27,10 @@ def matmul_kernel(
 
     a_ptr [M, K], b_ptr [K, N], c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
     bias_ptr [N] (stride_bias) or None.
-    M_BUCKET, LAYOUT: autotune key only (next power of two of M; which operands are
-        K-contiguous), unused in the body.
+    M_BUCKET, LAYOUT, TMA_MODE: autotune key only (next power of two of M; which operands
+        are K-contiguous; which load flavours the tuner may pick), unused in the body.
     USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT: the TMA flavour and its operand layout
-        (tiles.make_operands; core/tma.py decides them on the host).
+        (tiles.make_operands; core/tma.py says which calls may use it, the tuner picks).
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs in grouped (GROUP_M) order.
     """
     pid = tl.program_id(0)
@@ -94,12 +94,33 @@ def prune_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
+# Which load flavours the tuner may try (the TMA_MODE key argument).
+POINTERS_ONLY, TMA_ONLY, EITHER = 0, 1, 2
+
+
+def _with_flavour(cfg: triton.Config, use_tma: bool) -> triton.Config:
+    return triton.Config({**cfg.kwargs, "USE_TMA": use_tma}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def prune_flavours(configs, named_args, **kwargs):
+    """prune_configs, then keep the load flavours this call allows (TMA_MODE)."""
+    kept = prune_configs(configs, named_args, **kwargs)
+    mode = kwargs["TMA_MODE"]
+    if mode == EITHER:
+        return kept
+    return [c for c in kept if c.kwargs["USE_TMA"] == (mode == TMA_ONLY)]
+
+
+# The launch-per-tile kernel tunes the load flavour with the tile shape. Measured on the H200
+# in GPU time (bench/diagnose_matmul.py): each program builds its TMA descriptors in-kernel
+# (about 2.4 us before its first load), so pointer loads win below ~2048^3 (512^3: 3.7 vs
+# 6.0 us; 16x4096x4096: 14.6 vs 20.2 us) and TMA wins by 3-8% at 4096^3 and 8192^3.
 _matmul = Kernel(
     matmul_kernel,
-    MATMUL_CONFIGS,
-    key=["M_BUCKET", "N", "K", "LAYOUT", "USE_TMA"],
+    [_with_flavour(c, t) for c in MATMUL_CONFIGS for t in (False, True)],
+    key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
     interpret_config=INTERPRET_CONFIG,
-    prune=prune_configs,
+    prune=prune_flavours,
 )
 
 
@@ -171,10 +192,21 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     args, meta = launch_args(a, b, c, bias, activation, tma)
+    eligible = meta.pop("USE_TMA")
     if config is None:
-        _matmul[grid](*args, **meta)
+        # tma=None lets the tuner choose between the flavours the operands allow.
+        mode = EITHER if tma is None and eligible else (TMA_ONLY if eligible else POINTERS_ONLY)
+        if _matmul.tuned is None:  # interpreter: one fixed config, pointer loads
+            meta["USE_TMA"] = eligible
+        _matmul[grid](*args, TMA_MODE=mode, **meta)
     else:
-        _matmul.run(grid, config, *args, **meta)
+        if "USE_TMA" in config.kwargs:  # a config taken from best_config() names its flavour
+            if config.kwargs["USE_TMA"] and not eligible:
+                raise ValueError("config has USE_TMA=True but these operands cannot use TMA (see core/tma.py)")
+            eligible = config.kwargs["USE_TMA"]
+            config = triton.Config({k: v for k, v in config.kwargs.items() if k != "USE_TMA"},
+                                   num_warps=config.num_warps, num_stages=config.num_stages)
+        _matmul.run(grid, config, *args, TMA_MODE=int(eligible), USE_TMA=eligible, **meta)
     return c
 
 
