@@ -121,8 +121,10 @@ QUANT_INTERPRET_CONFIG = _qcfg(BLOCK, 1)
 
 
 def _prune_quant(configs, named_args, **kwargs):
-    if named_args["ROWS_PER_SCALE"] > 1:
-        return [c for c in configs if c.kwargs["BLOCK_M"] == named_args["ROWS_PER_SCALE"]]
+    # The autotuner passes keyword constexprs to the pruner in kwargs, positional ones in named_args.
+    rows_per_scale = kwargs.get("ROWS_PER_SCALE", named_args.get("ROWS_PER_SCALE"))
+    if rows_per_scale > 1:
+        return [c for c in configs if c.kwargs["BLOCK_M"] == rows_per_scale]
     return configs
 
 
@@ -170,7 +172,9 @@ def _quantize_triton(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: boo
 
 
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2_scale: bool) -> torch.Tensor:
-    scale = torch.where(amax > 0, (amax / fp8_max(dtype)).clamp_min(FLT_MIN), 1.0)
+    # Divide by a tensor, not a Python float: CUDA divides by a scalar as a multiply by its
+    # reciprocal, 1 ulp off the correctly rounded quotient the kernel and the reference give.
+    scale = torch.where(amax > 0, (amax / amax.new_full((), fp8_max(dtype))).clamp_min(FLT_MIN), 1.0)
     if pow2_scale:  # the bit trick of _round_up_pow2
         bits = scale.view(torch.int32)
         up = ((bits & 0x7FFFFF) != 0).to(torch.int32) * 0x800000

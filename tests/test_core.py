@@ -33,10 +33,17 @@ def make(shape, dtype, device, layout="contig", scale=1.0):
     return t.to(dtype)
 
 
+# Hopper's fp8 MMA adds products inside one K block in reduced precision (6.6e-5 measured on
+# the H200 with K = 70 and an fp32 output), so an fp32 output of fp8 inputs is not 1e-5-exact.
+FP8_MMA_TOL = 2e-4
+
+
 def tol_for(dtype, out_dtype=None):
     out_dtype = out_dtype or (torch.bfloat16 if dtype in FP8 else dtype)
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return TF32_TOL
+    if dtype in FP8:
+        return max(TOL[out_dtype], FP8_MMA_TOL)
     return TOL[out_dtype]
 
 
@@ -81,7 +88,7 @@ def test_matmul_fp8_mixed_and_out_dtype(a_dtype, b_dtype, out_dtype, device):
     b = make((70, 33), b_dtype, device)
     out = onegemm.matmul(a, b, out_dtype=out_dtype)
     assert out.dtype == (out_dtype or torch.bfloat16)
-    assert_close(out, matmul_ref(a, b), TOL[out.dtype])
+    assert_close(out, matmul_ref(a, b), tol_for(a_dtype, out.dtype))
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
@@ -151,13 +158,15 @@ def test_pitfall_k_tail_is_masked(K, device):
 
 def test_pitfall_fp32_accumulator_at_large_k(device):
     """fp16 inputs, K = 4096, all-positive terms: the sum grows to ~1000, where an fp16
-    accumulator's spacing is 0.5 and most products (~0.25) would round away. The fp32
-    accumulator keeps the result within 1e-5 of float64 (output requested in fp32)."""
+    accumulator's spacing is 0.5 to 1 and most products (~0.25) would round away (errors of
+    10% and more). The fp32 accumulator stays within 1e-4 of float64 (output in fp32):
+    1e-7 on the interpreter, 2.4e-5 measured on the H200, whose tensor cores add into fp32
+    with truncation rather than round-to-nearest."""
     M, N, K = 32, 32, 4096
     a = torch.rand(M, K, device=device).half()
     b = torch.rand(K, N, device=device).half()
     out = onegemm.matmul(a, b, out_dtype=torch.float32)
-    assert_close(out, matmul_ref(a, b), 1e-5)
+    assert_close(out, matmul_ref(a, b), 1e-4)
 
 
 @pytest.mark.parametrize("M", [7 * 32, 5 * 32 + 3])
