@@ -91,6 +91,18 @@ def block_dims(block, M: int, K: int):
     return tuple(block)
 
 
+def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= s (s > 0), exactly: s = m * 2^e with m in [0.5, 1), so the
+    answer is 2^(e-1) when m == 0.5 (s is already a power of two) and 2^e otherwise.
+    (exp2(ceil(log2(s))) is not exact on CUDA, whose log2 may miss an exact power by an ulp.)"""
+    m, e = torch.frexp(s)
+    return torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
+
+
+def is_pow2(s: torch.Tensor) -> torch.Tensor:
+    return torch.frexp(s)[0] == 0.5
+
+
 def quantize_fp8_ref(x: torch.Tensor, block, dtype=torch.float8_e4m3fn, pow2_scale=False):
     """The quantiser's contract in float64, element by element through scatter/gather (an
     implementation independent of onegemm's einops/Triton ones).
@@ -105,7 +117,7 @@ def quantize_fp8_ref(x: torch.Tensor, block, dtype=torch.float8_e4m3fn, pow2_sca
     fmax = torch.finfo(dtype).max
     scale = torch.where(amax > 0, (amax / fmax).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
     if pow2_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = pow2_ceil(scale)
     scale = scale.float().double()  # scales are fp32 (amax / fmax rounds once, as in fp32)
     q = (x.double() / scale[flat].reshape(M, K)).clamp(-fmax, fmax).to(dtype)
     shape = (M, 1) if block == "row" else () if block == "tensor" else (nr, nc)
