@@ -27,7 +27,7 @@ import triton.language as tl
 from ..core import checks
 from ..core.runtime import Kernel, empty, next_pow2_bucket
 from ..core.tiles import gemm_tile, grouped_tile, make_operands
-from ..core.tma import choose_tma, ensure_allocator
+from ..core.tma import choose_tma, flavour_meta
 from .quantize import BLOCK
 
 
@@ -227,17 +227,9 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
         int(a.stride(1) == 1) * 2 + int(b.stride(0) == 1),
         A_KINDS.index(kind_a) * 4 + B_KINDS.index(kind_b),
     )
-    layout = choose_tma(tma, a, b, c)
-    if layout is not None:
-        ensure_allocator()
     meta = dict(
         ACTIVATION=activation, SA_ROWS_PER_SCALE=sa_rows, SB_COLS_PER_SCALE=sb_cols,
-        USE_TMA=layout is not None,
-        A_K_CONTIG=layout is None or layout.a_k_contig,
-        B_K_CONTIG=layout is None or layout.b_k_contig,
+        **flavour_meta(choose_tma(tma, a, b, c)),
     )
-    if config is None:
-        _blockscaled[grid](*args, **meta)
-    else:
-        _blockscaled.run(grid, config, *args, **meta)
+    _blockscaled.launch(grid, config, *args, **meta)
     return c

@@ -9,7 +9,7 @@ import triton.language as tl
 from . import checks
 from .runtime import Kernel, empty, next_pow2_bucket
 from .tiles import gemm_tile, grouped_tile, make_operands
-from .tma import choose_tma, ensure_allocator
+from .tma import choose_tma, flavour_meta
 
 
 @triton.jit
@@ -152,9 +152,6 @@ def launch_args(a, b, c, bias, activation, tma: bool | None):
     """
     M, K = a.shape
     N = b.shape[1]
-    layout = choose_tma(tma, a, b, c)
-    if layout is not None:
-        ensure_allocator()
     args = (
         a, b, c, bias, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
@@ -165,9 +162,7 @@ def launch_args(a, b, c, bias, activation, tma: bool | None):
         ACTIVATION=activation,
         UPCAST=checks.upcast_flag(a.dtype),
         PRECISION=checks.dot_precision(a.dtype),
-        USE_TMA=layout is not None,
-        A_K_CONTIG=layout is None or layout.a_k_contig,
-        B_K_CONTIG=layout is None or layout.b_k_contig,
+        **flavour_meta(choose_tma(tma, a, b, c)),
     )
     return args, meta
 

@@ -83,6 +83,12 @@ class Kernel:
             num_stages=config.num_stages,
         )
 
+    def launch(self, grid, config, *args, **kwargs):
+        """Autotune (``config`` None) or run the given config: what every public op does."""
+        if config is None:
+            return self[grid](*args, **kwargs)
+        return self.run(grid, config, *args, **kwargs)
+
     def best_config(self):
         """The config the tuner chose on its last call (None under the interpreter)."""
         return None if self.tuned is None else self.tuned.best_config

@@ -128,3 +128,15 @@ def ensure_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_alloc)
+
+
+def flavour_meta(layout: TmaLayout | None) -> dict:
+    """The flavour constexprs every kernel built on core's helpers takes, for ``layout``
+    (None: pointer loads). Sets this thread's descriptor allocator when TMA is on."""
+    if layout is not None:
+        ensure_allocator()
+    return dict(
+        USE_TMA=layout is not None,
+        A_K_CONTIG=layout is None or layout.a_k_contig,
+        B_K_CONTIG=layout is None or layout.b_k_contig,
+    )

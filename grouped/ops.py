@@ -7,7 +7,7 @@ import triton
 
 from ..core import checks
 from ..core.runtime import INTERPRET, Kernel, empty, next_pow2_bucket, sm_count
-from ..core.tma import choose_tma, ensure_allocator
+from ..core.tma import choose_tma, flavour_meta
 from ..core.matmul import _cfg
 from .kernels import (
     GROUPED_CONFIGS,
@@ -129,8 +129,6 @@ def launch_ragged(
     flavour = _tma_flavour(
         tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a[0], strides_b[0], strides_c[0])
     )
-    if flavour is not None:
-        ensure_allocator()
     n_out_block = (lambda meta: meta["BLOCK_N"] // 2) if swiglu else (lambda meta: meta["BLOCK_N"])
 
     def grid(meta):
@@ -154,14 +152,9 @@ def launch_ragged(
         UPCAST=checks.upcast_flag(a.dtype),
         PRECISION=checks.dot_precision(a.dtype),
         G_BLOCK=triton.next_power_of_2(G + 1),
-        USE_TMA=flavour is not None,
-        A_K_CONTIG=flavour is None or flavour.a_k_contig,
-        B_K_CONTIG=flavour is None or flavour.b_k_contig,
+        **flavour_meta(flavour),
     )
-    if config is None:
-        _ragged[grid](*args, **meta)
-    else:
-        _ragged.run(grid, config, *args, **meta)
+    _ragged.launch(grid, config, *args, **meta)
     return c
 
 

@@ -119,8 +119,5 @@ def persistent_matmul(
 
     args, meta = launch_args(a, b, c, bias, activation, tma)
     args = args + (num_programs,)  # PROGRAMS_KEY, after matmul_kernel's M_BUCKET and LAYOUT
-    if config is None:
-        _persistent[grid](*args, **meta)
-    else:
-        _persistent.run(grid, config, *args, **meta)
+    _persistent.launch(grid, config, *args, **meta)
     return c
