@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite on a GPU machine, one file at a time, so that every file's summary (and
+# its failures, one line each) is printed even when a later file runs long. On the H200 with
+# 16 CPU cores the suite is compile- and autotune-bound: 8 xdist workers compile in parallel;
+# one run of all files in one pytest took over 7 minutes (2026-11-29), so budget per file.
+#   bash tests/run_gpu_suite.sh              # logs and JUnit XML under $OUT (or /tmp/onegemm-gpu)
+#   SECONDS_PER_FILE=200 bash tests/run_gpu_suite.sh tests/test_core.py
+set -u
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/onegemm-gpu}"
+mkdir -p "$out"
+per_file="${SECONDS_PER_FILE:-150}"
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(tests/test_core.py tests/test_persistent.py tests/test_grouped.py
+                                 tests/test_moe.py tests/test_blockscaled.py tests/test_fp8linear.py)
+status=0
+for f in "${files[@]}"; do
+    name=$(basename "$f" .py)
+    timeout "$per_file" python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark --tb=line -rfE \
+        --junitxml="$out/$name.xml" "$f" > "$out/$name.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || status=1
+    echo "== $f: rc=$rc ($( [ $rc -eq 124 ] && echo "stopped at ${per_file}s" || tail -n 1 "$out/$name.log"))"
+    grep -E "^(FAILED|ERROR) " "$out/$name.log" | head -n 20
+done
+exit $status
