@@ -244,8 +244,9 @@ def store_tile(
     EPI_SPLIT = 2 stores the tile as two [BLOCK_M, BLOCK_N / 2] halves: the shared-memory
     staging buffer a TMA store goes through is halved. Compiled for sm_90, the persistent
     128x256x64 bf16 kernel with 3 stages needs 213 KB whole and 180 KB split, and a 4th stage
-    fits only split (229 KB of 232 KB); whether that is faster is for
-    bench/bench_persistent.py, which sweeps it.
+    fits only split (229 KB of 232 KB). Measured on the H200 (bench/results/persistent.md),
+    the split bought +1% at 4096^3, -7% at 8192^3 and -24% on a 266-tile shape, and the 4th
+    stage it makes room for +3%, -7% and -29%: no consistent gain, so autotuned configs keep 1.
     """
     if USE_TMA:
         if EPI_SPLIT == 1:
