@@ -110,9 +110,9 @@ BLOCKSCALED_CONFIGS = [
 INTERPRET_CONFIG = _cfg(32, 32, 1, 1, group_m=4)
 
 
-def prune_configs(configs, named_args, **kwargs):
+def prune_configs(configs, args):
     """Decode-sized M keeps the 64-row tiles; larger M keeps the rest."""
-    small_m = named_args["M_BUCKET"] <= 64
+    small_m = args["M_BUCKET"] <= 64
     kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 64) == small_m]
     return kept or configs
 

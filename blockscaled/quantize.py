@@ -120,9 +120,8 @@ QUANT_CONFIGS = [_qcfg(16, 4), _qcfg(32, 4), _qcfg(64, 4), _qcfg(128, 8), _qcfg(
 QUANT_INTERPRET_CONFIG = _qcfg(BLOCK, 1)
 
 
-def _prune_quant(configs, named_args, **kwargs):
-    # The autotuner passes keyword constexprs to the pruner in kwargs, positional ones in named_args.
-    rows_per_scale = kwargs.get("ROWS_PER_SCALE", named_args.get("ROWS_PER_SCALE"))
+def _prune_quant(configs, args):
+    rows_per_scale = args["ROWS_PER_SCALE"]
     if rows_per_scale > 1:
         return [c for c in configs if c.kwargs["BLOCK_M"] == rows_per_scale]
     return configs

@@ -80,14 +80,14 @@ MATMUL_CONFIGS = [
 INTERPRET_CONFIG = _cfg(32, 32, 32, 1, 1, group_m=4)
 
 
-def prune_configs(configs, named_args, **kwargs):
+def prune_configs(configs, args):
     """Keep the configs that suit the dtype and the M bucket (tuning fewer is faster)."""
-    a = named_args["a_ptr"]
+    a = args["a_ptr"]
     itemsize = a.element_size()
     # One K step moves BLOCK_K * itemsize bytes per row: 64 for fp8 and 128 for 16-bit inputs
     # fill a 128-byte TMA/wgmma swizzle row; fp32 takes 32 to keep shared memory in budget.
     want_bk = {1: 128, 2: 64, 4: 32}[itemsize]
-    m_bucket = named_args["M_BUCKET"]
+    m_bucket = args["M_BUCKET"]
     kept = [c for c in configs if c.kwargs["BLOCK_K"] == want_bk]
     if m_bucket <= 64:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
@@ -102,10 +102,10 @@ def _with_flavour(cfg: triton.Config, use_tma: bool) -> triton.Config:
     return triton.Config({**cfg.kwargs, "USE_TMA": use_tma}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def prune_flavours(configs, named_args, **kwargs):
+def prune_flavours(configs, args):
     """prune_configs, then keep the load flavours this call allows (TMA_MODE)."""
-    kept = prune_configs(configs, named_args, **kwargs)
-    mode = kwargs["TMA_MODE"]
+    kept = prune_configs(configs, args)
+    mode = args["TMA_MODE"]
     if mode == EITHER:
         return kept
     return [c for c in kept if c.kwargs["USE_TMA"] == (mode == TMA_ONLY)]

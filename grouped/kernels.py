@@ -321,17 +321,16 @@ GROUPED_CONFIGS = MATMUL_CONFIGS + SMALL_M_CONFIGS
 _BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128, 256))]
 
 
-def prune_grouped(configs, named_args, **kwargs):
+def prune_grouped(configs, args):
     """Core's pruning (BLOCK_K by dtype), then tile heights by M_BUCKET = rows per group."""
-    kept = prune_configs(configs, named_args)
-    m = named_args["M_BUCKET"]
+    kept = prune_configs(configs, args)
+    m = args["M_BUCKET"]
     heights = next(h for limit, h in _BLOCK_M_BANDS if m <= limit)
     kept = [c for c in kept if c.kwargs["BLOCK_M"] in heights] or kept
     if 64 < m < 256:
         # Mid-size groups: 128x256 tiles leave too few tiles per expert to fill 132 SMs.
         kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or kept
-    # Constexprs passed by keyword reach the pruner in kwargs, positional arguments in named_args.
-    if kwargs.get("SWIGLU", named_args.get("SWIGLU")):
+    if args["SWIGLU"]:
         # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
         kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128] or kept
     return kept

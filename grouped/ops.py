@@ -33,8 +33,8 @@ _ragged = Kernel(
 )
 
 
-def _prune_list(configs, named_args, **kwargs):
-    want_bk = {1: 128, 2: 64, 4: 32}[named_args["a_like"].element_size()]
+def _prune_list(configs, args):
+    want_bk = {1: 128, 2: 64, 4: 32}[args["a_like"].element_size()]
     return [c for c in configs if c.kwargs["BLOCK_K"] == want_bk] or configs
 
 
