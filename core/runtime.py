@@ -29,6 +29,13 @@ INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 # happens to be right (fresh pages are often zero). The test suite turns it on.
 POISON: bool = os.environ.get("ONEGEMM_POISON", "0") == "1"
 
+# Test switch: ONEGEMM_TUNE_MS=<ms> times each autotune candidate for that many milliseconds
+# instead of Triton's default 25 ms warmup + 100 ms of repetitions. The GPU test suite sets it:
+# it autotunes hundreds of distinct shapes, and what it checks is that every config the tuner
+# may pick computes the right answer, not which one is fastest. Results tuned this way are
+# not cached on disk, so a benchmark run later on the same machine tunes for real.
+TUNE_MS: float | None = float(os.environ["ONEGEMM_TUNE_MS"]) if os.environ.get("ONEGEMM_TUNE_MS") else None
+
 
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     """torch.empty for kernel outputs; NaN-poisoned when ``POISON`` is set."""
@@ -45,6 +52,12 @@ def next_pow2_bucket(n: int, cap: int = 8192) -> int:
     re-benchmark every config each time. Tiles that suit M=3000 suit M=4096 too.
     """
     return min(triton.next_power_of_2(max(int(n), 1)), cap)
+
+
+def _quick_bench(fn, quantiles):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=1, rep=TUNE_MS, quantiles=quantiles)
 
 
 class Kernel:
@@ -70,7 +83,8 @@ class Kernel:
                 configs=configs,
                 key=key,
                 prune_configs_by={"early_config_prune": self._pruned} if prune else None,
-                cache_results=True,
+                do_bench=_quick_bench if TUNE_MS else None,
+                cache_results=TUNE_MS is None,
             )(fn)
 
     def _pruned(self, configs, named_args, **kwargs):
