@@ -54,7 +54,8 @@ def test_persistent_fp8_mixed_and_out_dtype(out_dtype, device):
     b = make((70, 33), torch.float8_e5m2, device)
     out = onegemm.persistent_matmul(a, b, out_dtype=out_dtype, num_programs=3)
     assert out.dtype == (out_dtype or torch.bfloat16)
-    assert_close(out, matmul_ref(a, b), TOL[out.dtype])
+    # tol_for, as core's fp8 test: an fp32 output of fp8 inputs carries the MMA's rounding.
+    assert_close(out, matmul_ref(a, b), tol_for(a.dtype, out.dtype))
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
