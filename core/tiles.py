@@ -108,6 +108,7 @@ def mma_k_loop(
     sb_ptr=None, sb_idx=None, stride_sb_idx=0, stride_sb_k=0,
     USE_TMA: tl.constexpr = False, off_m=0, off_n=0,
     A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
+    SA_UNIFORM: tl.constexpr = False, SB_UNIFORM: tl.constexpr = False,
 ):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
@@ -129,6 +130,12 @@ def mma_k_loop(
     Each block's dot starts from zero and is promoted to the fp32 ``acc`` after scaling:
     Hopper's fp8 MMA accumulates in reduced precision, so accumulating across blocks inside
     the tensor core would lose bits (DESIGN.md, Hopper notes).
+    SA_UNIFORM / SB_UNIFORM: the whole tile shares one scale row / column (a 128x128 scale
+    block covers the tile), and ``sa_idx`` / ``sb_idx`` is that one index, a scalar. The
+    promotion is then one FMA per element (acc += part * s[:, None]) instead of a multiply
+    and an FMA: the promotion runs on the CUDA cores while the tensor core waits, so its cost
+    per element matters (a 128x128x128 fp8 block is ~512 tensor-core cycles per SM, and its
+    16384 promotions ~128 FP32 cycles per op).
 
     TMA flavour (USE_TMA): a_ptr / b_ptr are ``make_operands``' descriptors (A_K_CONTIG and
     B_K_CONTIG must be the ones they were built with) and the tile starts at row ``off_m`` and
@@ -170,13 +177,16 @@ def mma_k_loop(
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
             part = tl.dot(a, b, input_precision=PRECISION)
+            # The block's multiplier, broadcast as [BLOCK_M, 1], [1, BLOCK_N], both, or a
+            # scalar; folding the scalars first leaves one multiply-add per element.
+            scale = 1.0
             if sa_ptr is not None:
                 sa = tl.load(sa_ptr + sa_idx.to(tl.int64) * stride_sa_idx + kb * stride_sa_k)
-                part = part * sa[:, None]
+                scale = sa if SA_UNIFORM else sa[:, None]
             if sb_ptr is not None:
                 sb = tl.load(sb_ptr + kb * stride_sb_k + sb_idx.to(tl.int64) * stride_sb_idx)
-                part = part * sb[None, :]
-            acc += part
+                scale = scale * (sb if SB_UNIFORM else sb[None, :])
+            acc += part * scale
         if not USE_TMA:
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
@@ -287,14 +297,27 @@ def gemm_tile(
     """
     offs_m, rows, mask_m = tile_range(pid_m, M, BLOCK_M)
     offs_n, cols, mask_n = tile_range(pid_n, N, BLOCK_N)
+    # A tile inside one scale block (BLOCK_M divides 128 for 128x128 scales) reads one scale
+    # per K block: the scalar index of its first row (rows past M wrap, but are never stored).
+    SA_UNIFORM: tl.constexpr = SA_ROWS_PER_SCALE % BLOCK_M == 0
+    SB_UNIFORM: tl.constexpr = SB_COLS_PER_SCALE % BLOCK_N == 0
+    if SA_UNIFORM:
+        sa_idx = (pid_m * BLOCK_M) // SA_ROWS_PER_SCALE
+    else:
+        sa_idx = rows // SA_ROWS_PER_SCALE
+    if SB_UNIFORM:
+        sb_idx = (pid_n * BLOCK_N) // SB_COLS_PER_SCALE
+    else:
+        sb_idx = cols // SB_COLS_PER_SCALE
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = mma_k_loop(
         acc, a_ptr, b_ptr, rows, cols, K,
         stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_K, UPCAST, PRECISION,
-        sa_ptr, rows // SA_ROWS_PER_SCALE, stride_sa_m, stride_sa_k,
-        sb_ptr, cols // SB_COLS_PER_SCALE, stride_sb_n, stride_sb_k,
+        sa_ptr, sa_idx, stride_sa_m, stride_sa_k,
+        sb_ptr, sb_idx, stride_sb_n, stride_sb_k,
         USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, A_K_CONTIG, B_K_CONTIG,
+        SA_UNIFORM, SB_UNIFORM,
     )
     acc = epilogue(
         acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
