@@ -36,6 +36,7 @@ import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when th
 import torch  # noqa: E402
 from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.grouped.moe import moe_ffn_torch  # noqa: E402
+from onegemm.grouped.ops import _ragged  # noqa: E402
 from reference import assert_close, grouped_mm_ref, moe_ref  # noqa: E402
 
 # name: (E, H, I, top_k, decode rows, prefill rows)
@@ -125,6 +126,8 @@ def bench_bf16(models, quick, gen, device):
                         row = dict(model=name, gemm=which, phase=phase, rows=rows, routing=routing, N=N, K=K)
                         if not quick:
                             ms = {p: bench_ms(f, warmup_ms=10, rep_ms=60) for p, f in fns.items()}
+                            onegemm.grouped_matmul(a, b, offs)  # the last tuned call, for tile_name
+                            row["tile"] = tile_name(_ragged.best_config())
                             flop = 2 * rows * N * K
                             weight_bytes = sum(1 for s in sizes if s) * N * K * 2
                             row.update(
@@ -138,6 +141,13 @@ def bench_bf16(models, quick, gen, device):
                         rows_out.append(row)
                         del a, b, offs, fns
     return rows_out
+
+
+def tile_name(cfg) -> str:
+    """The tuner's choice, e.g. '128x256x64 w8 s4 TMA'."""
+    k = cfg.kwargs
+    flavour = "TMA" if k.get("USE_TMA") else "ptr"
+    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages} {flavour}"
 
 
 def bench_fp16(models, cases, quick, gen, device):

@@ -87,34 +87,43 @@ def _cfg(bm, bn, warps, stages, group_m=8):
     )
 
 
-# Hopper fp8. BLOCK_K = 128 everywhere: one scale per K block (and 128 bytes of fp8 per row
-# per stage, a full wgmma swizzle row). 128x256 with 8 warps (two consumer warpgroups) for
-# large M and N; 128x128 at 3-4 stages when N/128 * M/128 tiles are few; 64-row tiles for
-# decode-sized M, where 128-row tiles would be mostly masked. A 128x256x128 fp8 stage is
-# 48 KB of shared memory, so 3 stages fit Hopper's 227 KB; 4 would not leave the epilogue room.
-BLOCKSCALED_CONFIGS = [
-    _cfg(128, 256, 8, 3),
-    _cfg(256, 128, 8, 3),
+# Hopper fp8, BLOCK_K = 128 everywhere: one scale per K block (and 128 bytes of fp8 per row
+# per stage, a full wgmma swizzle row). Triton 3.6 waits for each K block's wgmma before
+# promoting it (acc += part * scale), so one warpgroup cannot overlap its MMAs with its
+# promotions; what hides them is other warpgroups on the same SM: two per CTA (8 warps), or
+# several CTAs per SM. Measured on the H200 (1x128 x 128x128, M >= 2048): 64x128 tiles with
+# 4 warps and 3 stages (72 KB of shared memory: three CTAs per SM) were fastest on 4 of 6
+# shapes, 128x128 on the rest; 128x256 and 64x256 tiles straddle two 128-column weight scale
+# blocks (a [1, BLOCK_N] scale vector: a multiply more per element) and ran 0.3-0.5x cuBLAS
+# against 0.6-0.76x. ptxas (sm_90): 128x128 with 4 warps holds two 128-register fp32 tiles per
+# thread and spills a little, 8 warps use 155 registers.
+LARGE_M_CONFIGS = [
+    _cfg(128, 128, 8, 3),
     _cfg(128, 128, 8, 4),
-    _cfg(128, 128, 4, 4),
     _cfg(128, 128, 4, 3),
+    _cfg(256, 128, 8, 3),
+    _cfg(64, 128, 4, 3),
+    _cfg(64, 128, 4, 4),
+]
+# M <= 64 is bound by reading B: 64-row tiles (128-row ones would be mostly masked), and
+# narrow ones give more programs (N/32 of them) to keep all 132 SMs loading.
+SMALL_M_CONFIGS = [
+    _cfg(64, 128, 4, 3),
     _cfg(64, 128, 4, 4),
     _cfg(64, 256, 4, 3),
     _cfg(64, 64, 4, 4),
-    # M = 16..64 is bound by reading B: narrow tiles give more programs (N/32 of them) to
-    # keep all 132 SMs loading.
     _cfg(64, 32, 4, 5),
 ]
+BLOCKSCALED_CONFIGS = LARGE_M_CONFIGS + [c for c in SMALL_M_CONFIGS if c not in LARGE_M_CONFIGS]
 
 # Interpreter: one small config; BLOCK_K stays 128 (the scale block).
 INTERPRET_CONFIG = _cfg(32, 32, 1, 1, group_m=4)
 
 
 def prune_configs(configs, args):
-    """Decode-sized M keeps the 64-row tiles; larger M keeps the rest."""
-    small_m = args["M_BUCKET"] <= 64
-    kept = [c for c in configs if (c.kwargs["BLOCK_M"] == 64) == small_m]
-    return kept or configs
+    """Decode-sized M (bucket <= 64) tunes SMALL_M_CONFIGS, larger M LARGE_M_CONFIGS."""
+    family = SMALL_M_CONFIGS if args["M_BUCKET"] <= 64 else LARGE_M_CONFIGS
+    return [c for c in configs if c in family] or configs
 
 
 _blockscaled = Kernel(

@@ -9,7 +9,7 @@ import triton.language as tl
 from . import checks
 from .runtime import Kernel, empty, next_pow2_bucket
 from .tiles import gemm_tile, grouped_tile, make_operands
-from .tma import choose_tma, flavour_meta
+from .tma import choose_tma, flavour_meta, keep_flavours, launch_flavoured, tuned_flavours
 
 
 @triton.jit
@@ -94,21 +94,9 @@ def prune_configs(configs, args):
     return kept or configs
 
 
-# Which load flavours the tuner may try (the TMA_MODE key argument).
-POINTERS_ONLY, TMA_ONLY, EITHER = 0, 1, 2
-
-
-def _with_flavour(cfg: triton.Config, use_tma: bool) -> triton.Config:
-    return triton.Config({**cfg.kwargs, "USE_TMA": use_tma}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def prune_flavours(configs, args):
     """prune_configs, then keep the load flavours this call allows (TMA_MODE)."""
-    kept = prune_configs(configs, args)
-    mode = args["TMA_MODE"]
-    if mode == EITHER:
-        return kept
-    return [c for c in kept if c.kwargs["USE_TMA"] == (mode == TMA_ONLY)]
+    return keep_flavours(prune_configs(configs, args), args)
 
 
 # The launch-per-tile kernel tunes the load flavour with the tile shape. Measured on the H200
@@ -117,7 +105,7 @@ def prune_flavours(configs, args):
 # 6.0 us; 16x4096x4096: 14.6 vs 20.2 us) and TMA wins by 3-8% at 4096^3 and 8192^3.
 _matmul = Kernel(
     matmul_kernel,
-    [_with_flavour(c, t) for c in MATMUL_CONFIGS for t in (False, True)],
+    tuned_flavours(MATMUL_CONFIGS),
     key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
     interpret_config=INTERPRET_CONFIG,
     prune=prune_flavours,
@@ -186,22 +174,7 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    args, meta = launch_args(a, b, c, bias, activation, tma)
-    eligible = meta.pop("USE_TMA")
-    if config is None:
-        # tma=None lets the tuner choose between the flavours the operands allow.
-        mode = EITHER if tma is None and eligible else (TMA_ONLY if eligible else POINTERS_ONLY)
-        if _matmul.tuned is None:  # interpreter: one fixed config, pointer loads
-            meta["USE_TMA"] = eligible
-        _matmul[grid](*args, TMA_MODE=mode, **meta)
-    else:
-        if "USE_TMA" in config.kwargs:  # a config taken from best_config() names its flavour
-            if config.kwargs["USE_TMA"] and not eligible:
-                raise ValueError("config has USE_TMA=True but these operands cannot use TMA (see core/tma.py)")
-            eligible = config.kwargs["USE_TMA"]
-            config = triton.Config({k: v for k, v in config.kwargs.items() if k != "USE_TMA"},
-                                   num_warps=config.num_warps, num_stages=config.num_stages)
-        _matmul.run(grid, config, *args, TMA_MODE=int(eligible), USE_TMA=eligible, **meta)
+    launch_flavoured(_matmul, grid, config, tma, *launch_args(a, b, c, bias, activation, tma))
     return c
 
 

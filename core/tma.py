@@ -140,3 +140,51 @@ def flavour_meta(layout: TmaLayout | None) -> dict:
         A_K_CONTIG=layout is None or layout.a_k_contig,
         B_K_CONTIG=layout is None or layout.b_k_contig,
     )
+
+
+# Tuning the flavour. Whether TMA pays depends on the shape: each program builds its
+# descriptors in-kernel (about 2.4 us on the H200 before its first load), which pointer loads
+# skip. A kernel that lets the tuner choose takes USE_TMA from its configs (``tuned_flavours``
+# doubles a config list) and a TMA_MODE argument in its autotune key saying which flavours
+# this call allows (``keep_flavours`` prunes to them); ``launch_flavoured`` launches it.
+POINTERS_ONLY, TMA_ONLY, EITHER = 0, 1, 2
+
+
+def tuned_flavours(configs: list[triton.Config]) -> list[triton.Config]:
+    """Each config twice: with pointer loads (USE_TMA False) and with TMA (True)."""
+    return [
+        triton.Config({**c.kwargs, "USE_TMA": t}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in configs
+        for t in (False, True)
+    ]
+
+
+def keep_flavours(configs, args):
+    """The configs whose flavour the call's TMA_MODE allows (a pruner step)."""
+    mode = args["TMA_MODE"]
+    if mode == EITHER:
+        return configs
+    return [c for c in configs if c.kwargs["USE_TMA"] == (mode == TMA_ONLY)]
+
+
+def launch_flavoured(kernel, grid, config, tma, args, meta) -> None:
+    """Launch a ``Kernel`` whose configs carry USE_TMA (see above).
+
+    meta: the call's constexprs, with ``flavour_meta``'s USE_TMA saying whether the operands
+    allow TMA. tma=None lets the tuner choose among the flavours allowed; True / False pin
+    one. A forced ``config`` may name its flavour (one taken from ``best_config()`` does).
+    """
+    eligible = meta.pop("USE_TMA")
+    if config is None:
+        mode = EITHER if tma is None and eligible else (TMA_ONLY if eligible else POINTERS_ONLY)
+        if kernel.tuned is None:  # interpreter: one fixed config, the flavour choose_tma gave
+            meta["USE_TMA"] = eligible
+        kernel[grid](*args, TMA_MODE=mode, **meta)
+        return
+    if "USE_TMA" in config.kwargs:
+        if config.kwargs["USE_TMA"] and not eligible:
+            raise ValueError("config has USE_TMA=True but these operands cannot use TMA (see core/tma.py)")
+        eligible = config.kwargs["USE_TMA"]
+        config = triton.Config({k: v for k, v in config.kwargs.items() if k != "USE_TMA"},
+                               num_warps=config.num_warps, num_stages=config.num_stages)
+    kernel.run(grid, config, *args, TMA_MODE=int(eligible), USE_TMA=eligible, **meta)

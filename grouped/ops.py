@@ -7,7 +7,7 @@ import triton
 
 from ..core import checks
 from ..core.runtime import INTERPRET, Kernel, empty, next_pow2_bucket, sm_count
-from ..core.tma import choose_tma, flavour_meta
+from ..core.tma import choose_tma, flavour_meta, launch_flavoured
 from ..core.matmul import _cfg
 from .kernels import (
     GROUPED_CONFIGS,
@@ -27,7 +27,7 @@ RAGGED_INTERPRET_CONFIG = _cfg(32, 64, 64, 1, 1, group_m=4)
 _ragged = Kernel(
     ragged_kernel,
     GROUPED_CONFIGS,
-    key=["M_BUCKET", "N", "K", "LAYOUT", "RAGGED", "SWIGLU", "USE_TMA"],
+    key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE", "RAGGED", "SWIGLU"],
     interpret_config=RAGGED_INTERPRET_CONFIG,
     prune=prune_grouped,
 )
@@ -154,7 +154,7 @@ def launch_ragged(
         G_BLOCK=triton.next_power_of_2(G + 1),
         **flavour_meta(flavour),
     )
-    _ragged.launch(grid, config, *args, **meta)
+    launch_flavoured(_ragged, grid, config, tma, args, meta)
     return c
 
 

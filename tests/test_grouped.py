@@ -5,6 +5,7 @@ import torch
 
 import onegemm
 from onegemm.core.matmul import _cfg
+from onegemm.grouped.kernels import GROUPED_CONFIGS
 from reference import TOL, assert_close, grouped_mm_ref, matmul_ref
 
 
@@ -288,6 +289,20 @@ def test_gpu_autotuned_moe_shapes(dtype, rows_per_group, device):
     offs = offs_of(sizes, device)
     out = onegemm.grouped_matmul(a, b, offs)
     assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.bfloat16 if dtype != torch.float16 else dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GROUPED_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+def test_gpu_every_grouped_config(cfg, device):
+    """Each config the ragged kernel may tune to, forced, in the flavour it names: ragged
+    groups with partial tiles (row lengths are 16-byte multiples so TMA is allowed)."""
+    dtype = torch.float8_e4m3fn if cfg.kwargs["BLOCK_K"] == 128 else torch.bfloat16
+    sizes = [300, 0, 1, 77, 129]
+    a = rand(sum(sizes) + 3, 784, dtype=dtype, device=device)
+    b = expert_weights(len(sizes), 784, 560, dtype, device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs, config=cfg)
+    assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
