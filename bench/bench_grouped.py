@@ -231,6 +231,11 @@ def main():
     text = header("Grouped GEMM and MoE expert FFN: onegemm vs torch")
     text += "Ratios are the peer's time / onegemm's time in the same run (above 1: onegemm faster).\n\n"
     text += "## Summary\n\n" + markdown_table(summary)
+    text += (
+        "\n## What the numbers say\n\n"
+        "<!-- EXPLANATION: written by a person after reading this run's numbers. "
+        "bench/bench_grouped.py regenerates everything else in this file. -->\n"
+    )
     text += "\n## bf16 expert GEMMs (2D x 3D, offs over rows)\n\n" + markdown_table(bf16)
     text += "\n## fp16 (torch._grouped_mm's fp16 path is a host-synced loop)\n\n" + markdown_table(fp16)
     text += "\n## moe_ffn end to end (routing given) vs plain torch with torch._grouped_mm\n\n" + markdown_table(moe)

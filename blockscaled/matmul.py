@@ -92,11 +92,12 @@ def _cfg(bm, bn, warps, stages, group_m=8):
 # promoting it (acc += part * scale), so one warpgroup cannot overlap its MMAs with its
 # promotions; what hides them is other warpgroups on the same SM: two per CTA (8 warps), or
 # several CTAs per SM. Measured on the H200 (1x128 x 128x128, M >= 2048): 64x128 tiles with
-# 4 warps and 3 stages (72 KB of shared memory: three CTAs per SM) were fastest on 4 of 6
-# shapes, 128x128 on the rest; 128x256 and 64x256 tiles straddle two 128-column weight scale
-# blocks (a [1, BLOCK_N] scale vector: a multiply more per element) and ran 0.3-0.5x cuBLAS
-# against 0.6-0.76x. ptxas (sm_90): 128x128 with 4 warps holds two 128-register fp32 tiles per
-# thread and spills a little, 8 warps use 155 registers.
+# 4 warps and 3 stages (72 KB of shared memory: three CTAs per SM) were fastest on 3 of 6
+# shapes in a forced sweep and the tuner's pick on 8 of the benchmark's 11; 128x128 won the
+# rest. 128x256 and 64x256 tiles straddle two 128-column weight scale blocks (a [1, BLOCK_N]
+# scale vector: one more multiply per element) and ran 0.3-0.5x cuBLAS against 0.6-0.76x.
+# ptxas (sm_90): 128x128 with 4 warps holds two 128-register fp32 tiles per thread and spills
+# a little; with 8 warps it uses 155 registers.
 LARGE_M_CONFIGS = [
     _cfg(128, 128, 8, 3),
     _cfg(128, 128, 8, 4),
