@@ -162,9 +162,10 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
     Dtypes: float16, bfloat16, float32, float8_e4m3fn / float8_e5m2 (fp8 defaults to a
     bfloat16 output). bias [N]. activation: None, "relu", "gelu", "gelu_tanh", "silu".
     ``config`` forces one triton.Config instead of autotuning (benchmarks and tests use it).
-    ``tma``: None picks the TMA flavour (tensor-descriptor loads) on a Hopper GPU when a, b and
-    the output allow it and pointer loads otherwise; False forces pointers; True forces TMA or
-    raises ValueError (see core/tma.py).
+    ``tma``: None lets the autotuner choose between pointer loads and the TMA flavour
+    (tensor-descriptor loads) on a Hopper GPU when a, b and the output allow TMA, and uses
+    pointer loads otherwise; False forces pointers; True forces TMA or raises ValueError (see
+    core/tma.py). A ``config`` from ``best_config()`` carries the flavour it was tuned with.
     """
     M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
     c = empty((M, N), device=a.device, dtype=out_dtype)

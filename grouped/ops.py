@@ -123,8 +123,8 @@ def launch_ragged(
 ):
     """Launch ragged_kernel (see its docstring for the meaning of every argument).
 
-    tma: None (automatic: core's TMA flavour on Hopper where every group's operands allow it),
-    False (pointers), True (TMA or ValueError).
+    tma: None (the tuner chooses pointers or core's TMA flavour on Hopper where every group's
+    operands allow TMA; pointers otherwise), False (pointers), True (TMA or ValueError).
     """
     flavour = _tma_flavour(
         tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a[0], strides_b[0], strides_c[0])
@@ -176,7 +176,8 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
 
     List mode: ``grouped_matmul([a0, a1, ...], [b0, b1, ...])`` -> [a0 @ b0, a1 @ b1, ...],
     each pair its own (M, N, K), one launch. ``config`` forces one triton.Config. ``tma``: as
-    in onegemm.matmul (None: TMA loads on Hopper where the layout allows; False; True).
+    in onegemm.matmul (None: the tuner picks pointers or TMA where the layout allows TMA;
+    False: pointers; True: TMA or ValueError).
     """
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         if offs is not None or bias is not None or tma:

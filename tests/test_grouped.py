@@ -370,6 +370,26 @@ def test_tma_flavour(mode, device):
         assert (out[sum(sizes):] == 0).all()
 
 
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_config_names_its_flavour(use_tma, device):
+    """A config that carries USE_TMA (as best_config() returns under autotuning) runs that
+    flavour; one asking for TMA where the operands cannot use it is refused, not ignored."""
+    G, K, N = 3, 72, 80
+    b = expert_weights(G, K, N, torch.float16, device)
+    sizes = [37, 0, 50]
+    a = rand(sum(sizes), K, dtype=torch.float16, device=device)
+    offs = offs_of(sizes, device)
+    cfg = _cfg(32, 64, 64, 1, 1, group_m=4)
+    cfg = type(cfg)({**cfg.kwargs, "USE_TMA": use_tma}, num_warps=1, num_stages=1)
+    out = onegemm.grouped_matmul(a, b, offs, config=cfg, tma=True if use_tma else None)
+    assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16])
+    if use_tma:  # offs over K shift group bases by single elements: TMA is not allowed
+        a_k = rand(20, 16, dtype=torch.float16, device=device).t().contiguous().t()
+        b_k = rand(16, 24, dtype=torch.float16, device=device)
+        with pytest.raises(ValueError, match="config has USE_TMA=True"):
+            onegemm.grouped_matmul(a_k, b_k, offs_of([8, 8], device), config=cfg)
+
+
 def test_tma_refused_where_group_bases_misalign(device):
     a = rand(20, 16, dtype=torch.float16, device=device)
     b = rand(16, 24, dtype=torch.float16, device=device)

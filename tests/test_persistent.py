@@ -193,6 +193,18 @@ def test_tma_eligibility_and_automatic_fallback(case, op, device):
             fn(a, b, tma=True)
 
 
+def test_matmul_config_names_its_flavour(device):
+    """matmul with a config that carries USE_TMA (as best_config() returns): True runs the TMA
+    flavour, and is refused on a view TMA cannot read (an odd column offset)."""
+    a = make((40, 64), torch.bfloat16, device)
+    b = make((64, 48), torch.bfloat16, device)
+    cfg = triton.Config({**INTERPRET_CONFIG.kwargs, "USE_TMA": True}, num_warps=1, num_stages=1)
+    assert_close(onegemm.matmul(a, b, config=cfg, tma=True), matmul_ref(a, b), TOL[torch.bfloat16])
+    odd = make((40, 65), torch.bfloat16, device)[:, 1:]
+    with pytest.raises(ValueError, match="config has USE_TMA=True"):
+        onegemm.matmul(odd, b, config=cfg)
+
+
 def test_tma_output_row_not_16_byte_multiple(device):
     """N = 17 fp16: the output's rows are 34 bytes, so C cannot take a descriptor."""
     a = make((32, 64), torch.float16, device)
