@@ -45,6 +45,7 @@ def blockscaled_matmul_kernel(
     SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """C = act((A * scale_a) @ (B * scale_b) + bias), one program per output tile.
 
@@ -76,7 +77,7 @@ def blockscaled_matmul_kernel(
         sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
         sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
         scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-        USE_TMA, A_K_CONTIG, B_K_CONTIG,
+        USE_TMA, A_K_CONTIG, B_K_CONTIG, WARP_SPECIALIZE=WARP_SPECIALIZE,
     )
 
 

@@ -21,7 +21,7 @@ def matmul_kernel(
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr = 1,
+    EPI_SPLIT: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """C = act(A @ B + bias), one program per output tile.
 
@@ -44,6 +44,7 @@ def matmul_kernel(
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
         ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         USE_TMA=USE_TMA, A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG, EPI_SPLIT=EPI_SPLIT,
+        WARP_SPECIALIZE=WARP_SPECIALIZE,
     )
 
 

@@ -109,6 +109,7 @@ def mma_k_loop(
     USE_TMA: tl.constexpr = False, off_m=0, off_n=0,
     A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
     SA_UNIFORM: tl.constexpr = False, SB_UNIFORM: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
@@ -141,13 +142,22 @@ def mma_k_loop(
     B_K_CONTIG must be the ones they were built with) and the tile starts at row ``off_m`` and
     column ``off_n``; rows/cols only index the scales. Boxes past M, N or K arrive zero-filled,
     which is what the masks give the pointer flavour.
+
+    WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only.
+    Compiled for sm_90 (Triton 3.6) with 4 warps, the loop becomes a load producer and two
+    consumer warpgroups of BLOCK_M/2 rows each, which take turns on the tensor core: the
+    ping-pong schedule cuBLAS uses to hide the block-scaled fp32 promotion. With pointer loads
+    Triton 3.6's Hopper pass fails an assertion (WSLowerToken.cpp; triton-lang/triton#9728),
+    so the switch is ignored there. No tuned config turns it on yet: it has not been timed on
+    the H200 (``config=`` can force it; bench/diagnose_blockscaled.py sweeps it). Off, the
+    compiled code is the same as a plain ``range`` loop (sm_90 PTX compared).
     """
     offs_k = tl.arange(0, BLOCK_K)
     if not USE_TMA:
         # int64: rows * stride_am passes 2^31 elements for tall or widely strided operands.
         a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE and USE_TMA):
         if USE_TMA:
             k0 = kb * BLOCK_K
             # A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
@@ -285,7 +295,7 @@ def gemm_tile(
     sb_ptr=None, stride_sb_k=0, stride_sb_n=0, SB_COLS_PER_SCALE: tl.constexpr = 1,
     scale_m_ptr=None, stride_scale_m=0, scale_n_ptr=None, stride_scale_n=0,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
-    EPI_SPLIT: tl.constexpr = 1,
+    EPI_SPLIT: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
 
@@ -317,7 +327,7 @@ def gemm_tile(
         sa_ptr, sa_idx, stride_sa_m, stride_sa_k,
         sb_ptr, sb_idx, stride_sb_n, stride_sb_k,
         USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, A_K_CONTIG, B_K_CONTIG,
-        SA_UNIFORM, SB_UNIFORM,
+        SA_UNIFORM, SB_UNIFORM, WARP_SPECIALIZE,
     )
     acc = epilogue(
         acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,

@@ -36,7 +36,7 @@ def persistent_matmul_kernel(
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr = 1, FLATTEN: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = 1, FLATTEN: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """C = act(A @ B + bias), each program looping over tiles pid, pid + P, ... (P programs).
 
@@ -49,8 +49,9 @@ def persistent_matmul_kernel(
     FLATTEN: tl.range(flatten=True) merges the tile loop and the K loop into one software
         pipeline, so the next tile's loads overlap this tile's epilogue. Measured on the H200
         (bench/results/persistent.md): +3% at 4096^3, -9% at 8192^3, -21% on a 266-tile shape,
-        so it is off in the autotuned configs (available through ``config=``). Warp
-        specialisation is not offered: Triton 3.6 provides it on Blackwell only.
+        so it is off in the autotuned configs (available through ``config=``).
+    WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop; TMA flavour only), not
+        yet timed on the H200, so only ``config=`` turns it on.
     Grid: (P,), P = min(programs asked for, number of tiles); the loop stride is the launched
         grid size, so it can never disagree with the grid.
     """
@@ -67,6 +68,7 @@ def persistent_matmul_kernel(
             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
             ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
             USE_TMA=USE_TMA, A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG, EPI_SPLIT=EPI_SPLIT,
+            WARP_SPECIALIZE=WARP_SPECIALIZE,
         )
 
 

@@ -502,6 +502,37 @@ def test_gpu_every_config(cfg, grans, tma, device):
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "gelu"), KERNEL_TOL)
 
 
+def _ws(cfg):
+    return triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": True}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@pytest.mark.parametrize("grans", [("1x128", "128x128"), ("1x128", "128x1")], ids=str)
+def test_warp_specialize_switch(grans, device):
+    """A config with WARP_SPECIALIZE reaches the K loop and gives the same product. (On CPU
+    the interpreter runs the loop as written; on the H200 it is a warp-specialised loop.)"""
+    M, N, K = 70, 96, 304  # fp8 rows of 304 bytes: 16-byte multiples, as TMA needs
+    tile, warps, stages = (32, 1, 1) if onegemm.INTERPRET else (128, 4, 3)
+    cfg = triton.Config({"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_K": 128, "GROUP_M": 4}, num_warps=warps, num_stages=stages)
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=_ws(cfg), tma=True)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 128, 3), (128, 128, 4), (256, 128, 2), (128, 256, 2)], ids=str)
+def test_gpu_warp_specialized_configs(shape, device):
+    """The warp-specialised configs bench/diagnose_blockscaled.py sweeps (4 warps: a producer
+    and two consumer warpgroups), forced, with partial tiles and scale blocks on every edge."""
+    bm, bn, stages = shape
+    cfg = _ws(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=stages))
+    M, N, K = 336, 560, 784
+    qa, sa, ba = quant_a(make_input((M, K), device), "1x128")
+    qb, sb, bb = quant_b(make_input((N, K), device), "128x128")
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=cfg, tma=True)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
 CFG_128x128 = next(c for c in BLOCKSCALED_CONFIGS if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_M"] == 128)
 
 

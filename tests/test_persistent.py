@@ -205,6 +205,18 @@ def test_matmul_config_names_its_flavour(device):
         onegemm.matmul(odd, b, config=cfg)
 
 
+@pytest.mark.parametrize("op", ["persistent", "matmul"])
+def test_warp_specialize_switch(op, device):
+    """A config with WARP_SPECIALIZE reaches core's K loop in both schedules and gives the same
+    product (the interpreter runs the loop as written; the H200 compiles it warp-specialised)."""
+    a = make((70, 96), torch.bfloat16, device)
+    b = make((80, 96), torch.bfloat16, device).t()
+    base = _cfg(128, 128, 64, 4, 4) if not onegemm.INTERPRET else INTERPRET_CONFIG
+    cfg = triton.Config({**base.kwargs, "WARP_SPECIALIZE": True}, num_warps=base.num_warps, num_stages=base.num_stages)
+    fn = onegemm.persistent_matmul if op == "persistent" else onegemm.matmul
+    assert_close(fn(a, b, config=cfg, tma=True), matmul_ref(a, b), TOL[torch.bfloat16])
+
+
 def test_tma_output_row_not_16_byte_multiple(device):
     """N = 17 fp16: the output's rows are 34 bytes, so C cannot take a descriptor."""
     a = make((32, 64), torch.float16, device)
