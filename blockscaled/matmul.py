@@ -27,7 +27,7 @@ import triton.language as tl
 from ..core import checks
 from ..core.runtime import Kernel, empty, next_pow2_bucket
 from ..core.tiles import gemm_tile, grouped_tile, make_operands
-from ..core.tma import choose_tma, flavour_meta
+from ..core.tma import choose_tma, flavour_meta, warp_specialized
 from .quantize import BLOCK
 
 
@@ -99,6 +99,11 @@ def _cfg(bm, bn, warps, stages, group_m=8):
 # scale vector: one more multiply per element) and ran 0.3-0.5x cuBLAS against 0.6-0.76x.
 # ptxas (sm_90): 128x128 with 4 warps holds two 128-register fp32 tiles per thread and spills
 # a little; with 8 warps it uses 155 registers.
+# Warp-specialised 128x128 (4 warps: a TMA producer and two 64-row consumer warpgroups; TMA
+# only) with 4 stages: 0.65-0.70x cuBLAS blockwise on 4096^3, 8192^3 and 8192x14336x4096,
+# against 0.61-0.65x for the best unspecialised config there, and 0.59-0.67x on the two
+# 2048-row shapes, where 64x128 tiles stay ahead (0.61-0.75x). Forced sweep,
+# bench/diagnose_blockscaled.py fp8, after the K loop began prefetching the scales.
 LARGE_M_CONFIGS = [
     _cfg(128, 128, 8, 3),
     _cfg(128, 128, 8, 4),
@@ -106,6 +111,7 @@ LARGE_M_CONFIGS = [
     _cfg(256, 128, 8, 3),
     _cfg(64, 128, 4, 3),
     _cfg(64, 128, 4, 4),
+    warp_specialized(_cfg(128, 128, 4, 4)),
 ]
 # M <= 64 is bound by reading B: 64-row tiles (128-row ones would be mostly masked), and
 # narrow ones give more programs (N/32 of them) to keep all 132 SMs loading.
@@ -123,9 +129,11 @@ INTERPRET_CONFIG = _cfg(32, 32, 1, 1, group_m=4)
 
 
 def prune_configs(configs, args):
-    """Decode-sized M (bucket <= 64) tunes SMALL_M_CONFIGS, larger M LARGE_M_CONFIGS."""
+    """Decode-sized M (bucket <= 64) tunes SMALL_M_CONFIGS, larger M LARGE_M_CONFIGS; the
+    warp-specialised ones only with TMA loads (pointer loads ignore the switch)."""
     family = SMALL_M_CONFIGS if args["M_BUCKET"] <= 64 else LARGE_M_CONFIGS
-    return [c for c in configs if c in family] or configs
+    kept = [c for c in configs if c in family] or configs
+    return [c for c in kept if args["USE_TMA"] or not c.kwargs.get("WARP_SPECIALIZE")]
 
 
 _blockscaled = Kernel(

@@ -9,7 +9,7 @@ import triton.language as tl
 from . import checks
 from .runtime import Kernel, empty, next_pow2_bucket
 from .tiles import gemm_tile, grouped_tile, make_operands
-from .tma import choose_tma, flavour_meta, keep_flavours, launch_flavoured, tuned_flavours
+from .tma import choose_tma, flavour_meta, keep_flavours, launch_flavoured, tuned_flavours, warp_specialized
 
 
 @triton.jit
@@ -76,6 +76,17 @@ MATMUL_CONFIGS = [
     _cfg(64, 64, 32, 4, 4),
 ]
 
+# Warp-specialised (TMA only, so they carry USE_TMA): a TMA producer and two consumer
+# warpgroups (core/tiles.py mma_k_loop). 4 warps, as Triton 3.6 splits a 4-warp program's
+# tile between the consumers (8 gave no partitions). Measured on the H200, bf16, forced
+# (bench/diagnose_blockscaled.py bf16): 128x256x64 at 0.91/0.94/0.97x cuBLAS on 4096^3 /
+# 8192^3 / 8192x14336x4096, against 0.74/0.82/0.81x for the same tile with 8 warps unspecialised;
+# 256x128x64 0.91/0.94/0.95x. (The persistent kernel gained nothing from it: 0.96-1.0x either way.)
+WS_CONFIGS = [
+    warp_specialized(_cfg(128, 256, 64, 4, 3), USE_TMA=True),
+    warp_specialized(_cfg(256, 128, 64, 4, 3), USE_TMA=True),
+]
+
 # Under the interpreter: one small config. Cost grows with programs x K iterations, so CPU
 # tests stay quick; 32 is also tl.dot's minimum for fp8 on the interpreter's fp16 emulation.
 INTERPRET_CONFIG = _cfg(32, 32, 32, 1, 1, group_m=4)
@@ -106,7 +117,7 @@ def prune_flavours(configs, args):
 # 6.0 us; 16x4096x4096: 14.6 vs 20.2 us) and TMA wins by 3-8% at 4096^3 and 8192^3.
 _matmul = Kernel(
     matmul_kernel,
-    tuned_flavours(MATMUL_CONFIGS),
+    tuned_flavours(MATMUL_CONFIGS) + WS_CONFIGS,
     key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
     interpret_config=INTERPRET_CONFIG,
     prune=prune_flavours,

@@ -55,8 +55,15 @@ def tile_range(pid, size, BLOCK: tl.constexpr):
 
     Returns (offs, wrapped, mask): ``wrapped = offs % size`` is always a valid index, so a load
     through it needs no mask (the overhanging rows re-read real data and are never stored).
+
+    The block origin goes through int64 so that it is not the same value as the TMA
+    coordinate ``pid * BLOCK`` the caller computes. Triton 3.6's Hopper warp specialisation
+    (WARP_SPECIALIZE) gives the second consumer warpgroup rows [BLOCK/2, BLOCK) by shifting
+    both ``tl.arange`` and every use of the TMA coordinate; a shared value was shifted twice,
+    so that warpgroup read its 1x128 scales 64 rows too far (relative error 0.22 on the H200,
+    tests/test_blockscaled.py test_warp_specialize_switch).
     """
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = (pid.to(tl.int64) * BLOCK).to(tl.int32) + tl.arange(0, BLOCK)
     return offs, offs % size, offs < size
 
 
@@ -94,6 +101,22 @@ def make_operands(
             b = tl.make_tensor_descriptor(b_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
         c = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N // EPI_SPLIT])
     return a, b, c
+
+
+@triton.jit
+def _block_scale(kb, sa_ptr, sa_idx, stride_sa_idx, stride_sa_k, sb_ptr, sb_idx, stride_sb_idx, stride_sb_k,
+                 SA_UNIFORM: tl.constexpr, SB_UNIFORM: tl.constexpr, valid=None):
+    """K block ``kb``'s multiplier (mma_k_loop's per-K-block scales): [BLOCK_M, 1], [1, BLOCK_N],
+    their product, or a scalar; folding the scalars first leaves one multiply-add per element.
+    ``valid`` False (K == 0: there is no block) reads nothing."""
+    scale = 1.0
+    if sa_ptr is not None:
+        sa = tl.load(sa_ptr + sa_idx.to(tl.int64) * stride_sa_idx + kb * stride_sa_k, mask=valid)
+        scale = sa if SA_UNIFORM else sa[:, None]
+    if sb_ptr is not None:
+        sb = tl.load(sb_ptr + kb * stride_sb_k + sb_idx.to(tl.int64) * stride_sb_idx, mask=valid)
+        scale = scale * (sb if SB_UNIFORM else sb[None, :])
+    return scale
 
 
 @triton.jit
@@ -144,20 +167,23 @@ def mma_k_loop(
     which is what the masks give the pointer flavour.
 
     WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only.
-    Compiled for sm_90 (Triton 3.6) with 4 warps, the loop becomes a load producer and two
-    consumer warpgroups of BLOCK_M/2 rows each, which take turns on the tensor core: the
-    ping-pong schedule cuBLAS uses to hide the block-scaled fp32 promotion. With pointer loads
-    Triton 3.6's Hopper pass fails an assertion (WSLowerToken.cpp; triton-lang/triton#9728),
-    so the switch is ignored there. No tuned config turns it on yet: it has not been timed on
-    the H200 (``config=`` can force it; bench/diagnose_blockscaled.py sweeps it). Off, the
-    compiled code is the same as a plain ``range`` loop (sm_90 PTX compared).
+    Compiled for sm_90 (Triton 3.6) with 4 warps, the loop becomes a TMA producer and two
+    consumer warpgroups of BLOCK_M/2 rows each, synchronised by mbarriers instead of the
+    CTA-wide barrier of a plain pipelined loop. With pointer loads Triton 3.6's Hopper pass
+    fails an assertion (WSLowerToken.cpp; triton-lang/triton#9728), so the switch is ignored
+    there. Tuned configs use it where the H200 measured a gain (core/matmul.py, bf16;
+    blockscaled/matmul.py); bench/diagnose_blockscaled.py sweeps it.
     """
     offs_k = tl.arange(0, BLOCK_K)
     if not USE_TMA:
         # int64: rows * stride_am passes 2^31 elements for tall or widely strided operands.
         a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
-    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE and USE_TMA):
+    num_kb = tl.cdiv(K, BLOCK_K)
+    if sa_ptr is not None or sb_ptr is not None:
+        scale = _block_scale(0, sa_ptr, sa_idx, stride_sa_idx, stride_sa_k, sb_ptr, sb_idx, stride_sb_idx, stride_sb_k,
+                             SA_UNIFORM, SB_UNIFORM, valid=num_kb > 0)
+    for kb in tl.range(0, num_kb, warp_specialize=WARP_SPECIALIZE and USE_TMA):
         if USE_TMA:
             k0 = kb * BLOCK_K
             # A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
@@ -186,17 +212,15 @@ def mma_k_loop(
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
+            # The next block's scales are loaded before this block's MMA, so their global
+            # load latency hides behind it: the MMA must finish before the promotion
+            # (Triton waits for it), and loaded after that wait they stalled every K block.
+            # The last block re-reads its own scales (an index past them is out of bounds).
+            next_scale = _block_scale(tl.minimum(kb + 1, num_kb - 1), sa_ptr, sa_idx, stride_sa_idx, stride_sa_k,
+                                      sb_ptr, sb_idx, stride_sb_idx, stride_sb_k, SA_UNIFORM, SB_UNIFORM)
             part = tl.dot(a, b, input_precision=PRECISION)
-            # The block's multiplier, broadcast as [BLOCK_M, 1], [1, BLOCK_N], both, or a
-            # scalar; folding the scalars first leaves one multiply-add per element.
-            scale = 1.0
-            if sa_ptr is not None:
-                sa = tl.load(sa_ptr + sa_idx.to(tl.int64) * stride_sa_idx + kb * stride_sa_k)
-                scale = sa if SA_UNIFORM else sa[:, None]
-            if sb_ptr is not None:
-                sb = tl.load(sb_ptr + kb * stride_sb_k + sb_idx.to(tl.int64) * stride_sb_idx)
-                scale = scale * (sb if SB_UNIFORM else sb[None, :])
             acc += part * scale
+            scale = next_scale
         if not USE_TMA:
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk

@@ -159,6 +159,13 @@ def tuned_flavours(configs: list[triton.Config]) -> list[triton.Config]:
     ]
 
 
+def warp_specialized(cfg: triton.Config, **extra) -> triton.Config:
+    """``cfg`` with core's warp-specialised K loop on (tiles.mma_k_loop WARP_SPECIALIZE, which
+    only the TMA flavour honours); ``extra`` adds constexprs, e.g. USE_TMA=True for a kernel
+    whose tuner picks the flavour."""
+    return triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": True, **extra}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def keep_flavours(configs, args):
     """The configs whose flavour the call's TMA_MODE allows (a pruner step)."""
     mode = args["TMA_MODE"]

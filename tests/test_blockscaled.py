@@ -14,6 +14,7 @@ import triton
 import onegemm
 from onegemm.blockscaled.matmul import BLOCKSCALED_CONFIGS
 from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton
+from onegemm.core.tma import warp_specialized
 from reference import (
     TOL,
     assert_close,
@@ -502,10 +503,6 @@ def test_gpu_every_config(cfg, grans, tma, device):
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "gelu"), KERNEL_TOL)
 
 
-def _ws(cfg):
-    return triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": True}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 @pytest.mark.parametrize("grans", [("1x128", "128x128"), ("1x128", "128x1")], ids=str)
 def test_warp_specialize_switch(grans, device):
     """A config with WARP_SPECIALIZE reaches the K loop and gives the same product. (On CPU
@@ -515,20 +512,21 @@ def test_warp_specialize_switch(grans, device):
     cfg = triton.Config({"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_K": 128, "GROUP_M": 4}, num_warps=warps, num_stages=stages)
     qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
     qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
-    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=_ws(cfg), tma=True)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=warp_specialized(cfg), tma=True)
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(128, 128, 3), (128, 128, 4), (256, 128, 2), (128, 256, 2)], ids=str)
-def test_gpu_warp_specialized_configs(shape, device):
-    """The warp-specialised configs bench/diagnose_blockscaled.py sweeps (4 warps: a producer
-    and two consumer warpgroups), forced, with partial tiles and scale blocks on every edge."""
-    bm, bn, stages = shape
-    cfg = _ws(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=stages))
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("grans", [("1x128", "128x128"), ("128x128", "128x1"), ("1x128", "col")], ids=str)
+def test_gpu_warp_specialized_configs(stages, grans, device):
+    """The warp-specialised 128x128 configs bench/diagnose_blockscaled.py sweeps (4 warps: a
+    producer and two 64-row consumer warpgroups), forced, with partial tiles and scale blocks
+    on every edge: per-row scales are what each consumer must index from its own rows."""
+    cfg = warp_specialized(triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=stages))
     M, N, K = 336, 560, 784
-    qa, sa, ba = quant_a(make_input((M, K), device), "1x128")
-    qb, sb, bb = quant_b(make_input((N, K), device), "128x128")
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
     out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=cfg, tma=True)
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
 

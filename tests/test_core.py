@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 import onegemm
-from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, _cfg
+from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, WS_CONFIGS, _cfg
 from onegemm.core.tiles import grouped_tile
 from reference import TF32_TOL, TOL, assert_close, matmul_ref
 
@@ -280,6 +280,19 @@ def test_gpu_every_config(cfg, device):
     bias = torch.randn(555, device=device, dtype=torch.bfloat16)
     out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg)
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+def test_gpu_warp_specialized_configs(cfg, dtype, device):
+    """The tuned warp-specialised configs (TMA only), forced, with partial tiles on every edge
+    (K = 784 and N = 560: row lengths TMA can take), bias and activation."""
+    a = make((333, 784), dtype, device)
+    b = make((560, 784), dtype, device).t()
+    bias = torch.randn(560, device=device, dtype=dtype)
+    out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg)
+    assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[dtype])
 
 
 @pytest.mark.gpu

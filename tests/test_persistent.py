@@ -17,6 +17,7 @@ import onegemm
 from onegemm.core import tma as core_tma
 from onegemm.core.checks import ACTIVATIONS
 from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, _cfg
+from onegemm.core.tma import warp_specialized
 from onegemm.persistent import matmul as pmod
 from reference import TOL, assert_close, matmul_ref
 from test_core import DTYPES, FP8, LAYOUTS, SHAPES, _bad_cases, make, tol_for
@@ -212,9 +213,10 @@ def test_warp_specialize_switch(op, device):
     a = make((70, 96), torch.bfloat16, device)
     b = make((80, 96), torch.bfloat16, device).t()
     base = _cfg(128, 128, 64, 4, 4) if not onegemm.INTERPRET else INTERPRET_CONFIG
-    cfg = triton.Config({**base.kwargs, "WARP_SPECIALIZE": True}, num_warps=base.num_warps, num_stages=base.num_stages)
     fn = onegemm.persistent_matmul if op == "persistent" else onegemm.matmul
-    assert_close(fn(a, b, config=cfg, tma=True), matmul_ref(a, b), TOL[torch.bfloat16])
+    bias = torch.randn(80, device=device, dtype=torch.bfloat16)
+    out = fn(a, b, bias=bias, activation="silu", config=warp_specialized(base), tma=True)
+    assert_close(out, matmul_ref(a, b, bias, "silu"), TOL[torch.bfloat16])
 
 
 def test_tma_output_row_not_16_byte_multiple(device):
