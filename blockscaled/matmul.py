@@ -130,10 +130,12 @@ INTERPRET_CONFIG = _cfg(32, 32, 1, 1, group_m=4)
 
 def prune_configs(configs, args):
     """Decode-sized M (bucket <= 64) tunes SMALL_M_CONFIGS, larger M LARGE_M_CONFIGS; the
-    warp-specialised ones only with TMA loads (pointer loads ignore the switch)."""
+    warp-specialised ones only with TMA loads of K-major a and b (core's K loop ignores the
+    switch otherwise, tiles.mma_k_loop)."""
     family = SMALL_M_CONFIGS if args["M_BUCKET"] <= 64 else LARGE_M_CONFIGS
     kept = [c for c in configs if c in family] or configs
-    return [c for c in kept if args["USE_TMA"] or not c.kwargs.get("WARP_SPECIALIZE")]
+    ws_ok = args["USE_TMA"] and args["A_K_CONTIG"] and args["B_K_CONTIG"]
+    return [c for c in kept if ws_ok or not c.kwargs.get("WARP_SPECIALIZE")]
 
 
 _blockscaled = Kernel(

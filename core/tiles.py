@@ -171,7 +171,7 @@ def mma_k_loop(
     consumer warpgroups of BLOCK_M/2 rows each, synchronised by mbarriers instead of the
     CTA-wide barrier of a plain pipelined loop. With pointer loads Triton 3.6's Hopper pass
     fails an assertion (WSLowerToken.cpp; triton-lang/triton#9728), so the switch is ignored
-    there. Tuned configs use it where the H200 measured a gain (core/matmul.py, bf16;
+    there, as it is for fp8 operands that are not both K-major. Tuned configs use it where the H200 measured a gain (core/matmul.py, bf16;
     blockscaled/matmul.py); bench/diagnose_blockscaled.py sweeps it.
     """
     offs_k = tl.arange(0, BLOCK_K)
@@ -183,7 +183,10 @@ def mma_k_loop(
     if sa_ptr is not None or sb_ptr is not None:
         scale = _block_scale(0, sa_ptr, sa_idx, stride_sa_idx, stride_sa_k, sb_ptr, sb_idx, stride_sb_idx, stride_sb_k,
                              SA_UNIFORM, SB_UNIFORM, valid=num_kb > 0)
-    for kb in tl.range(0, num_kb, warp_specialize=WARP_SPECIALIZE and USE_TMA):
+    # Triton 3.6 cannot warp-specialise fp8 tiles that must be transposed in shared memory
+    # (an MN-major A or B): the sm_90 compile fails or aborts. Those run unspecialised.
+    WS: tl.constexpr = WARP_SPECIALIZE and USE_TMA and ((A_K_CONTIG and B_K_CONTIG) or not a_ptr.dtype.is_fp8())
+    for kb in tl.range(0, num_kb, warp_specialize=WS):
         if USE_TMA:
             k0 = kb * BLOCK_K
             # A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
