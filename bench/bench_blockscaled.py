@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
 import torch  # noqa: E402
-from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
+from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.blockscaled.matmul import _blockscaled  # noqa: E402
 from onegemm.blockscaled.quantize import _quantize_torch  # noqa: E402
 from reference import assert_close, blockscaled_matmul_ref, calc_diff, sqnr_db  # noqa: E402
@@ -86,8 +86,7 @@ def config_name(quick: bool) -> str:
     cfg = None if quick else _blockscaled.best_config()
     if cfg is None:
         return "interpreter"
-    k = cfg.kwargs
-    return f"{k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}"
+    return config_label(cfg)
 
 
 def measure(kind, M, N, K, device, timer, quick):

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
 import torch  # noqa: E402
-from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
+from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.grouped.moe import moe_ffn_torch  # noqa: E402
 from onegemm.grouped.ops import _ragged  # noqa: E402
 from reference import assert_close, grouped_mm_ref, moe_ref  # noqa: E402
@@ -145,9 +145,7 @@ def bench_bf16(models, quick, gen, device):
 
 def tile_name(cfg) -> str:
     """The tuner's choice, e.g. '128x256x64 w8 s4 TMA'."""
-    k = cfg.kwargs
-    flavour = "TMA" if k.get("USE_TMA") else "ptr"
-    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages} {flavour}"
+    return config_label(cfg)
 
 
 def bench_fp16(models, cases, quick, gen, device):

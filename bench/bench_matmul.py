@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
 import torch  # noqa: E402
 import triton  # noqa: E402
-from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
+from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.core.matmul import _matmul  # noqa: E402
 from reference import TOL, assert_close, matmul_ref, rel_err  # noqa: E402
 
@@ -69,7 +69,7 @@ def run_full():
                 kind=kind, dtype=dname, M=M, N=N, K=K,
                 onegemm_TFLOPs=tflops(flop, t_ours), cuBLAS_TFLOPs=tflops(flop, t_cublas),
                 ratio=t_cublas / t_ours, err_vs_cuBLAS=err,
-                config=f"{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}",
+                config=config_label(cfg),
             ))
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
 

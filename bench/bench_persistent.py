@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
 import torch  # noqa: E402
 import triton  # noqa: E402
-from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
+from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.core.matmul import INTERPRET_CONFIG, _matmul  # noqa: E402
 from onegemm.persistent.matmul import _persistent  # noqa: E402
 from reference import TOL, assert_close, matmul_ref, rel_err  # noqa: E402
@@ -88,9 +88,7 @@ def operands(M, N, K, dtype, device):
 
 
 def cfg_name(cfg: triton.Config | None) -> str:
-    cfg = cfg or INTERPRET_CONFIG
-    k = cfg.kwargs
-    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
+    return config_label(cfg or INTERPRET_CONFIG)
 
 
 def tiles_of(M, N, cfg: triton.Config | None) -> int:

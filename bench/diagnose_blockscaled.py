@@ -24,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
 import torch  # noqa: E402
-import triton  # noqa: E402
 from bench_blockscaled import make_gemms  # noqa: E402
-from common import bench_ms, markdown_table, require_gpu, tflops  # noqa: E402
+from common import bench_ms, config_label, markdown_table, require_gpu, tflops  # noqa: E402
 from onegemm.blockscaled.matmul import LARGE_M_CONFIGS, _blockscaled  # noqa: E402
 from onegemm.blockscaled.matmul import _cfg as fp8_cfg  # noqa: E402
 from onegemm.core.matmul import _cfg  # noqa: E402
@@ -41,12 +40,6 @@ BF16_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 14336, 4096)]
 FP8_WS_CONFIGS = [fp8_cfg(128, 128, 4, 3), fp8_cfg(128, 128, 4, 4)]
 BF16_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4)]
 BF16_WS_CONFIGS = [_cfg(128, 256, 64, 4, 3), _cfg(128, 128, 64, 4, 4), _cfg(256, 128, 64, 4, 3)]
-
-
-def label(cfg: triton.Config) -> str:
-    k = cfg.kwargs
-    ws = " WS" if k.get("WARP_SPECIALIZE") else ""
-    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}{ws}"
 
 
 def timed_ratio(fn, peer_out, peer_ms):
@@ -71,10 +64,10 @@ def sweep_fp8():
         peer_out, peer_ms = peer(), bench_ms(peer, warmup_ms=10, rep_ms=50)
         base = dict(M=M, N=N, K=K, cuBLAS_TFLOPs=tflops(2.0 * M * N * K, peer_ms))
         ratio = timed_ratio(gemms["onegemm"], peer_out, peer_ms)
-        rows.append(dict(base, config=f"autotuned ({label(_blockscaled.best_config())})", vs_cuBLAS_block=ratio))
+        rows.append(dict(base, config=f"autotuned ({config_label(_blockscaled.best_config())})", vs_cuBLAS_block=ratio))
         for cfg in LARGE_M_CONFIGS + [warp_specialized(c) for c in FP8_WS_CONFIGS if warp_specialized(c) not in LARGE_M_CONFIGS]:
             fn = lambda: onegemm.blockscaled_matmul(qx, qw.t(), sx, sw.t(), config=cfg, tma=True)  # noqa: E731
-            rows.append(dict(base, config=label(cfg), vs_cuBLAS_block=timed_ratio(fn, peer_out, peer_ms)))
+            rows.append(dict(base, config=config_label(cfg), vs_cuBLAS_block=timed_ratio(fn, peer_out, peer_ms)))
             print(rows[-1], flush=True)
     print("\nblock-scaled fp8, ratio = cuBLAS blockwise time / onegemm time (TMA loads)")
     print(markdown_table(rows))
@@ -89,7 +82,7 @@ def sweep_bf16():
         peer_out, peer_ms = peer(), bench_ms(peer, warmup_ms=10, rep_ms=50)
         base = dict(M=M, N=N, K=K, cuBLAS_TFLOPs=tflops(2.0 * M * N * K, peer_ms))
         for cfg in BF16_CONFIGS + [warp_specialized(c) for c in BF16_WS_CONFIGS]:
-            row = dict(base, config=label(cfg))
+            row = dict(base, config=config_label(cfg))
             for name, op in (("launch_per_tile", onegemm.matmul), ("persistent", onegemm.persistent_matmul)):
                 row[name] = timed_ratio(lambda: op(a, b, config=cfg, tma=True), peer_out, peer_ms)
             rows.append(row)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import onegemm  # noqa: E402,I001
 import torch  # noqa: E402
 import triton  # noqa: E402
-from common import bench_ms, markdown_table, tflops  # noqa: E402
+from common import bench_ms, config_label, markdown_table, tflops  # noqa: E402
 from onegemm.core.matmul import _cfg  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def main():
         flop = 2.0 * S**3
         t_cublas = bench_ms(lambda: torch.matmul(a, b))
         for cfg in cfgs:
-            label = f"{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages} g{cfg.kwargs['GROUP_M']}"
+            label = config_label(cfg, group_m=True)
             row = dict(S=S, config=label)
             for name, fn in [
                 ("lpt_tma", lambda: onegemm.matmul(a, b, config=cfg, tma=True)),
