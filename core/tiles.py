@@ -159,7 +159,8 @@ def mma_k_loop(
     promotion is then one FMA per element (acc += part * s[:, None]) instead of a multiply
     and an FMA: the promotion runs on the CUDA cores while the tensor core waits, so its cost
     per element matters (a 128x128x128 fp8 block is ~512 tensor-core cycles per SM, and its
-    16384 promotions ~128 FP32 cycles per op).
+    16384 promotions ~128 FP32 cycles per op). Each block's scales are loaded one block
+    ahead, before its MMA is issued, so their global-load latency is hidden behind the MMA.
 
     TMA flavour (USE_TMA): a_ptr / b_ptr are ``make_operands``' descriptors (A_K_CONTIG and
     B_K_CONTIG must be the ones they were built with) and the tile starts at row ``off_m`` and
@@ -171,8 +172,9 @@ def mma_k_loop(
     consumer warpgroups of BLOCK_M/2 rows each, synchronised by mbarriers instead of the
     CTA-wide barrier of a plain pipelined loop. With pointer loads Triton 3.6's Hopper pass
     fails an assertion (WSLowerToken.cpp; triton-lang/triton#9728), so the switch is ignored
-    there, as it is for fp8 operands that are not both K-major. Tuned configs use it where the H200 measured a gain (core/matmul.py, bf16;
-    blockscaled/matmul.py); bench/diagnose_blockscaled.py sweeps it.
+    there, as it is for fp8 operands that are not both K-major. Tuned configs use it where
+    the H200 measured a gain (core/matmul.py, bf16; blockscaled/matmul.py);
+    bench/diagnose_blockscaled.py sweeps it.
     """
     offs_k = tl.arange(0, BLOCK_K)
     if not USE_TMA:
