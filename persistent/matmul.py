@@ -51,7 +51,7 @@ def persistent_matmul_kernel(
         (bench/results/persistent.md): +3% at 4096^3, -9% at 8192^3, -21% on a 266-tile shape,
         so it is off in the autotuned configs (available through ``config=``).
     WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop; TMA flavour only).
-        Measured on the H200, bf16, forced (bench/diagnose_blockscaled.py bf16): 0.90-1.01x
+        Measured on the H200, bf16, forced (bench/diagnose_blockscaled.py bf16): 0.87-1.01x
         cuBLAS with it against 0.83-1.03x without, no consistent gain, so only ``config=``
         turns it on here (launch-per-tile matmul does tune it).
     Grid: (P,), P = min(programs asked for, number of tiles); the loop stride is the launched
