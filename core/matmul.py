@@ -81,7 +81,7 @@ MATMUL_CONFIGS = [
 # tile between the consumers (8 gave no partitions). Measured on the H200, bf16, forced
 # (bench/diagnose_blockscaled.py bf16): 128x256x64 at 0.91/0.94/0.97x cuBLAS on 4096^3 /
 # 8192^3 / 8192x14336x4096, against 0.74/0.82/0.81x for the same tile with 8 warps unspecialised;
-# 256x128x64 0.91/0.94/0.95x. (The persistent kernel gained nothing from it: 0.96-1.0x either way.)
+# 256x128x64 0.91/0.94/0.95x. (The persistent kernel gained nothing: persistent/matmul.py.)
 WS_CONFIGS = [
     warp_specialized(_cfg(128, 256, 64, 4, 3), USE_TMA=True),
     warp_specialized(_cfg(256, 128, 64, 4, 3), USE_TMA=True),
