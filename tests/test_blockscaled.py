@@ -516,6 +516,24 @@ def test_warp_specialize_switch(grans, device):
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
 
 
+@pytest.mark.parametrize("layout", ["a_mn_major", "b_mn_major"])
+def test_warp_specialize_switch_mn_major(layout, device):
+    """A forced WARP_SPECIALIZE config on an fp8 operand stored MN-major (TMA reads it, but
+    Triton 3.6 cannot warp-specialise the transpose: core's K loop then runs unspecialised).
+    It must still compile and give the same product, not fail or abort on the H200."""
+    M, N, K = 80, 96, 304  # 16-byte multiples both ways, so either orientation takes TMA
+    tile, warps, stages = (32, 1, 1) if onegemm.INTERPRET else (128, 4, 4)
+    cfg = triton.Config({"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_K": 128, "GROUP_M": 4}, num_warps=warps, num_stages=stages)
+    qa, sa, ba = quant_a(make_input((M, K), device), "1x128")
+    qb, sb, bb = quant_b(make_input((N, K), device), "128x128")
+    if layout == "a_mn_major":
+        qa = qa.t().contiguous().t()
+    else:
+        qb = qb.contiguous()
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=warp_specialized(cfg), tma=True)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("grans", [("1x128", "128x128"), ("128x128", "128x1"), ("1x128", "col")], ids=str)
