@@ -129,3 +129,16 @@ class Kernel:
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Programs a persistent kernel starts under the interpreter: a few, so each program's tile loop
+# runs more than once (what the persistent schedule is about) at a CPU-friendly cost.
+INTERPRET_PROGRAMS = 4
+
+
+def default_programs(device: torch.device) -> int:
+    """The grid size of a persistent kernel: one program per SM on a GPU (all resident at
+    once, each walking tiles pid, pid + P, ...); INTERPRET_PROGRAMS on the interpreter."""
+    if INTERPRET:
+        return INTERPRET_PROGRAMS
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from ..core import checks
-from ..core.runtime import INTERPRET, Kernel, empty, next_pow2_bucket, sm_count
+from ..core.runtime import Kernel, default_programs, empty, next_pow2_bucket
 from ..core.tma import choose_tma, flavour_meta, launch_flavoured
 from ..core.matmul import _cfg
 from .kernels import (
@@ -45,10 +45,6 @@ _list = Kernel(
     interpret_config=INTERPRET_CONFIG,
     prune=_prune_list,
 )
-
-# Under the interpreter the persistent walk uses a few programs: each one is a Python loop.
-_INTERPRET_PROGRAMS = 4
-
 
 def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
     """Metadata checks always; value checks (monotone, within ``total``) only if ``validate``.
@@ -287,7 +283,7 @@ def _grouped_list(As, Bs, *, activation=None, out_dtype=None, config=None):
     sizes = sizes.to(device, non_blocking=True)
     strides = strides.to(device, non_blocking=True)
     shapes = [(x.shape[0], w.shape[1]) for x, w in zip(As, Bs)]
-    programs = _INTERPRET_PROGRAMS if INTERPRET else sm_count(device.index or 0)
+    programs = default_programs(device)
 
     def grid(meta):
         tiles = sum(triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]) for m, n in shapes)

@@ -14,17 +14,12 @@ the two (bench/bench_persistent.py) measures scheduling alone.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ..core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, check_matmul_inputs, launch_args, prune_configs
-from ..core.runtime import INTERPRET, Kernel, empty, sm_count
+from ..core.runtime import Kernel, default_programs, empty
 from ..core.tiles import gemm_tile, grouped_tile, make_operands
-
-# Programs under the interpreter when num_programs is not given: a few, so the tile loop runs
-# more than once per program (what the persistent schedule is about) at a CPU-friendly cost.
-INTERPRET_PROGRAMS = 4
 
 
 @triton.jit
@@ -83,13 +78,6 @@ _persistent = Kernel(
     interpret_config=INTERPRET_CONFIG,
     prune=prune_configs,
 )
-
-
-def default_programs(device: torch.device) -> int:
-    """One program per SM on a GPU (all resident at once); INTERPRET_PROGRAMS on the interpreter."""
-    if INTERPRET:
-        return INTERPRET_PROGRAMS
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def persistent_matmul(
