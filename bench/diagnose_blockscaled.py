@@ -38,6 +38,14 @@ BF16_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 14336, 4096)]
 # and 128x256 (2 stages, all that fits) ran at 0.22-0.39x cuBLAS blockwise, so only 128x128
 # is swept (the tuned list has its 4-stage form).
 FP8_WS_CONFIGS = [fp8_cfg(128, 128, 4, 3), fp8_cfg(128, 128, 4, 4)]
+# The persistent schedule (one program per SM) on 128x128 tiles, the only ones of which one
+# CTA fills an SM's shared memory; GROUP_M and stages varied around the tuned pair.
+FP8_PERSISTENT_CONFIGS = [
+    fp8_cfg(128, 128, 8, 3, PERSISTENT=True),
+    warp_specialized(fp8_cfg(128, 128, 4, 3), PERSISTENT=True),
+    warp_specialized(fp8_cfg(128, 128, 4, 4, group_m=16), PERSISTENT=True),
+    warp_specialized(fp8_cfg(128, 128, 4, 4, group_m=4), PERSISTENT=True),
+]
 BF16_CONFIGS = [_cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 8, 4)]
 BF16_WS_CONFIGS = [_cfg(128, 256, 64, 4, 3), _cfg(128, 128, 64, 4, 4), _cfg(256, 128, 64, 4, 3)]
 
@@ -65,7 +73,8 @@ def sweep_fp8():
         base = dict(M=M, N=N, K=K, cuBLAS_TFLOPs=tflops(2.0 * M * N * K, peer_ms))
         ratio = timed_ratio(gemms["onegemm"], peer_out, peer_ms)
         rows.append(dict(base, config=f"autotuned ({config_label(_blockscaled.best_config())})", vs_cuBLAS_block=ratio))
-        for cfg in LARGE_M_CONFIGS + [warp_specialized(c) for c in FP8_WS_CONFIGS if warp_specialized(c) not in LARGE_M_CONFIGS]:
+        extra = [warp_specialized(c) for c in FP8_WS_CONFIGS] + FP8_PERSISTENT_CONFIGS
+        for cfg in LARGE_M_CONFIGS + [c for c in extra if c not in LARGE_M_CONFIGS]:
             fn = lambda: onegemm.blockscaled_matmul(qx, qw.t(), sx, sw.t(), config=cfg, tma=True)  # noqa: E731
             rows.append(dict(base, config=config_label(cfg), vs_cuBLAS_block=timed_ratio(fn, peer_out, peer_ms)))
             print(rows[-1], flush=True)

@@ -25,10 +25,36 @@ import triton
 import triton.language as tl
 
 from ..core import checks
-from ..core.runtime import Kernel, empty, next_pow2_bucket
+from ..core.runtime import Kernel, default_programs, empty, next_pow2_bucket
 from ..core.tiles import gemm_tile, grouped_tile, make_operands
 from ..core.tma import choose_tma, flavour_meta, warp_specialized
 from .quantize import BLOCK
+
+
+@triton.jit
+def _scaled_tile(
+    tile, num_pid_m, num_pid_n, a, b, c, bias_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    sa_ptr, stride_sa_m, stride_sa_k, sb_ptr, stride_sb_k, stride_sb_n,
+    scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
+    ACTIVATION: tl.constexpr, SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Output tile number ``tile`` (grouped order) of blockscaled_matmul_kernel: core's tile
+    body with the kernel's scale arguments (documented there)."""
+    pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+    gemm_tile(
+        pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+        # UPCAST off (fp8 tiles are right in the interpreter), PRECISION unused for fp8.
+        ACTIVATION, False, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
+        sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
+        sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
+        scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
+        USE_TMA, A_K_CONTIG, B_K_CONTIG, WARP_SPECIALIZE=WARP_SPECIALIZE,
+    )
 
 
 @triton.jit
@@ -45,9 +71,10 @@ def blockscaled_matmul_kernel(
     SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
 ):
-    """C = act((A * scale_a) @ (B * scale_b) + bias), one program per output tile.
+    """C = act((A * scale_a) @ (B * scale_b) + bias), one output tile per program, or (PERSISTENT)
+    one program per SM looping over the tiles.
 
     a_ptr [M, K], b_ptr [K, N] fp8; c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
     sa_ptr: block scales of A, sa[i // SA_ROWS_PER_SCALE, k // 128] at
@@ -61,29 +88,43 @@ def blockscaled_matmul_kernel(
         are K-contiguous; the granularity pair).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour (tiles.make_operands, core/tma.py);
         the scales are always read through pointers (one small vector per K block).
-    Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs in grouped (GROUP_M) order.
+    WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop).
+    PERSISTENT: persistent/matmul.py's schedule: P programs, each taking tiles pid, pid + P, ...,
+        so the TMA descriptors are built once per program and no SM waits for a new program
+        between tiles. Off, the kernel has no tile loop: the same loop running once per
+        program cost launch-per-tile configs 3-7% on the H200 (.exp loop check, this
+        commit's session), and made 256x128 with TMA fail.
+    Grid: (P,) with P = min(SM count, tiles) when PERSISTENT, else P = tiles = cdiv(M, BLOCK_M)
+        * cdiv(N, BLOCK_N); tiles in grouped (GROUP_M) order either way.
     """
-    pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     a, b, c = make_operands(
         a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
         BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG,
     )
-    gemm_tile(
-        pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-        # UPCAST off (fp8 tiles are right in the interpreter), PRECISION unused for fp8.
-        ACTIVATION, False, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
-        sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
-        sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
-        scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-        USE_TMA, A_K_CONTIG, B_K_CONTIG, WARP_SPECIALIZE=WARP_SPECIALIZE,
-    )
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        tiles_here = tl.cdiv(num_pid_m * num_pid_n - tl.program_id(0), tl.num_programs(0))
+    else:
+        tiles_here = 1
+    # One loop for both schedules: with constant bounds (0, 1) the compiler folds it away, so
+    # the launch-per-tile kernel has no tile loop (a loop it could not fold, running once per
+    # program, cost 3-7% on the H200 and broke 256x128 with TMA).
+    for i in tl.range(0, tiles_here):
+        tile = tl.program_id(0) + i * tl.num_programs(0)
+        _scaled_tile(
+            tile, num_pid_m, num_pid_n, a, b, c, bias_ptr, M, N, K,
+            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+            sa_ptr, stride_sa_m, stride_sa_k, sb_ptr, stride_sb_k, stride_sb_n,
+            scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
+            ACTIVATION, SA_ROWS_PER_SCALE, SB_COLS_PER_SCALE, USE_TMA, A_K_CONTIG, B_K_CONTIG,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARP_SPECIALIZE,
+        )
 
 
-def _cfg(bm, bn, warps, stages, group_m=8):
+def _cfg(bm, bn, warps, stages, group_m=8, **extra):
     return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK, "GROUP_M": group_m},
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK, "GROUP_M": group_m, **extra},
         num_warps=warps, num_stages=stages,
     )
 
@@ -112,6 +153,8 @@ LARGE_M_CONFIGS = [
     _cfg(64, 128, 4, 3),
     _cfg(64, 128, 4, 4),
     warp_specialized(_cfg(128, 128, 4, 4)),
+    _cfg(128, 128, 8, 4, PERSISTENT=True),
+    warp_specialized(_cfg(128, 128, 4, 4), PERSISTENT=True),
 ]
 # M <= 64 is bound by reading B: 64-row tiles (128-row ones would be mostly masked), and
 # narrow ones give more programs (N/32 of them) to keep all 132 SMs loading.
@@ -235,8 +278,11 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     else:
         scale_n, scale_n_stride = scale_b, (0 if kind_b == "tensor" else scale_b.stride(1))
 
+    programs = default_programs(a.device)
+
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(programs, tiles) if meta.get("PERSISTENT") else tiles,)
 
     args = (
         a, b, c, bias, M, N, K,

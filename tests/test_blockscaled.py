@@ -14,6 +14,7 @@ import triton
 import onegemm
 from onegemm.blockscaled.matmul import BLOCKSCALED_CONFIGS
 from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton
+from onegemm.core.runtime import default_programs
 from onegemm.core.tma import warp_specialized
 from reference import (
     TOL,
@@ -532,6 +533,30 @@ def test_warp_specialize_switch_mn_major(layout, device):
         qb = qb.contiguous()
     out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=warp_specialized(cfg), tma=True)
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
+# (M, N, K, tile, warps, stages): more tiles than programs, so each program walks several and
+# a tile the loop skipped would stay NaN. Interpreter: 3 x 5 tiles over 4 programs; H200:
+# 12 x 14 = 168 tiles of 128x128 over 132 SMs, edges partial in M, N, K and the scale blocks.
+PERSISTENT_CASE = (70, 152, 304, 32, 1, 1) if onegemm.INTERPRET else (1500, 1700, 784, 128, 4, 4)
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "warp_specialized"])
+@pytest.mark.parametrize("grans", [("1x128", "128x128"), ("128x128", "128x1"), ("row", "col")], ids=str)
+def test_persistent_schedule(grans, ws, device):
+    """A PERSISTENT config launches min(SM count, tiles) programs, each looping over tiles
+    pid, pid + P, ... (4 programs under the interpreter); every tile must still be written
+    once, with its own block scales, bias and activation."""
+    M, N, K, tile, warps, stages = PERSISTENT_CASE
+    assert triton.cdiv(M, tile) * triton.cdiv(N, tile) > default_programs(torch.device(device))
+    cfg = triton.Config({"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_K": 128, "GROUP_M": 4, "PERSISTENT": True},
+                        num_warps=warps, num_stages=stages)
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, bias=bias, activation="silu",
+                                     config=warp_specialized(cfg) if ws else cfg, tma=True if ws else None)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "silu"), KERNEL_TOL)
 
 
 @pytest.mark.gpu
