@@ -32,32 +32,6 @@ from .quantize import BLOCK
 
 
 @triton.jit
-def _scaled_tile(
-    tile, num_pid_m, num_pid_n, a, b, c, bias_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    sa_ptr, stride_sa_m, stride_sa_k, sb_ptr, stride_sb_k, stride_sb_n,
-    scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-    ACTIVATION: tl.constexpr, SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
-    USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):
-    """Output tile number ``tile`` (grouped order) of blockscaled_matmul_kernel: core's tile
-    body with the kernel's scale arguments (documented there)."""
-    pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-    gemm_tile(
-        pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-        # UPCAST off (fp8 tiles are right in the interpreter), PRECISION unused for fp8.
-        ACTIVATION, False, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
-        sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
-        sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
-        scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-        USE_TMA, A_K_CONTIG, B_K_CONTIG, WARP_SPECIALIZE=WARP_SPECIALIZE,
-    )
-
-
-@triton.jit
 def blockscaled_matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
@@ -91,9 +65,7 @@ def blockscaled_matmul_kernel(
     WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop).
     PERSISTENT: persistent/matmul.py's schedule: P programs, each taking tiles pid, pid + P, ...,
         so the TMA descriptors are built once per program and no SM waits for a new program
-        between tiles. Off, the kernel has no tile loop: the same loop running once per
-        program cost launch-per-tile configs 3-7% on the H200 (.exp loop check, this
-        commit's session), and made 256x128 with TMA fail.
+        between tiles. Off: one program per tile.
     Grid: (P,) with P = min(SM count, tiles) when PERSISTENT, else P = tiles = cdiv(M, BLOCK_M)
         * cdiv(N, BLOCK_N); tiles in grouped (GROUP_M) order either way.
     """
@@ -107,18 +79,21 @@ def blockscaled_matmul_kernel(
         tiles_here = tl.cdiv(num_pid_m * num_pid_n - tl.program_id(0), tl.num_programs(0))
     else:
         tiles_here = 1
-    # One loop for both schedules: with constant bounds (0, 1) the compiler folds it away, so
-    # the launch-per-tile kernel has no tile loop (a loop it could not fold, running once per
-    # program, cost 3-7% on the H200 and broke 256x128 with TMA).
+    # One loop for both schedules. Off, its bounds are the constants (0, 1) and the compiler
+    # removes it: the sm_90 PTX has the launch-per-tile kernel's instruction counts. A loop
+    # from pid to pid + 1 is not removed, and it cost 64x128 and warp-specialised configs
+    # 4-6% on the H200 and broke 256x128 with TMA (bench/results/blockscaled.md).
     for i in tl.range(0, tiles_here):
-        tile = tl.program_id(0) + i * tl.num_programs(0)
-        _scaled_tile(
-            tile, num_pid_m, num_pid_n, a, b, c, bias_ptr, M, N, K,
+        pid_m, pid_n = grouped_tile(tl.program_id(0) + i * tl.num_programs(0), num_pid_m, num_pid_n, GROUP_M)
+        gemm_tile(
+            pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-            sa_ptr, stride_sa_m, stride_sa_k, sb_ptr, stride_sb_k, stride_sb_n,
+            # UPCAST off (fp8 tiles are right in the interpreter), PRECISION unused for fp8.
+            ACTIVATION, False, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
+            sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
+            sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
             scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-            ACTIVATION, SA_ROWS_PER_SCALE, SB_COLS_PER_SCALE, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARP_SPECIALIZE,
+            USE_TMA, A_K_CONTIG, B_K_CONTIG, WARP_SPECIALIZE=WARP_SPECIALIZE,
         )
 
 
@@ -132,19 +107,24 @@ def _cfg(bm, bn, warps, stages, group_m=8, **extra):
 # Hopper fp8, BLOCK_K = 128 everywhere: one scale per K block (and 128 bytes of fp8 per row
 # per stage, a full wgmma swizzle row). Triton 3.6 waits for each K block's wgmma before
 # promoting it (acc += part * scale), so one warpgroup cannot overlap its MMAs with its
-# promotions; what hides them is other warpgroups on the same SM: two per CTA (8 warps), or
-# several CTAs per SM. Measured on the H200 (1x128 x 128x128, M >= 2048): 64x128 tiles with
-# 4 warps and 3 stages (72 KB of shared memory: three CTAs per SM) were fastest on 3 of 6
-# shapes in a forced sweep and the tuner's pick on 8 of the benchmark's 11; 128x128 won the
-# rest. 128x256 and 64x256 tiles straddle two 128-column weight scale blocks (a [1, BLOCK_N]
-# scale vector: one more multiply per element) and ran 0.3-0.5x cuBLAS against 0.6-0.76x.
-# ptxas (sm_90): 128x128 with 4 warps holds two 128-register fp32 tiles per thread and spills
-# a little; with 8 warps it uses 155 registers.
-# Warp-specialised 128x128 (4 warps: a TMA producer and two 64-row consumer warpgroups; TMA
-# only) with 4 stages: 0.65-0.70x cuBLAS blockwise on 4096^3, 8192^3 and 8192x14336x4096,
-# against 0.61-0.65x for the best unspecialised config there, and 0.59-0.67x on the two
-# 2048-row shapes, where 64x128 tiles stay ahead (0.61-0.75x). Forced sweep,
-# bench/diagnose_blockscaled.py fp8, after the K loop began prefetching the scales.
+# promotions; what hides them is other warpgroups on the same SM: two per CTA (8 warps, or
+# warp specialisation's two consumers), or several CTAs per SM (64x128 w4 s3: 72 KB of
+# shared memory, three CTAs).
+# Measured on the H200, 1x128 x 128x128, forced configs on 5 large shapes against cuBLAS
+# blockwise (bench/diagnose_blockscaled.py fp8; bench/results/blockscaled.md):
+# - persistent + warp-specialised 128x128 w4 s4 (a TMA producer and two 64-row consumer
+#   warpgroups, one CTA per SM, descriptors built once): 0.63-0.75x, the tuner's pick on 10
+#   of the benchmark's 11 shapes with M >= 2048; its unspecialised w8 s4 twin (0.63-0.69x)
+#   serves the operands warp specialisation cannot take (MN-major fp8, pointer loads).
+#   5 stages with warp specialisation gave NaN output (Triton 3.6), so 4 is the most here;
+# - launch-per-tile: 64x128 w4 s3 0.60-0.78x (the pick at 2048x2112x7168: 272 tiles, too
+#   few for the persistent grid to help), warp-specialised 128x128 0.58-0.68x, 128x128 w8
+#   0.53-0.63x.
+# 128x256 and 64x256 tiles straddle two 128-column weight scale blocks (a [1, BLOCK_N] scale
+# vector: one more multiply per element) and ran 0.3-0.5x; warp-specialised 256x128 and
+# 128x256 (2 stages, all that fits) 0.22-0.39x. ptxas (sm_90): 128x128 with 4 warps and no
+# warp specialisation holds two 128-register fp32 tiles per thread and spills a little; with
+# 8 warps it uses 155 registers.
 LARGE_M_CONFIGS = [
     _cfg(128, 128, 8, 3),
     _cfg(128, 128, 8, 4),
