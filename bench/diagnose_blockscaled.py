@@ -6,9 +6,10 @@ blockscaled_matmul's promotion (acc += dot(a, b) * scale, once per 128-wide K bl
 each warpgroup wait for its MMA before it can scale the result (bench/results/blockscaled.md).
 This tool times the schedules that could hide that wait, each config forced, against cuBLAS
 in the same run:
-1. block-scaled 1x128 x 128x128 (DeepSeek-V3): the tuned configs, the same configs with core's
+1. block-scaled 1x128 x 128x128 (DeepSeek-V3): the tuned configs, 128x128 with core's
    warp-specialised K loop (WARP_SPECIALIZE, TMA only: a producer and two consumer
-   warpgroups), and the autotuned call; ratios to torch._scaled_mm blockwise.
+   warpgroups), the persistent schedule (PERSISTENT, one program per SM) with and without it,
+   and the autotuned call; ratios to torch._scaled_mm blockwise.
 2. bf16: launch-per-tile and persistent matmul with and without WARP_SPECIALIZE; ratios to
    torch.matmul.
 Every forced config's output is checked against the peer's before it is timed. A config the
@@ -38,8 +39,9 @@ BF16_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 14336, 4096)]
 # and 128x256 (2 stages, all that fits) ran at 0.22-0.39x cuBLAS blockwise, so only 128x128
 # is swept (the tuned list has its 4-stage form).
 FP8_WS_CONFIGS = [fp8_cfg(128, 128, 4, 3), fp8_cfg(128, 128, 4, 4)]
-# The persistent schedule (one program per SM) on 128x128 tiles, the only ones of which one
-# CTA fills an SM's shared memory; GROUP_M and stages varied around the tuned pair.
+# The persistent schedule (one program per SM) on 128x128 tiles: with 3-4 stages one CTA
+# fills an SM's shared memory, so one program per SM loses no occupancy. GROUP_M and stages
+# are varied around the tuned pair.
 FP8_PERSISTENT_CONFIGS = [
     fp8_cfg(128, 128, 8, 3, PERSISTENT=True),
     warp_specialized(fp8_cfg(128, 128, 4, 3), PERSISTENT=True),
