@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 import onegemm
+from onegemm.core.checks import ACTIVATIONS
 from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, WS_CONFIGS, _cfg
 from onegemm.core.tiles import grouped_tile
 from reference import TF32_TOL, TOL, assert_close, matmul_ref
@@ -91,7 +92,7 @@ def test_matmul_fp8_mixed_and_out_dtype(a_dtype, b_dtype, out_dtype, device):
     assert_close(out, matmul_ref(a, b), tol_for(a_dtype, out.dtype))
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matmul_epilogue(activation, with_bias, dtype, device):
