@@ -60,8 +60,8 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100, graph: bool = True) -> 
 def config_label(cfg: triton.Config, group_m: bool = False) -> str:
     """A config as the results tables print it, e.g. '128x256x64 w4 s3 WS TMA': the tile, warps,
     stages, then WS when core's K loop is warp-specialised, 'pers' for the persistent schedule
-    (blockscaled's PERSISTENT) and the load flavour when the config names one (the tuner picks
-    it for matmul and grouped GEMMs)."""
+    (blockscaled's PERSISTENT), 'splitK4' for split-K (core/splitk.py) and the load flavour
+    when the config names one (the tuner picks it for matmul and grouped GEMMs)."""
     k = cfg.kwargs
     text = f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
     if group_m:
@@ -70,6 +70,8 @@ def config_label(cfg: triton.Config, group_m: bool = False) -> str:
         text += " WS"
     if k.get("PERSISTENT"):
         text += " pers"
+    if k.get("SPLIT_K", 1) > 1:
+        text += f" splitK{k['SPLIT_K']}"
     if "USE_TMA" in k:
         text += " TMA" if k["USE_TMA"] else " ptr"
     return text

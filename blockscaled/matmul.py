@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core import checks
+from ..core import checks, splitk
 from ..core.runtime import Kernel, default_programs, empty, next_pow2_bucket
 from ..core.tiles import gemm_tile, grouped_tile, make_operands
 from ..core.tma import choose_tma, flavour_meta, warp_specialized
@@ -41,11 +41,12 @@ def blockscaled_matmul_kernel(
     scale_m_ptr, stride_scale_m,
     scale_n_ptr, stride_scale_n,
     M_BUCKET, LAYOUT, SCALING,
+    ws_ptr, lock_ptr,
     ACTIVATION: tl.constexpr,
     SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False, PERSISTENT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
 ):
     """C = act((A * scale_a) @ (B * scale_b) + bias), one output tile per program, or (PERSISTENT)
     one program per SM looping over the tiles.
@@ -66,8 +67,11 @@ def blockscaled_matmul_kernel(
     PERSISTENT: persistent/matmul.py's schedule: P programs, each taking tiles pid, pid + P, ...,
         so the TMA descriptors are built once per program and no SM waits for a new program
         between tiles. Off: one program per tile.
-    Grid: (P,) with P = min(SM count, tiles) when PERSISTENT, else P = tiles = cdiv(M, BLOCK_M)
-        * cdiv(N, BLOCK_N); tiles in grouped (GROUP_M) order either way.
+    SPLIT_K, ws_ptr, lock_ptr: split-K (core/splitk.py), as in core/matmul.py: work unit u is
+        split u % SPLIT_K of tile u // SPLIT_K; the split ranges are whole K blocks, so every
+        block keeps its one scale.
+    Grid: (P,) with P = min(SM count, units) when PERSISTENT, else P = units = cdiv(M, BLOCK_M)
+        * cdiv(N, BLOCK_N) * SPLIT_K; tiles in grouped (GROUP_M) order either way.
     """
     a, b, c = make_operands(
         a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
@@ -76,7 +80,7 @@ def blockscaled_matmul_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
-        tiles_here = tl.cdiv(num_pid_m * num_pid_n - tl.program_id(0), tl.num_programs(0))
+        tiles_here = tl.cdiv(num_pid_m * num_pid_n * SPLIT_K - tl.program_id(0), tl.num_programs(0))
     else:
         tiles_here = 1
     # One loop for both schedules. Off, its bounds are the constants (0, 1) and the compiler
@@ -84,7 +88,8 @@ def blockscaled_matmul_kernel(
     # from pid to pid + 1 is not removed, and it cost 64x128 and warp-specialised configs
     # 4-6% on the H200 and broke 256x128 with TMA (bench/results/blockscaled.md).
     for i in tl.range(0, tiles_here):
-        pid_m, pid_n = grouped_tile(tl.program_id(0) + i * tl.num_programs(0), num_pid_m, num_pid_n, GROUP_M)
+        unit = tl.program_id(0) + i * tl.num_programs(0)
+        pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
         gemm_tile(
             pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
@@ -94,6 +99,7 @@ def blockscaled_matmul_kernel(
             sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
             scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
             USE_TMA, A_K_CONTIG, B_K_CONTIG, WARP_SPECIALIZE=WARP_SPECIALIZE,
+            split=unit % SPLIT_K, SPLIT_K=SPLIT_K, ws_ptr=ws_ptr, lock_ptr=lock_ptr,
         )
 
 
@@ -145,18 +151,27 @@ SMALL_M_CONFIGS = [
     _cfg(64, 64, 4, 4),
     _cfg(64, 32, 4, 5),
 ]
-BLOCKSCALED_CONFIGS = LARGE_M_CONFIGS + [c for c in SMALL_M_CONFIGS if c not in LARGE_M_CONFIGS]
+# Split-K (core/splitk.py): the M <= 64 tiles that leave SMs idle (16x4096x4096 has 64 tiles
+# of 64x64) with 2, 4 and 8 splits, and 64x128 for M up to 128; tried while SPLIT_K x the M
+# bucket <= 512.
+SPLIT_K_CONFIGS = splitk.with_splits([
+    _cfg(64, 128, 4, 4),
+    _cfg(64, 64, 4, 4),
+    _cfg(64, 32, 4, 5),
+])
+BLOCKSCALED_CONFIGS = LARGE_M_CONFIGS + [c for c in SMALL_M_CONFIGS if c not in LARGE_M_CONFIGS] + SPLIT_K_CONFIGS
 
 # Interpreter: one small config; BLOCK_K stays 128 (the scale block).
 INTERPRET_CONFIG = _cfg(32, 32, 1, 1, group_m=4)
 
 
 def prune_configs(configs, args):
-    """Decode-sized M (bucket <= 64) tunes SMALL_M_CONFIGS, larger M LARGE_M_CONFIGS; the
+    """Decode-sized M (bucket <= 64) tunes SMALL_M_CONFIGS, larger M LARGE_M_CONFIGS, both
+    with the SPLIT_K_CONFIGS that ``splitk.allowed`` keeps for the bucket; the
     warp-specialised ones only with TMA loads of K-major a and b (core's K loop ignores the
     switch otherwise, tiles.mma_k_loop)."""
-    family = SMALL_M_CONFIGS if args["M_BUCKET"] <= 64 else LARGE_M_CONFIGS
-    kept = [c for c in configs if c in family] or configs
+    family = (SMALL_M_CONFIGS if args["M_BUCKET"] <= 64 else LARGE_M_CONFIGS) + SPLIT_K_CONFIGS
+    kept = [c for c in configs if c in family and splitk.allowed(c, args["M_BUCKET"])] or configs
     ws_ok = args["USE_TMA"] and args["A_K_CONTIG"] and args["B_K_CONTIG"]
     return [c for c in kept if ws_ok or not c.kwargs.get("WARP_SPECIALIZE")]
 
@@ -261,8 +276,8 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     programs = default_programs(a.device)
 
     def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(programs, tiles) if meta.get("PERSISTENT") else tiles,)
+        units = splitk.units(meta, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))
+        return (min(programs, units) if meta.get("PERSISTENT") else units,)
 
     args = (
         a, b, c, bias, M, N, K,
@@ -274,7 +289,9 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
         int(a.stride(1) == 1) * 2 + int(b.stride(0) == 1),
         A_KINDS.index(kind_a) * 4 + B_KINDS.index(kind_b),
     )
+    ws, locks = splitk.launch_buffers(_blockscaled, config, M, N, next_pow2_bucket(M), a.device)
     meta = dict(
+        ws_ptr=ws, lock_ptr=locks,
         ACTIVATION=activation, SA_ROWS_PER_SCALE=sa_rows, SB_COLS_PER_SCALE=sb_cols,
         **flavour_meta(choose_tma(tma, a, b, c)),
     )

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import checks
+from . import checks, splitk
 from .runtime import Kernel, empty, next_pow2_bucket
 from .tiles import gemm_tile, grouped_tile, make_operands
 from .tma import choose_tma, flavour_meta, keep_flavours, launch_flavoured, tuned_flavours, warp_specialized
@@ -18,12 +18,13 @@ def matmul_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     M_BUCKET, LAYOUT, TMA_MODE,
+    ws_ptr, lock_ptr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
 ):
-    """C = act(A @ B + bias), one program per output tile.
+    """C = act(A @ B + bias), one program per output tile (per tile and K split with SPLIT_K).
 
     a_ptr [M, K], b_ptr [K, N], c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
     bias_ptr [N] (stride_bias) or None.
@@ -31,10 +32,13 @@ def matmul_kernel(
         are K-contiguous; which load flavours the tuner may pick), unused in the body.
     USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT: the TMA flavour and its operand layout
         (tiles.make_operands; core/tma.py says which calls may use it, the tuner picks).
-    Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs in grouped (GROUP_M) order.
+    SPLIT_K, ws_ptr, lock_ptr: split-K (core/splitk.py): program p computes split p % SPLIT_K
+        of tile p // SPLIT_K; ws_ptr fp32 [SPLIT_K * M, N] and lock_ptr int32 [tiles] are the
+        partials and counters of tiles.split_k_combine (None when SPLIT_K is 1).
+    Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K,), tiles in grouped (GROUP_M) order.
     """
     pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_tile(pid // SPLIT_K, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     a, b, c = make_operands(
         a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
         BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT,
@@ -45,6 +49,7 @@ def matmul_kernel(
         ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         USE_TMA=USE_TMA, A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG, EPI_SPLIT=EPI_SPLIT,
         WARP_SPECIALIZE=WARP_SPECIALIZE,
+        split=pid % SPLIT_K, SPLIT_K=SPLIT_K, ws_ptr=ws_ptr, lock_ptr=lock_ptr,
     )
 
 
@@ -87,6 +92,17 @@ WS_CONFIGS = [
     warp_specialized(_cfg(256, 128, 64, 4, 3), USE_TMA=True),
 ]
 
+# Split-K (core/splitk.py) for small M, where the tiles above leave most SMs idle: the
+# 64-row tiles that M <= 64 tunes, each with 2, 4 and 8 splits. The tuner tries them only
+# while SPLIT_K x the M bucket <= 512 (splitk.allowed).
+SPLIT_K_CONFIGS = splitk.with_splits([
+    _cfg(64, 64, 64, 4, 5),
+    _cfg(64, 128, 64, 4, 4),
+    _cfg(64, 64, 128, 4, 4),
+    _cfg(64, 128, 128, 4, 4),
+    _cfg(64, 64, 32, 4, 4),
+])
+
 # Under the interpreter: one small config. Cost grows with programs x K iterations, so CPU
 # tests stay quick; 32 is also tl.dot's minimum for fp8 on the interpreter's fp16 emulation.
 INTERPRET_CONFIG = _cfg(32, 32, 32, 1, 1, group_m=4)
@@ -100,7 +116,7 @@ def prune_configs(configs, args):
     # fill a 128-byte TMA/wgmma swizzle row; fp32 takes 32 to keep shared memory in budget.
     want_bk = {1: 128, 2: 64, 4: 32}[itemsize]
     m_bucket = args["M_BUCKET"]
-    kept = [c for c in configs if c.kwargs["BLOCK_K"] == want_bk]
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] == want_bk and splitk.allowed(c, m_bucket)]
     if m_bucket <= 64:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
     return kept or configs
@@ -117,7 +133,7 @@ def prune_flavours(configs, args):
 # 6.0 us; 16x4096x4096: 14.6 vs 20.2 us) and TMA wins by 3-8% at 4096^3 and 8192^3.
 _matmul = Kernel(
     matmul_kernel,
-    tuned_flavours(MATMUL_CONFIGS) + WS_CONFIGS,
+    tuned_flavours(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + WS_CONFIGS,
     key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
     interpret_config=INTERPRET_CONFIG,
     prune=prune_flavours,
@@ -185,9 +201,11 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
         return c
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (splitk.units(meta, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    launch_flavoured(_matmul, grid, config, tma, *launch_args(a, b, c, bias, activation, tma))
+    args, meta = launch_args(a, b, c, bias, activation, tma)
+    ws, locks = splitk.launch_buffers(_matmul, config, M, N, next_pow2_bucket(M), a.device)
+    launch_flavoured(_matmul, grid, config, tma, args, {**meta, "ws_ptr": ws, "lock_ptr": locks})
     return c
 
 

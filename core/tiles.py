@@ -133,6 +133,7 @@ def mma_k_loop(
     A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
     SA_UNIFORM: tl.constexpr = False, SB_UNIFORM: tl.constexpr = False,
     WARP_SPECIALIZE: tl.constexpr = False,
+    kb_lo=0, kb_hi=None,
 ):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
@@ -167,6 +168,10 @@ def mma_k_loop(
     column ``off_n``; rows/cols only index the scales. Boxes past M, N or K arrive zero-filled,
     which is what the masks give the pointer flavour.
 
+    kb_lo, kb_hi: only K blocks [kb_lo, kb_hi) of the ceil(K / BLOCK_K) (default: all), what
+        one split of a split-K tile sums (``split_k_range``); masks and scales stay indexed by
+        the absolute K block, so a range ends at K exactly like the whole loop does.
+
     WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only.
     Compiled for sm_90 (Triton 3.6) with 4 warps, the loop becomes a TMA producer and two
     consumer warpgroups of BLOCK_M/2 rows each, synchronised by mbarriers instead of the
@@ -181,14 +186,21 @@ def mma_k_loop(
         # int64: rows * stride_am passes 2^31 elements for tall or widely strided operands.
         a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
-    num_kb = tl.cdiv(K, BLOCK_K)
+        if kb_hi is not None:
+            # A split starts at block kb_lo (int64: that column times a transposed A's K
+            # stride can pass 2^31). Without a range the code is the plain loop's, unchanged.
+            k_first = kb_lo.to(tl.int64) * BLOCK_K
+            a_ptrs += k_first * stride_ak
+            b_ptrs += k_first * stride_bk
+    if kb_hi is None:
+        kb_hi = tl.cdiv(K, BLOCK_K)
     if sa_ptr is not None or sb_ptr is not None:
-        scale = _block_scale(0, sa_ptr, sa_idx, stride_sa_idx, stride_sa_k, sb_ptr, sb_idx, stride_sb_idx, stride_sb_k,
-                             SA_UNIFORM, SB_UNIFORM, valid=num_kb > 0)
+        scale = _block_scale(kb_lo, sa_ptr, sa_idx, stride_sa_idx, stride_sa_k, sb_ptr, sb_idx, stride_sb_idx, stride_sb_k,
+                             SA_UNIFORM, SB_UNIFORM, valid=kb_hi > kb_lo)
     # Triton 3.6 cannot warp-specialise fp8 tiles that must be transposed in shared memory
     # (an MN-major A or B): the sm_90 compile fails or aborts. Those run unspecialised.
     WS: tl.constexpr = WARP_SPECIALIZE and USE_TMA and ((A_K_CONTIG and B_K_CONTIG) or not a_ptr.dtype.is_fp8())
-    for kb in tl.range(0, num_kb, warp_specialize=WS):
+    for kb in tl.range(kb_lo, kb_hi, warp_specialize=WS):
         if USE_TMA:
             k0 = kb * BLOCK_K
             # A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
@@ -221,7 +233,7 @@ def mma_k_loop(
             # load latency hides behind it: the MMA must finish before the promotion
             # (Triton waits for it), and loaded after that wait they stalled every K block.
             # The last block re-reads its own scales (an index past them is out of bounds).
-            next_scale = _block_scale(tl.minimum(kb + 1, num_kb - 1), sa_ptr, sa_idx, stride_sa_idx, stride_sa_k,
+            next_scale = _block_scale(tl.minimum(kb + 1, kb_hi - 1), sa_ptr, sa_idx, stride_sa_idx, stride_sa_k,
                                       sb_ptr, sb_idx, stride_sb_idx, stride_sb_k, SA_UNIFORM, SB_UNIFORM)
             part = tl.dot(a, b, input_precision=PRECISION)
             acc += part * scale
@@ -313,6 +325,50 @@ def store_tile(
 
 
 @triton.jit
+def split_k_range(split, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K blocks [kb_lo, kb_hi) that split ``split`` of SPLIT_K sums: ceil(blocks / SPLIT_K)
+    consecutive blocks each, the last splits shorter or empty (K of 2 blocks over 4 splits
+    leaves two empty; they still write a zero partial, see ``split_k_combine``)."""
+    num_kb = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(num_kb, SPLIT_K)
+    kb_lo = tl.minimum(split * per_split, num_kb)
+    return kb_lo, tl.minimum(kb_lo + per_split, num_kb)
+
+
+@triton.jit
+def split_k_combine(acc, split, tile_id, ws_ptr, lock_ptr, M, N, offs_m, offs_n, mask_m, mask_n,
+                    SPLIT_K: tl.constexpr):
+    """Split-K's reduction: returns (sum of the tile's SPLIT_K partials, is_last).
+
+    Every split stores its fp32 partial ``acc`` into the workspace and then takes a ticket on
+    its tile's counter; only the split that arrives last gets ``is_last`` and the sum, which it
+    reads back in split order, so the result does not depend on which split finished first
+    (deterministic, unlike atomically added partials). Nobody waits for anybody, so no
+    schedule of the programs can deadlock. The last split puts the counter back to 0: the
+    buffers then serve the next launch as they are (autotune repetitions, CUDA-graph replays).
+
+    ws_ptr: fp32 [SPLIT_K * M, N] contiguous; split s of C[i, j] at ws_ptr + (s*M + i)*N + j.
+    lock_ptr: int32 [number of tiles], zero before the first launch; ``tile_id`` indexes it.
+    """
+    mask = mask_m[:, None] & mask_n[None, :]
+    cols = offs_n.to(tl.int64)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    tl.store(ws_ptr + (split * M + rows) * N + cols, acc, mask=mask)
+    # Every thread's partial is stored before the ticket is taken; the ticket's release and
+    # acquire (acq_rel, GPU scope) order those stores before the last split's loads.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    is_last = ticket == SPLIT_K - 1
+    if is_last:
+        acc = tl.zeros_like(acc)
+        for s in tl.static_range(SPLIT_K):
+            # .cg: read from L2, where the other SMs' partials are (not a stale L1 line).
+            acc += tl.load(ws_ptr + (s * M + rows) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(lock_ptr + tile_id, 0)
+    return acc, is_last
+
+
+@triton.jit
 def gemm_tile(
     pid_m, pid_n,
     a_ptr, b_ptr, c_ptr, bias_ptr,
@@ -325,6 +381,7 @@ def gemm_tile(
     scale_m_ptr=None, stride_scale_m=0, scale_n_ptr=None, stride_scale_n=0,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
     EPI_SPLIT: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False,
+    split=0, SPLIT_K: tl.constexpr = 1, ws_ptr=None, lock_ptr=None,
 ):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
 
@@ -333,6 +390,10 @@ def gemm_tile(
     ``scale_m_ptr``/``scale_n_ptr`` row-wise / column-wise / scalar scales for the epilogue.
     USE_TMA: a_ptr, b_ptr and c_ptr are the descriptors ``make_operands`` returned (built with
     the same A_K_CONTIG, B_K_CONTIG and EPI_SPLIT); the strides are then unused.
+    SPLIT_K > 1: this program is split ``split`` of SPLIT_K over the tile's K blocks
+    (``split_k_range``); the last split to finish sums the partials through ``ws_ptr`` and
+    ``lock_ptr`` (``split_k_combine``, which gives their layout) and alone runs the epilogue
+    and the store. core/splitk.py is the host side.
     """
     offs_m, rows, mask_m = tile_range(pid_m, M, BLOCK_M)
     offs_n, cols, mask_n = tile_range(pid_n, N, BLOCK_N)
@@ -348,6 +409,10 @@ def gemm_tile(
         sb_idx = (pid_n * BLOCK_N) // SB_COLS_PER_SCALE
     else:
         sb_idx = cols // SB_COLS_PER_SCALE
+    kb_lo = 0
+    kb_hi = None
+    if SPLIT_K > 1:
+        kb_lo, kb_hi = split_k_range(split, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = mma_k_loop(
         acc, a_ptr, b_ptr, rows, cols, K,
@@ -356,14 +421,19 @@ def gemm_tile(
         sa_ptr, sa_idx, stride_sa_m, stride_sa_k,
         sb_ptr, sb_idx, stride_sb_n, stride_sb_k,
         USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, A_K_CONTIG, B_K_CONTIG,
-        SA_UNIFORM, SB_UNIFORM, WARP_SPECIALIZE,
+        SA_UNIFORM, SB_UNIFORM, WARP_SPECIALIZE, kb_lo, kb_hi,
     )
-    acc = epilogue(
-        acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
-        bias_ptr, stride_bias,
-        scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-    )
-    store_tile(
-        c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn,
-        USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, EPI_SPLIT,
-    )
+    finish = True
+    if SPLIT_K > 1:
+        tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+        acc, finish = split_k_combine(acc, split, tile_id, ws_ptr, lock_ptr, M, N, offs_m, offs_n, mask_m, mask_n, SPLIT_K)
+    if finish:
+        acc = epilogue(
+            acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
+            bias_ptr, stride_bias,
+            scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
+        )
+        store_tile(
+            c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn,
+            USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, EPI_SPLIT,
+        )

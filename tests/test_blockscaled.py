@@ -559,6 +559,34 @@ def test_persistent_schedule(grans, ws, device):
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "silu"), KERNEL_TOL)
 
 
+# (M, N, K, SPLIT_K, (gran_a, gran_b), persistent, tma): split-K over whole 128-deep K blocks,
+# so each split applies its own blocks' scales: uneven (3 blocks over 2), empty splits (3 over
+# 4; 4 over 3 gives 2, 2, 0), epilogue-only scales, the persistent schedule walking
+# (tile, split) units, and the TMA flavour (K = 304: 16-byte fp8 rows).
+SPLIT_CASES = [
+    (70, 152, 300, 2, ("1x128", "128x128"), False, None),
+    (33, 40, 300, 4, ("128x128", "128x1"), False, None),
+    (20, 64, 400, 3, ("row", "col"), False, None),
+    (70, 152, 304, 2, ("1x128", "128x128"), True, None),
+    (48, 80, 304, 3, ("1x128", "128x128"), False, True),
+]
+
+
+@pytest.mark.parametrize("M,N,K,split,grans,persistent,tma", SPLIT_CASES)
+def test_split_k(M, N, K, split, grans, persistent, tma, device):
+    """Split-K (core/splitk.py): every (tile, split) sums its own K blocks with their scales,
+    the last split of a tile adds the partials and alone runs bias and activation."""
+    tile, warps, stages = (32, 1, 1) if onegemm.INTERPRET else (64, 4, 3)
+    cfg = triton.Config({"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_K": 128, "GROUP_M": 4, "SPLIT_K": split,
+                         "PERSISTENT": persistent}, num_warps=warps, num_stages=stages)
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, bias=bias, activation="silu",
+                                     config=cfg, tma=tma)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "silu"), KERNEL_TOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("grans", [("1x128", "128x128"), ("128x128", "128x1"), ("1x128", "col")], ids=str)

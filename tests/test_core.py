@@ -7,7 +7,8 @@ import triton.language as tl
 
 import onegemm
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, WS_CONFIGS, _cfg
+from onegemm.core import splitk
+from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, _cfg, prune_configs
 from onegemm.core.tiles import grouped_tile
 from reference import TF32_TOL, TOL, assert_close, matmul_ref
 
@@ -227,6 +228,86 @@ def test_linear_sliced_input(device):
 # ---- bad input: ValueError / TypeError naming the argument ----
 
 
+# ---- Split-K (core/splitk.py, tiles.split_k_combine) ----
+
+# (M, N, K, SPLIT_K, dtype, layout_a, layout_b, tma, activation): the K blocks (32 deep under
+# the interpreter's config, 32/64/128 by dtype on the H200) dealt unevenly (10 blocks over 3),
+# splits left empty (2 blocks over 4), K == 1, K == 0 (every split empty: the output is
+# act(bias)), transposed and sliced operands, 16-bit and fp8 inputs, and the TMA flavour.
+# The 1x1 output has no activation: one gelu value near its zero has no relative accuracy.
+SPLIT_CASES = [
+    (17, 33, 300, 3, torch.float32, "contig", "transposed", None, "gelu"),
+    (5, 40, 40, 4, torch.float32, "contig", "contig", None, "gelu"),
+    (1, 1, 1, 2, torch.float32, "contig", "contig", None, None),
+    (6, 9, 0, 2, torch.float32, "contig", "contig", None, "gelu"),
+    (40, 70, 129, 2, torch.float32, "transposed", "sliced", None, "silu"),
+    (70, 20, 200, 8, torch.float16, "sliced", "transposed", None, "gelu"),
+    (33, 50, 160, 3, torch.float8_e4m3fn, "contig", "transposed", None, "relu"),
+    (20, 48, 96, 3, torch.float32, "contig", "transposed", True, "gelu"),
+]
+
+
+def split_cfg(split, dtype=torch.float32):
+    """The interpreter's config, or on the H200 a 64x64 tile with the dtype's BLOCK_K; SPLIT_K set."""
+    if onegemm.INTERPRET:
+        base = INTERPRET_CONFIG
+    else:
+        base = _cfg(64, 64, {1: 128, 2: 64, 4: 32}[torch.empty(0, dtype=dtype).element_size()], 4, 3)
+    return triton.Config({**base.kwargs, "SPLIT_K": split}, num_warps=base.num_warps, num_stages=base.num_stages)
+
+
+@pytest.mark.parametrize("M,N,K,split,dtype,layout_a,layout_b,tma,activation", SPLIT_CASES)
+def test_split_k(M, N, K, split, dtype, layout_a, layout_b, tma, activation, device):
+    """Each split sums its own K blocks; the last one adds all partials, then bias and the
+    activation run once (twice, or on a partial, would show), and every tile is written."""
+    a = make((M, K), dtype, device, layout_a)
+    b = make((K, N), dtype, device, layout_b)
+    bias = torch.randn(N, device=device)
+    out = onegemm.matmul(a, b, bias=bias, activation=activation, config=split_cfg(split, dtype), tma=tma)
+    assert_close(out, matmul_ref(a, b, bias, activation), tol_for(dtype))
+
+
+def test_split_k_buffers_are_reusable_and_deterministic(monkeypatch, device):
+    """The last split puts its tile's counter back to 0, so one set of buffers serves launch
+    after launch (as autotuning and CUDA-graph replays reuse them); the partials are added in
+    split order, so every launch gives the same bits. A counter left at 1 would leave the
+    second launch's tiles unwritten (NaN)."""
+    made = []
+
+    def keep_first(*args):
+        if not made:
+            made.append(splitk_buffers(*args))
+        return made[0]
+
+    splitk_buffers = splitk.buffers
+    monkeypatch.setattr(splitk, "buffers", keep_first)
+    a = make((37, 300), torch.float32, device)
+    b = make((300, 70), torch.float32, device)
+    first = onegemm.matmul(a, b, activation="relu", config=split_cfg(3))
+    second = onegemm.matmul(a, b, activation="relu", config=split_cfg(3))
+    assert_close(first, matmul_ref(a, b, None, "relu"), TOL[torch.float32])
+    assert torch.equal(first, second)
+    assert int(made[0][1].abs().sum()) == 0  # every counter back at zero
+
+
+def test_split_k_tuned_only_for_small_m(device):
+    """The tuner tries split configs while SPLIT_K x the M bucket <= 512 (the workspace's
+    rows), and a launch sizes the workspace for the largest split it may run."""
+    def splits(m_bucket):
+        a = torch.empty(1, 1, dtype=torch.bfloat16)
+        kept = prune_configs(MATMUL_CONFIGS + SPLIT_K_CONFIGS, {"a_ptr": a, "M_BUCKET": m_bucket})
+        return sorted({splitk.split_of(c) for c in kept})
+
+    assert splits(16) == [1, 2, 4, 8]
+    assert splits(128) == [1, 2, 4]
+    assert splits(1024) == [1]
+    ws, locks = splitk.buffers([split_cfg(2), split_cfg(4), INTERPRET_CONFIG], 10, 7, device)
+    block = split_cfg(2).kwargs
+    assert ws.shape == (4 * 10, 7) and ws.dtype == torch.float32
+    assert locks.shape == (triton.cdiv(10, block["BLOCK_M"]) * triton.cdiv(7, block["BLOCK_N"]),)
+    assert splitk.buffers([INTERPRET_CONFIG], 10, 7, device) == (None, None)
+
+
 def _bad_cases(device):
     f32 = lambda *s: torch.randn(*s, device=device)  # noqa: E731
     return [
@@ -272,7 +353,7 @@ def test_gpu_autotuned_large(M, N, K, dtype, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", MATMUL_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+@pytest.mark.parametrize("cfg", MATMUL_CONFIGS + SPLIT_K_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
 def test_gpu_every_config(cfg, device):
     """Each Hopper config, forced, on a shape with partial tiles on every edge."""
     dtype = torch.float8_e4m3fn if cfg.kwargs["BLOCK_K"] == 128 else torch.bfloat16
