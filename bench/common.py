@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import triton
 
+from onegemm.core.runtime import graph_bench
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO / "tests"))  # so benchmarks can `from reference import ...`
@@ -30,30 +32,18 @@ sys.path.insert(0, str(REPO / "tests"))  # so benchmarks can `from reference imp
 def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100, graph: bool = True) -> float:
     """Median milliseconds of fn() on the GPU.
 
-    graph=True (default): fn is captured once in a CUDA graph and the replays are timed with
-    do_bench (CUDA events, L2 flushed between runs). This measures the kernels alone: eager
-    calls of a Triton op cost 60-90 us of Python on the host (bench/diagnose_matmul.py,
-    H200), more than a small GEMM's GPU time, and production decode runs under CUDA graphs.
-    A peer that cannot be captured (a host-synced fallback) is timed eagerly instead.
+    graph=True (default): core.runtime.graph_bench, the autotuner's own measure: fn captured
+    once in a CUDA graph, its replays timed (CUDA events, L2 flushed between runs). This
+    measures the kernels alone: eager calls of a Triton op cost 60-90 us of Python on the host
+    (bench/diagnose_matmul.py, H200), more than a small GEMM's GPU time, and production decode
+    runs under CUDA graphs. A peer that cannot be captured (a host-synced fallback) is timed
+    eagerly instead, and graph_bench says so.
     graph=False: eager calls, host overhead included where it exceeds GPU time.
     """
     fn()  # compile / autotune outside the timed region
     torch.cuda.synchronize()
     if graph:
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()  # warm the graph pool's allocations on the capture stream
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            torch.cuda.synchronize()
-            return triton.testing.do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        except Exception as e:  # noqa: BLE001 - uncapturable peer: fall back to eager, say so
-            print(f"[bench_ms] CUDA graph capture failed ({type(e).__name__}: {str(e)[:80]}); timing eagerly", flush=True)
-            torch.cuda.synchronize()
+        return graph_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
@@ -98,7 +88,7 @@ def header(title: str) -> str:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
         f"- command: `python {cmd}`\n"
         f"- timing: GPU time, median of triton.testing.do_bench over CUDA-graph replays of one call (L2 flushed "
-        f"between runs; autotuning done before). Eager calls add 60-90 us of Python launch overhead per Triton op "
+        f"between runs; autotuning done before, timing its candidates the same way). Eager calls add 60-90 us of Python launch overhead per Triton op "
         f"(10-15 us for torch.matmul), which bounds small shapes; see bench/diagnose_matmul.py\n\n"
     )
 

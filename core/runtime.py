@@ -60,12 +60,44 @@ def _quick_bench(fn, quantiles):
     return do_bench(fn, warmup=1, rep=TUNE_MS, quantiles=quantiles)
 
 
+def graph_bench(fn, warmup: float = 25, rep: float = 100, quantiles=None, return_mode: str = "mean"):
+    """GPU time of ``fn()``: captured once in a CUDA graph, replays timed by
+    triton.testing.do_bench (CUDA events, L2 flushed between replays).
+
+    Timing eager calls measures the host instead whenever a kernel is shorter than its launch:
+    a Triton launch costs 60-90 us of Python (bench/diagnose_matmul.py, H200), more than a
+    decode-sized GEMM's GPU time, so every config of such a call times alike and the tuner's
+    pick is noise (1024^3 fp8: 124 against 166 TFLOP/s between two runs). The autotuner
+    (``Kernel``) and the benchmarks (bench/common.py) both time this way, so a tuned config is
+    the fastest in the measure the results report. ``fn`` runs once uncaptured first (compile
+    errors surface there, as the tuner expects); one that cannot be captured is timed eagerly.
+    """
+    from triton.testing import do_bench
+
+    fn()  # compile, and let the autotuner see OutOfResources before any capture
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # the graph pool's allocations (e.g. TMA descriptor scratch) on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - an uncapturable fn (host sync): time it eagerly, say so
+        print(f"[graph_bench] CUDA graph capture failed ({type(e).__name__}: {str(e)[:80]}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=warmup, rep=rep, quantiles=quantiles, return_mode=return_mode)
+    return do_bench(graph.replay, warmup=warmup, rep=rep, quantiles=quantiles, return_mode=return_mode)
+
+
 class Kernel:
     """A ``@triton.jit`` kernel plus its autotune configs, launched one of two ways.
 
-    ``kernel[grid](*args, **kwargs)`` autotunes on a GPU (configs pruned by ``prune``, the
-    result cached on disk, keyed by ``key``) and uses ``interpret_config`` under the
-    interpreter. ``kernel.run(grid, config, ...)`` forces one config: benchmarks use it to
+    ``kernel[grid](*args, **kwargs)`` autotunes on a GPU (configs pruned by ``prune``, each
+    timed in GPU time by ``graph_bench``, the result cached on disk, keyed by ``key``) and uses
+    ``interpret_config`` under the interpreter. ``kernel.run(grid, config, ...)`` forces one config: benchmarks use it to
     compare GROUP_M=1 with GROUP_M=8, and tests use it to run several block sizes.
 
     ``prune(configs, args) -> configs`` sees every argument of the call by name in ``args``
@@ -83,7 +115,7 @@ class Kernel:
                 configs=configs,
                 key=key,
                 prune_configs_by={"early_config_prune": self._pruned} if prune else None,
-                do_bench=_quick_bench if TUNE_MS else None,
+                do_bench=_quick_bench if TUNE_MS else graph_bench,
                 cache_results=TUNE_MS is None,
             )(fn)
 

@@ -402,3 +402,46 @@ def test_gpu_fp32_tf32_follows_torch(device):
         assert_close(onegemm.matmul(a, b), matmul_ref(a, b), TF32_TOL)
     finally:
         torch.set_float32_matmul_precision(old)
+
+
+@pytest.mark.gpu
+def test_gpu_tuner_times_graph_replays(monkeypatch, device):
+    """Without ONEGEMM_TUNE_MS, a Kernel's tuner times every candidate with runtime.graph_bench
+    (CUDA-graph replays: GPU time, not the launch's host time), and the config it keeps gives
+    the right product. The suite itself tunes with ONEGEMM_TUNE_MS, so this builds its own."""
+    from onegemm.core import runtime
+    from onegemm.core.matmul import launch_args, matmul_kernel, prune_flavours
+    from onegemm.core.tma import launch_flavoured
+
+    graph_bench, timed = runtime.graph_bench, []
+
+    def counted(fn, *args, **kwargs):
+        timed.append(graph_bench(fn, *args, **kwargs))
+        return timed[-1]
+
+    monkeypatch.setattr(runtime, "TUNE_MS", None)
+    monkeypatch.setattr(runtime, "graph_bench", counted)
+    configs = [triton.Config({**c.kwargs, "USE_TMA": False}, num_warps=4, num_stages=3)
+               for c in (_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3))]
+    kernel = runtime.Kernel(matmul_kernel, configs, key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
+                            interpret_config=INTERPRET_CONFIG, prune=prune_flavours)
+    M, N, K = 97, 200, 320
+    a = make((M, K), torch.bfloat16, device)
+    b = make((N, K), torch.bfloat16, device).t()
+    c = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
+    args, meta = launch_args(a, b, c, None, None, False)
+    grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
+    launch_flavoured(kernel, grid, None, False, args, {**meta, "ws_ptr": None, "lock_ptr": None})
+    assert len(timed) == 2 and all(0 < t[0] < float("inf") for t in timed), timed
+    assert kernel.best_config() in configs
+    assert_close(c, matmul_ref(a, b), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_graph_bench_falls_back_to_eager(device):
+    """A function that cannot be captured (it syncs with the host) is timed eagerly."""
+    from onegemm.core.runtime import graph_bench
+
+    x = torch.randn(1000, device=device)
+    ms = graph_bench(lambda: x.sum().item(), warmup=1, rep=5)
+    assert 0 < ms < float("inf")
