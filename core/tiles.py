@@ -12,7 +12,9 @@ A GEMM kernel in this project is three steps, each one helper here:
    store.
 
 ``gemm_tile`` chains 2 and 3 for one output tile of a plain GEMM; the launch-per-tile kernel
-(core/matmul.py) calls it once, the persistent kernel (persistent/) calls it in a loop.
+(core/matmul.py) calls it once, the persistent kernel (persistent/) calls it in a loop. With
+SPLIT_K it computes one K range of the tile, and the last range to finish sums them
+(``split_k_range``, ``split_k_combine``; core/splitk.py is the host side).
 Kernels never copy these bodies: a new need is a new constexpr or argument here.
 
 Two flavours of loads and stores, one contract. The pointer flavour (the default) reads
