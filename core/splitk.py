@@ -45,7 +45,7 @@ def split_of(config: triton.Config) -> int:
 
 def allowed(config: triton.Config, m_bucket: int) -> bool:
     """Whether ``config`` may be tuned for an M in this power-of-two bucket (a pruner step)."""
-    return split_of(config) * m_bucket <= WORKSPACE_ROWS or split_of(config) == 1
+    return split_of(config) == 1 or split_of(config) * m_bucket <= WORKSPACE_ROWS
 
 
 def units(meta: dict, tiles: int) -> int:
