@@ -17,6 +17,8 @@ tried, for every kernel that offers them (core/matmul.py, blockscaled/matmul.py)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -53,17 +55,32 @@ def units(meta: dict, tiles: int) -> int:
     return tiles * meta.get("SPLIT_K", 1)
 
 
+def _shapes(configs) -> tuple[tuple[int, int, int], ...]:
+    """(SPLIT_K, BLOCK_M, BLOCK_N) of each config that splits."""
+    return tuple((split_of(c), c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs if split_of(c) > 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_shapes(kernel, m_bucket: int) -> tuple[tuple[int, int, int], ...]:
+    # Once per (kernel, M bucket): scanning the config list cost ~130 us of Python per call,
+    # more than the rest of a launch's host time.
+    return _shapes([c for c in kernel.configs if allowed(c, m_bucket)])
+
+
+def _buffers(shapes, M: int, N: int, device):
+    if not shapes:
+        return None, None
+    most = max(s for s, _, _ in shapes)
+    tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for _, bm, bn in shapes)
+    workspace = empty((most * M, N), dtype=torch.float32, device=device)
+    return workspace, torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
 def buffers(configs: list[triton.Config], M: int, N: int, device):
     """(workspace, counters) for the split configs among ``configs`` (a forced config, or every
     config the tuner may try for this M), sized for the largest of them; (None, None) if none
     splits. The counters start at zero, and each launch leaves them at zero."""
-    split = [c for c in configs if split_of(c) > 1]
-    if not split:
-        return None, None
-    most = max(split_of(c) for c in split)
-    tiles = max(triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]) for c in split)
-    workspace = empty((most * M, N), dtype=torch.float32, device=device)
-    return workspace, torch.zeros(tiles, dtype=torch.int32, device=device)
+    return _buffers(_shapes(configs), M, N, device)
 
 
 def launch_buffers(kernel, config: triton.Config | None, M: int, N: int, m_bucket: int, device):
@@ -71,9 +88,7 @@ def launch_buffers(kernel, config: triton.Config | None, M: int, N: int, m_bucke
     ``config``, or under autotuning every config ``allowed`` for ``m_bucket``. The interpreter
     runs its one fixed config (``kernel.interpret_config``) unless a config is forced."""
     if config is not None:
-        candidates = [config]
-    elif kernel.tuned is None:
-        candidates = [kernel.interpret_config]
-    else:
-        candidates = [c for c in kernel.configs if allowed(c, m_bucket)]
-    return buffers(candidates, M, N, device)
+        return buffers([config], M, N, device)
+    if kernel.tuned is None:
+        return buffers([kernel.interpret_config], M, N, device)
+    return _buffers(_tuned_shapes(kernel, m_bucket), M, N, device)

@@ -306,6 +306,18 @@ def test_split_k_tuned_only_for_small_m(device):
     assert ws.shape == (4 * 10, 7) and ws.dtype == torch.float32
     assert locks.shape == (triton.cdiv(10, block["BLOCK_M"]) * triton.cdiv(7, block["BLOCK_N"]),)
     assert splitk.buffers([INTERPRET_CONFIG], 10, 7, device) == (None, None)
+    # An autotuned launch sizes them for every split config allowed in its M bucket (the scan
+    # is cached per kernel and bucket); none is allowed for a large bucket.
+    class Tuned:  # a runtime.Kernel as launch_buffers sees it on a GPU
+        tuned, configs, interpret_config = True, MATMUL_CONFIGS + SPLIT_K_CONFIGS, None
+
+    tuned = Tuned()
+    for M, N, bucket in [(10, 300, 16), (100, 300, 128)]:
+        ws, locks = splitk.launch_buffers(tuned, None, M, N, bucket, device)
+        allowed = [c for c in tuned.configs if splitk.split_of(c) > 1 and splitk.allowed(c, bucket)]
+        assert ws.shape == (max(map(splitk.split_of, allowed)) * M, N)
+        assert locks.shape == (max(triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]) for c in allowed),)
+    assert splitk.launch_buffers(tuned, None, 4000, 300, 4096, device) == (None, None)
 
 
 def _bad_cases(device):
@@ -421,7 +433,7 @@ def test_gpu_tuner_times_graph_replays(monkeypatch, device):
 
     monkeypatch.setattr(runtime, "TUNE_MS", None)
     monkeypatch.setattr(runtime, "graph_bench", counted)
-    configs = [triton.Config({**c.kwargs, "USE_TMA": False}, num_warps=4, num_stages=3)
+    configs = [triton.Config({**c.kwargs, "USE_TMA": False}, num_warps=c.num_warps, num_stages=c.num_stages)
                for c in (_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3))]
     kernel = runtime.Kernel(matmul_kernel, configs, key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
                             interpret_config=INTERPRET_CONFIG, prune=prune_flavours)
@@ -438,10 +450,12 @@ def test_gpu_tuner_times_graph_replays(monkeypatch, device):
 
 
 @pytest.mark.gpu
-def test_gpu_graph_bench_falls_back_to_eager(device):
-    """A function that cannot be captured (it syncs with the host) is timed eagerly."""
+def test_gpu_graph_bench_falls_back_to_eager(capsys, device):
+    """A function that cannot be captured (it syncs with the host) is timed eagerly, and
+    graph_bench says so rather than failing."""
     from onegemm.core.runtime import graph_bench
 
     x = torch.randn(1000, device=device)
     ms = graph_bench(lambda: x.sum().item(), warmup=1, rep=5)
     assert 0 < ms < float("inf")
+    assert "timing eagerly" in capsys.readouterr().out
