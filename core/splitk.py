@@ -12,7 +12,7 @@ and runs the epilogue (core/tiles.py ``split_k_combine``; the kernel side is the
 configs are tuned next to the others, so the tuner keeps them only where they pay.
 
 This module sizes the buffers a launch needs and keeps the rule of when split configs are
-tried, for every kernel that offers them (core/matmul.py, blockscaled/matmul.py).
+tried, for every kernel that offers them (core/matmul.py, persistent/matmul.py, blockscaled/matmul.py).
 """
 
 from __future__ import annotations

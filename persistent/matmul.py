@@ -17,8 +17,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, check_matmul_inputs, launch_args, prune_configs
-from ..core.runtime import Kernel, default_programs, empty
+from ..core import splitk
+from ..core.matmul import (
+    INTERPRET_CONFIG, MATMUL_CONFIGS, SPLIT_K_CONFIGS, check_matmul_inputs, launch_args, prune_configs,
+)
+from ..core.runtime import Kernel, default_programs, empty, next_pow2_bucket
 from ..core.tiles import gemm_tile, grouped_tile, make_operands
 
 
@@ -28,12 +31,15 @@ def persistent_matmul_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     M_BUCKET, LAYOUT, PROGRAMS_KEY,
+    ws_ptr, lock_ptr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr = 1, FLATTEN: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
-    """C = act(A @ B + bias), each program looping over tiles pid, pid + P, ... (P programs).
+    """C = act(A @ B + bias), each program looping over work units pid, pid + P, ... (P
+    programs); a unit is one output tile, or with SPLIT_K one K split of one.
 
     a_ptr [M, K], b_ptr [K, N], c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
     bias_ptr [N] (stride_bias) or None.
@@ -49,7 +55,11 @@ def persistent_matmul_kernel(
         Measured on the H200, bf16, forced (bench/diagnose_blockscaled.py bf16): 0.87-1.01x
         cuBLAS with it against 0.83-1.03x without, no consistent gain, so only ``config=``
         turns it on here (launch-per-tile matmul does tune it).
-    Grid: (P,), P = min(programs asked for, number of tiles); the loop stride is the launched
+    SPLIT_K, ws_ptr, lock_ptr: split-K (core/splitk.py), as in core/matmul.py: unit u is split
+        u % SPLIT_K of tile u // SPLIT_K, so a tile's splits are consecutive units and run on
+        neighbouring programs of the same pass; the last to finish sums the partials
+        (tiles.split_k_combine), and no program ever waits for another.
+    Grid: (P,), P = min(programs asked for, tiles * SPLIT_K); the loop stride is the launched
         grid size, so it can never disagree with the grid.
     """
     a, b, c = make_operands(
@@ -58,22 +68,26 @@ def persistent_matmul_kernel(
     )
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+    for unit in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
         gemm_tile(
             pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
             ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
             USE_TMA=USE_TMA, A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG, EPI_SPLIT=EPI_SPLIT,
             WARP_SPECIALIZE=WARP_SPECIALIZE,
+            split=unit % SPLIT_K, SPLIT_K=SPLIT_K, ws_ptr=ws_ptr, lock_ptr=lock_ptr,
         )
 
 
-# The launch-per-tile kernel's configs and pruning, unchanged: both schedulers choose among the
-# same tiles, so the benchmark's ratio is scheduling, not a different tile shape.
+# The launch-per-tile kernel's configs, split-K ones included, and its pruning: both schedulers
+# choose among the same tiles, so the benchmark's ratio is scheduling, not a different tile
+# shape. (Without the split configs, launch-per-tile split K on 5 small-M shapes of
+# bench_persistent's sweep and persistence lost there: 0.97x over the sweep against 1.04x on
+# the other 16 shapes; bench/results/persistent.md.)
 _persistent = Kernel(
     persistent_matmul_kernel,
-    MATMUL_CONFIGS,
+    MATMUL_CONFIGS + SPLIT_K_CONFIGS,
     key=["M_BUCKET", "N", "K", "LAYOUT", "PROGRAMS_KEY", "USE_TMA"],
     interpret_config=INTERPRET_CONFIG,
     prune=prune_configs,
@@ -88,8 +102,9 @@ def persistent_matmul(
 
     a [M, K], b [K, N], any strides; bias [N]; activation, out_dtype: as onegemm.matmul.
     num_programs: the grid size asked for; default, the GPU's SM count. The grid launched is
-        min(num_programs, number of tiles): a program past the last tile would only build its
-        descriptors and exit, so it is not started. Any value >= 1 gives the same result.
+        min(num_programs, work units: tiles, times SPLIT_K for a split-K config): a program
+        past the last unit would only build its descriptors and exit, so it is not started.
+        Any value >= 1 gives the same result.
     config: force one triton.Config instead of autotuning (benchmarks and tests); its kwargs
         may add EPI_SPLIT (1 or 2) and FLATTEN (bool), the options the benchmark sweeps.
     tma: None picks tensor-descriptor (TMA) loads on a Hopper GPU when a, b and the output
@@ -108,10 +123,10 @@ def persistent_matmul(
         return c
 
     def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(num_programs, tiles),)
+        return (min(num_programs, splitk.units(meta, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
 
     args, meta = launch_args(a, b, c, bias, activation, tma)
     args = args + (num_programs,)  # PROGRAMS_KEY, after matmul_kernel's M_BUCKET and LAYOUT
-    _persistent.launch(grid, config, *args, **meta)
+    ws, locks = splitk.launch_buffers(_persistent, config, M, N, next_pow2_bucket(M), a.device)
+    _persistent.launch(grid, config, *args, ws_ptr=ws, lock_ptr=locks, **meta)
     return c

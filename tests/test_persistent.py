@@ -16,11 +16,11 @@ import triton
 import onegemm
 from onegemm.core import tma as core_tma
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, _cfg
+from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, SPLIT_K_CONFIGS, _cfg
 from onegemm.core.tma import warp_specialized
 from onegemm.persistent import matmul as pmod
 from reference import TOL, assert_close, matmul_ref
-from test_core import DTYPES, FP8, LAYOUTS, SHAPES, _bad_cases, make, tol_for
+from test_core import DTYPES, FP8, LAYOUTS, SHAPES, SPLIT_CASES, _bad_cases, make, split_cfg, tol_for
 
 # num_programs cases: None is the default (SM count on a GPU, INTERPRET_PROGRAMS here);
 # 10**6 is more than any test's tile count (the grid is clamped to the tiles).
@@ -116,6 +116,41 @@ def test_persistent_short_last_group(M, num_programs, device):
     b = make((50, 100), torch.float32, device)
     out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=INTERPRET_CONFIG)
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_programs", [1, 3, 10**6])
+@pytest.mark.parametrize("M,N,K,split,dtype,layout_a,layout_b,tma,activation", SPLIT_CASES)
+def test_persistent_split_k(M, N, K, split, dtype, layout_a, layout_b, tma, activation, num_programs, device):
+    """core's split-K cases with the persistent walk over (tile, split) units: one program
+    running every split of every tile in turn, fewer programs than one tile's splits, and one
+    program per unit."""
+    a = make((M, K), dtype, device, layout_a)
+    b = make((K, N), dtype, device, layout_b)
+    bias = torch.randn(N, device=device)
+    out = onegemm.persistent_matmul(a, b, bias=bias, activation=activation, num_programs=num_programs,
+                                    config=split_cfg(split, dtype), tma=tma)
+    assert_close(out, matmul_ref(a, b, bias, activation), tol_for(dtype))
+
+
+def test_persistent_grid_counts_split_units(monkeypatch, device):
+    """With SPLIT_K the grid is min(num_programs, tiles * SPLIT_K): 96 x 128 with 32 x 32 tiles
+    and 3 splits is 36 units."""
+    cfg = split_cfg(3)
+    grids = []
+    run = pmod._persistent.run
+
+    def spy(grid, config, *args, **kwargs):
+        grids.append(grid(dict(config.kwargs)))
+        return run(grid, config, *args, **kwargs)
+
+    monkeypatch.setattr(pmod._persistent, "run", spy)
+    a = make((96, 64), torch.float32, device)
+    b = make((64, 128), torch.float32, device)
+    tiles = triton.cdiv(96, cfg.kwargs["BLOCK_M"]) * triton.cdiv(128, cfg.kwargs["BLOCK_N"])
+    for programs in (5, 10**6):
+        out = onegemm.persistent_matmul(a, b, num_programs=programs, config=cfg)
+        assert_close(out, matmul_ref(a, b), TOL[torch.float32])
+    assert grids == [(5,), (tiles * 3,)]
 
 
 # ---- TMA flavour. Under the interpreter it runs when forced (tma=True). ----
@@ -284,10 +319,11 @@ def test_gpu_program_counts(num_programs, tma, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("cfg", MATMUL_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+@pytest.mark.parametrize("cfg", MATMUL_CONFIGS + SPLIT_K_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
 def test_gpu_every_config(cfg, tma, device):
     """Each Hopper config, forced, with partial tiles on every edge (TMA needs the 16-byte
-    multiple row lengths: K = 784 and N = 560)."""
+    multiple row lengths: K = 784 and N = 560); the split configs' 64-row tiles make 54 x
+    SPLIT_K units, more than one pass of 132 programs."""
     dtype = torch.float8_e4m3fn if cfg.kwargs["BLOCK_K"] == 128 else torch.bfloat16
     a = make((333, 784), dtype, device)
     b = make((560, 784), dtype, device).t()
