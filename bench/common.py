@@ -50,7 +50,8 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100, graph: bool = True) -> 
 def config_label(cfg: triton.Config, group_m: bool = False) -> str:
     """A config as the results tables print it, e.g. '128x256x64 w4 s3 WS TMA': the tile, warps,
     stages, then WS when core's K loop is warp-specialised, 'pers' for the persistent schedule
-    (blockscaled's PERSISTENT), 'splitK4' for split-K (core/splitk.py) and the load flavour
+    (blockscaled's PERSISTENT), 'splitK4' for split-K (core/splitk.py), '2/SM' for a persistent
+    default grid of two programs per SM, and the load flavour
     when the config names one (the tuner picks it for matmul and grouped GEMMs)."""
     k = cfg.kwargs
     text = f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
@@ -62,6 +63,8 @@ def config_label(cfg: triton.Config, group_m: bool = False) -> str:
         text += " pers"
     if k.get("SPLIT_K", 1) > 1:
         text += f" splitK{k['SPLIT_K']}"
+    if k.get("PROGRAMS_PER_SM", 1) > 1:
+        text += f" {k['PROGRAMS_PER_SM']}/SM"
     if "USE_TMA" in k:
         text += " TMA" if k["USE_TMA"] else " ptr"
     return text

@@ -36,7 +36,7 @@ def persistent_matmul_kernel(
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr = 1, FLATTEN: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1,
+    SPLIT_K: tl.constexpr = 1, PROGRAMS_PER_SM: tl.constexpr = 1,
 ):
     """C = act(A @ B + bias), each program looping over work units pid, pid + P, ... (P
     programs); a unit is one output tile, or with SPLIT_K one K split of one.
@@ -59,6 +59,8 @@ def persistent_matmul_kernel(
         u % SPLIT_K of tile u // SPLIT_K, so a tile's splits are consecutive units and run on
         neighbouring programs of the same pass; the last to finish sums the partials
         (tiles.split_k_combine), and no program ever waits for another.
+    PROGRAMS_PER_SM: read by the host only: the default grid is SM count x PROGRAMS_PER_SM
+        (persistent_matmul's ``num_programs``), so two programs of a small tile can share an SM.
     Grid: (P,), P = min(programs asked for, tiles * SPLIT_K); the loop stride is the launched
         grid size, so it can never disagree with the grid.
     """
@@ -80,14 +82,29 @@ def persistent_matmul_kernel(
         )
 
 
+def two_per_sm(configs: list[triton.Config]) -> list[triton.Config]:
+    """The 64 x (64 or 128) tiles of ``configs`` again, with two programs per SM by default."""
+    return [
+        triton.Config({**c.kwargs, "PROGRAMS_PER_SM": 2}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in configs
+        if c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] <= 128
+    ]
+
+
 # The launch-per-tile kernel's configs, split-K ones included, and its pruning: both schedulers
 # choose among the same tiles, so the benchmark's ratio is scheduling, not a different tile
 # shape. (Without the split configs, launch-per-tile split K on 5 small-M shapes of
 # bench_persistent's sweep and persistence lost there: 0.97x over the sweep against 1.04x on
 # the other 16 shapes; bench/results/persistent.md.)
+# Plus the small tiles at two programs per SM: launch-per-tile keeps several 64-row programs
+# resident on an SM, each hiding the others' load latency, and one persistent program per SM
+# ran at 0.77-0.87x of it at M = 256 (bench/results/persistent.md). Their pipelines need 64-98
+# KB of shared memory (stages x (BLOCK_M + BLOCK_N) x BLOCK_K x itemsize), so two fit in the
+# H200's 227 KB; 64x256 (160 KB) does not.
+PERSISTENT_CONFIGS = MATMUL_CONFIGS + SPLIT_K_CONFIGS + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
 _persistent = Kernel(
     persistent_matmul_kernel,
-    MATMUL_CONFIGS + SPLIT_K_CONFIGS,
+    PERSISTENT_CONFIGS,
     key=["M_BUCKET", "N", "K", "LAYOUT", "PROGRAMS_KEY", "USE_TMA"],
     interpret_config=INTERPRET_CONFIG,
     prune=prune_configs,
@@ -101,7 +118,8 @@ def persistent_matmul(
     """The same result as onegemm.matmul, computed by at most ``num_programs`` programs.
 
     a [M, K], b [K, N], any strides; bias [N]; activation, out_dtype: as onegemm.matmul.
-    num_programs: the grid size asked for; default, the GPU's SM count. The grid launched is
+    num_programs: the grid size asked for; default, the GPU's SM count times the config's
+        PROGRAMS_PER_SM (2 for the tuner's small-tile configs, else 1). The grid launched is
         min(num_programs, work units: tiles, times SPLIT_K for a split-K config): a program
         past the last unit would only build its descriptors and exit, so it is not started.
         Any value >= 1 gives the same result.
@@ -111,6 +129,7 @@ def persistent_matmul(
         allow it; False forces pointer loads; True forces TMA or raises ValueError.
     """
     M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
+    per_sm = num_programs is None  # the default grid follows the config's PROGRAMS_PER_SM
     if num_programs is None:
         num_programs = default_programs(a.device)
     elif isinstance(num_programs, bool) or not isinstance(num_programs, int):
@@ -123,7 +142,8 @@ def persistent_matmul(
         return c
 
     def grid(meta):
-        return (min(num_programs, splitk.units(meta, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
+        programs = num_programs * (meta.get("PROGRAMS_PER_SM", 1) if per_sm else 1)
+        return (min(programs, splitk.units(meta, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))),)
 
     args, meta = launch_args(a, b, c, bias, activation, tma)
     args = args + (num_programs,)  # PROGRAMS_KEY, after matmul_kernel's M_BUCKET and LAYOUT

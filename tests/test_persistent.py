@@ -16,7 +16,7 @@ import triton
 import onegemm
 from onegemm.core import tma as core_tma
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, SPLIT_K_CONFIGS, _cfg
+from onegemm.core.matmul import INTERPRET_CONFIG, _cfg
 from onegemm.core.tma import warp_specialized
 from onegemm.persistent import matmul as pmod
 from reference import TOL, assert_close, matmul_ref
@@ -151,6 +151,38 @@ def test_persistent_grid_counts_split_units(monkeypatch, device):
         out = onegemm.persistent_matmul(a, b, num_programs=programs, config=cfg)
         assert_close(out, matmul_ref(a, b), TOL[torch.float32])
     assert grids == [(5,), (tiles * 3,)]
+
+
+@pytest.mark.parametrize("num_programs,per_sm", [(None, 1), (None, 2), (3, 2)])
+def test_programs_per_sm_sizes_the_default_grid(num_programs, per_sm, monkeypatch, device):
+    """A config's PROGRAMS_PER_SM multiplies the default grid (SM count; INTERPRET_PROGRAMS
+    here) and leaves an explicit num_programs alone; 320 x 256 in 32 x 32 tiles is 80 tiles,
+    more than either grid."""
+    cfg = _cfg(32, 32, 32, 4, 2, group_m=2) if onegemm.INTERPRET else _cfg(64, 64, 64, 4, 5)
+    cfg = triton.Config({**cfg.kwargs, "PROGRAMS_PER_SM": per_sm}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grids = []
+    run = pmod._persistent.run
+
+    def spy(grid, config, *args, **kwargs):
+        grids.append(grid(dict(config.kwargs)))
+        return run(grid, config, *args, **kwargs)
+
+    monkeypatch.setattr(pmod._persistent, "run", spy)
+    a = make((320, 64), torch.float32, device)
+    b = make((64, 256), torch.float32, device)
+    out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=cfg)
+    default = pmod.default_programs(a.device)
+    tiles = triton.cdiv(320, cfg.kwargs["BLOCK_M"]) * triton.cdiv(256, cfg.kwargs["BLOCK_N"])
+    assert grids == [(min(tiles, 3 if num_programs else default * per_sm),)]
+    assert_close(out, matmul_ref(a, b), TOL[torch.float32])
+
+
+def test_two_per_sm_only_for_small_tiles():
+    """Two programs per SM only where two pipelines fit in shared memory (64-row tiles up to
+    128 wide), and every tuned split config keeps its split."""
+    extra = [c for c in pmod.PERSISTENT_CONFIGS if c.kwargs.get("PROGRAMS_PER_SM", 1) == 2]
+    assert extra and all(c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] <= 128 for c in extra)
+    assert {c.kwargs.get("SPLIT_K", 1) for c in extra} == {1, 2, 4, 8}
 
 
 # ---- TMA flavour. Under the interpreter it runs when forced (tma=True). ----
@@ -319,19 +351,21 @@ def test_gpu_program_counts(num_programs, tma, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("cfg", MATMUL_CONFIGS + SPLIT_K_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+@pytest.mark.parametrize("cfg", pmod.PERSISTENT_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
 def test_gpu_every_config(cfg, tma, device):
     """Each Hopper config, forced, with partial tiles on every edge (TMA needs the 16-byte
     multiple row lengths: K = 784 and N = 560); the split configs' 64-row tiles make 54 x
-    SPLIT_K units, more than one pass of 132 programs."""
+    SPLIT_K units, more than one pass of 132 programs (or 264 at two per SM). onegemm.matmul
+    takes every config but the persistent-only PROGRAMS_PER_SM ones."""
     dtype = torch.float8_e4m3fn if cfg.kwargs["BLOCK_K"] == 128 else torch.bfloat16
     a = make((333, 784), dtype, device)
     b = make((560, 784), dtype, device).t()
     bias = torch.randn(560, device=device, dtype=torch.bfloat16)
     out = onegemm.persistent_matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma)
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
-    out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma)
-    assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
+    if "PROGRAMS_PER_SM" not in cfg.kwargs:
+        out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma)
+        assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
