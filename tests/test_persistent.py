@@ -88,10 +88,10 @@ def test_persistent_empty_output(M, N, K, device):
     assert out.shape == (M, N)
 
 
-@pytest.mark.parametrize("num_programs,want", [(1, 1), (3, 3), (12, 12), (13, 12), (10**6, 12)])
-def test_grid_is_min_of_programs_and_tiles(num_programs, want, monkeypatch, device):
-    """The launched grid is min(num_programs, tiles): 96 x 128 with 32 x 32 tiles is 12 tiles."""
-    cfg = _cfg(32, 32, 32, 4, 2, group_m=2)
+@pytest.fixture
+def launched_grids(monkeypatch):
+    """The grid of each persistent launch in the test, as the launcher computes it from the
+    config it runs."""
     grids = []
     run = pmod._persistent.run
 
@@ -100,10 +100,17 @@ def test_grid_is_min_of_programs_and_tiles(num_programs, want, monkeypatch, devi
         return run(grid, config, *args, **kwargs)
 
     monkeypatch.setattr(pmod._persistent, "run", spy)
+    return grids
+
+
+@pytest.mark.parametrize("num_programs,want", [(1, 1), (3, 3), (12, 12), (13, 12), (10**6, 12)])
+def test_grid_is_min_of_programs_and_tiles(num_programs, want, launched_grids, device):
+    """The launched grid is min(num_programs, tiles): 96 x 128 with 32 x 32 tiles is 12 tiles."""
+    cfg = _cfg(32, 32, 32, 4, 2, group_m=2)
     a = make((96, 64), torch.float32, device)
     b = make((64, 128), torch.float32, device)
     out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=cfg)
-    assert grids == [(want,)]
+    assert launched_grids == [(want,)]
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
 
 
@@ -132,48 +139,32 @@ def test_persistent_split_k(M, N, K, split, dtype, layout_a, layout_b, tma, acti
     assert_close(out, matmul_ref(a, b, bias, activation), tol_for(dtype))
 
 
-def test_persistent_grid_counts_split_units(monkeypatch, device):
+def test_persistent_grid_counts_split_units(launched_grids, device):
     """With SPLIT_K the grid is min(num_programs, tiles * SPLIT_K): 96 x 128 with 32 x 32 tiles
     and 3 splits is 36 units."""
     cfg = split_cfg(3)
-    grids = []
-    run = pmod._persistent.run
-
-    def spy(grid, config, *args, **kwargs):
-        grids.append(grid(dict(config.kwargs)))
-        return run(grid, config, *args, **kwargs)
-
-    monkeypatch.setattr(pmod._persistent, "run", spy)
     a = make((96, 64), torch.float32, device)
     b = make((64, 128), torch.float32, device)
     tiles = triton.cdiv(96, cfg.kwargs["BLOCK_M"]) * triton.cdiv(128, cfg.kwargs["BLOCK_N"])
     for programs in (5, 10**6):
         out = onegemm.persistent_matmul(a, b, num_programs=programs, config=cfg)
         assert_close(out, matmul_ref(a, b), TOL[torch.float32])
-    assert grids == [(5,), (tiles * 3,)]
+    assert launched_grids == [(5,), (tiles * 3,)]
 
 
 @pytest.mark.parametrize("num_programs,per_sm", [(None, 1), (None, 2), (3, 2)])
-def test_programs_per_sm_sizes_the_default_grid(num_programs, per_sm, monkeypatch, device):
+def test_programs_per_sm_sizes_the_default_grid(num_programs, per_sm, launched_grids, device):
     """A config's PROGRAMS_PER_SM multiplies the default grid (SM count; INTERPRET_PROGRAMS
     here) and leaves an explicit num_programs alone; 320 x 256 in 32 x 32 tiles is 80 tiles,
     more than either grid."""
     cfg = _cfg(32, 32, 32, 4, 2, group_m=2) if onegemm.INTERPRET else _cfg(64, 64, 64, 4, 5)
     cfg = triton.Config({**cfg.kwargs, "PROGRAMS_PER_SM": per_sm}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grids = []
-    run = pmod._persistent.run
-
-    def spy(grid, config, *args, **kwargs):
-        grids.append(grid(dict(config.kwargs)))
-        return run(grid, config, *args, **kwargs)
-
-    monkeypatch.setattr(pmod._persistent, "run", spy)
     a = make((320, 64), torch.float32, device)
     b = make((64, 256), torch.float32, device)
     out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=cfg)
     default = pmod.default_programs(a.device)
     tiles = triton.cdiv(320, cfg.kwargs["BLOCK_M"]) * triton.cdiv(256, cfg.kwargs["BLOCK_N"])
-    assert grids == [(min(tiles, 3 if num_programs else default * per_sm),)]
+    assert launched_grids == [(min(tiles, 3 if num_programs else default * per_sm),)]
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
 
 
