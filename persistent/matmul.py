@@ -124,7 +124,8 @@ def persistent_matmul(
         past the last unit would only build its descriptors and exit, so it is not started.
         Any value >= 1 gives the same result.
     config: force one triton.Config instead of autotuning (benchmarks and tests); its kwargs
-        may add EPI_SPLIT (1 or 2) and FLATTEN (bool), the options the benchmark sweeps.
+        may add EPI_SPLIT (1 or 2) and FLATTEN (bool), the options the benchmark sweeps, and
+        SPLIT_K (core/splitk.py) and PROGRAMS_PER_SM, which the tuner also tries.
     tma: None picks tensor-descriptor (TMA) loads on a Hopper GPU when a, b and the output
         allow it; False forces pointer loads; True forces TMA or raises ValueError.
     """
