@@ -204,17 +204,22 @@ def test_tma_flavour_layouts_and_dtypes(op, dtype, layout_a, layout_b, device):
 @pytest.mark.parametrize("M,N,K", TMA_SHAPES)
 @pytest.mark.parametrize("epi_split,flatten", [(1, False), (2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("num_programs", [1, 3, 10**6])
-def test_tma_epilogue_split_and_flatten(M, N, K, epi_split, flatten, num_programs, device):
-    """The options the benchmark sweeps: two half-width TMA stores, and the flattened loop."""
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_tma_epilogue_split_and_flatten(M, N, K, epi_split, flatten, num_programs, split_k, device):
+    """The options the benchmark sweeps: two half-width TMA stores, and the flattened loop;
+    with and without split-K (its partial-sum combine then runs inside the flattened loop, and
+    the 1-3 K blocks of these shapes leave some of the 3 splits empty)."""
     a = make((M, K), torch.bfloat16, device)
     b = make((N, K), torch.bfloat16, device).t()
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
     if device == "cuda":
         cfg = _cfg(128, 128, 64, 8, 3)
     else:
         cfg = INTERPRET_CONFIG
-    cfg = triton.Config({**cfg.kwargs, "EPI_SPLIT": epi_split, "FLATTEN": flatten}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=cfg, tma=True)
-    assert_close(out, matmul_ref(a, b), TOL[torch.bfloat16])
+    cfg = triton.Config({**cfg.kwargs, "EPI_SPLIT": epi_split, "FLATTEN": flatten, "SPLIT_K": split_k},
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    out = onegemm.persistent_matmul(a, b, bias=bias, activation="gelu", num_programs=num_programs, config=cfg, tma=True)
+    assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
 
 
 def _views(device, dtype=torch.bfloat16):
