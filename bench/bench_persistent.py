@@ -7,8 +7,8 @@
 Five GEMMs on the same inputs (A [M, K] row-major, B = W.t() of an nn.Linear weight [N, K]):
     lpt_ptr   onegemm.matmul, one program per tile, pointer loads   (tma=False)
     lpt_tma   onegemm.matmul, one program per tile, TMA loads       (tma=True)
-    pers_ptr  onegemm.persistent_matmul, one program per SM, pointer loads
-    pers_tma  onegemm.persistent_matmul, one program per SM, TMA loads
+    pers_ptr  onegemm.persistent_matmul, one program per SM (two for small tiles), pointer loads
+    pers_tma  onegemm.persistent_matmul, one program per SM (two for small tiles), TMA loads
     cuBLAS    torch.matmul
 Both schedulers autotune over the same configs and run the same tile body, so pers_x / lpt_x
 is the scheduling effect alone (the chosen tile shapes are printed so this can be checked).
@@ -173,9 +173,9 @@ def report(dname: str, rows: list[dict], option_rows: list[dict]) -> str:
     text = header(f"Persistent vs launch-per-tile GEMM ({dname}), pointer and TMA loads, vs cuBLAS")
     text += (
         "Each ratio column X/Y is Y's time / X's time: above 1, X is faster. lpt = launch-per-tile "
-        "(onegemm.matmul), pers = onegemm.persistent_matmul (one program per SM), _ptr / _tma = "
-        "pointer / tensor-descriptor loads; both schedulers autotune over the same configs and run the same "
-        "tile body. tiles and waves (tiles / SMs) are for pers_tma's chosen tile shape. "
+        "(onegemm.matmul), pers = onegemm.persistent_matmul (one program per SM, or two for a '2/SM' "
+        "config), _ptr / _tma = pointer / tensor-descriptor loads; both schedulers autotune over the same "
+        "tiles (persistent also at two per SM) and run the same tile body. tiles and waves (tiles / SMs) are for pers_tma's chosen tile shape. "
         "B = W.t() of an nn.Linear weight.\n\n"
         "Targets (issue 4): pers_ptr/lpt_ptr geomean over the sweep >= 1.0; pers_tma/cuBLAS >= 1.0 at "
         "4096-8192 square.\n\n"
