@@ -174,8 +174,9 @@ def report(dname: str, rows: list[dict], option_rows: list[dict]) -> str:
     text += (
         "Each ratio column X/Y is Y's time / X's time: above 1, X is faster. lpt = launch-per-tile "
         "(onegemm.matmul), pers = onegemm.persistent_matmul (one program per SM, or two for a '2/SM' "
-        "config), _ptr / _tma = pointer / tensor-descriptor loads; both schedulers autotune over the same "
-        "tiles (persistent also at two per SM) and run the same tile body. tiles and waves (tiles / SMs) are for pers_tma's chosen tile shape. "
+        "config), _ptr / _tma = pointer / tensor-descriptor loads; both schedulers autotune over the "
+        "same tiles (persistent also at two per SM) and run the same tile body. tiles and waves "
+        "(tiles / SMs) are for pers_tma's chosen tile shape. "
         "B = W.t() of an nn.Linear weight.\n\n"
         "Targets (issue 4): pers_ptr/lpt_ptr geomean over the sweep >= 1.0; pers_tma/cuBLAS >= 1.0 at "
         "4096-8192 square.\n\n"
