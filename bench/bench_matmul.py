@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.core.matmul import _matmul  # noqa: E402
+from onegemm.core.runtime import with_meta  # noqa: E402
 from reference import TOL, assert_close, matmul_ref, rel_err  # noqa: E402
 
 SQUARE = [512, 1024, 2048, 4096, 8192]
@@ -81,7 +82,7 @@ def run_full():
         best = _matmul.best_config()
         t = {}
         for g in (1, 8):
-            cfg = triton.Config({**best.kwargs, "GROUP_M": g}, num_warps=best.num_warps, num_stages=best.num_stages)
+            cfg = with_meta(best, GROUP_M=g)
             t[g] = bench_ms(lambda: onegemm.matmul(a, b, config=cfg))
         flop = 2.0 * M * N * K
         group_rows.append(dict(M=M, N=N, K=K, GROUP_M1_TFLOPs=tflops(flop, t[1]), GROUP_M8_TFLOPs=tflops(flop, t[8]),

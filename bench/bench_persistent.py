@@ -5,8 +5,8 @@
     python bench/bench_persistent.py --quick        # CPU interpreter: the same code path on tiny shapes
 
 Five GEMMs on the same inputs (A [M, K] row-major, B = W.t() of an nn.Linear weight [N, K]):
-    lpt_ptr   onegemm.matmul, one program per tile, pointer loads   (tma=False)
-    lpt_tma   onegemm.matmul, one program per tile, TMA loads       (tma=True)
+    lpt_ptr   onegemm.matmul, one program per tile, pointer loads   (tma=False, persistent=False)
+    lpt_tma   onegemm.matmul, one program per tile, TMA loads       (tma=True, persistent=False)
     pers_ptr  onegemm.persistent_matmul, one program per SM (two for small tiles), pointer loads
     pers_tma  onegemm.persistent_matmul, one program per SM (two for small tiles), TMA loads
     cuBLAS    torch.matmul
@@ -34,7 +34,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.core.matmul import INTERPRET_CONFIG, _matmul  # noqa: E402
-from onegemm.persistent.matmul import _persistent  # noqa: E402
 from reference import TOL, assert_close, matmul_ref, rel_err  # noqa: E402
 
 SM_COUNT = 132  # H200; the table's "waves" column uses the real count when a GPU is present
@@ -65,8 +64,8 @@ OPTIONS = [
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 VARIANTS = {
-    "lpt_ptr": lambda a, b, **kw: onegemm.matmul(a, b, tma=False, **kw),
-    "lpt_tma": lambda a, b, **kw: onegemm.matmul(a, b, tma=True, **kw),
+    "lpt_ptr": lambda a, b, **kw: onegemm.matmul(a, b, tma=False, persistent=False, **kw),
+    "lpt_tma": lambda a, b, **kw: onegemm.matmul(a, b, tma=True, persistent=False, **kw),
     "pers_ptr": lambda a, b, **kw: onegemm.persistent_matmul(a, b, tma=False, **kw),
     "pers_tma": lambda a, b, **kw: onegemm.persistent_matmul(a, b, tma=True, **kw),
 }
@@ -111,7 +110,7 @@ def measure(kind, M, N, K, dtype, device, timer) -> dict:
         assert_close(out, ref, TOL[dtype], f"{name} {M}x{N}x{K}")
         err = max(err, rel_err(out, ref))
         ms[name] = timer(lambda: fn(a, b))
-        configs[name] = (_persistent if name.startswith("pers") else _matmul).best_config()
+        configs[name] = _matmul.best_config()  # both ops run core's matmul_kernel
     ms["cuBLAS"] = timer(lambda: torch.matmul(a, b))
     flop = 2.0 * M * N * K
     tiles = tiles_of(M, N, configs["pers_tma"])
@@ -130,7 +129,7 @@ def measure_options(M, N, K, dtype, device, timer) -> list[dict]:
     a, b = operands(M, N, K, dtype, device)
     ref = torch.matmul(a, b) if device == "cuda" else matmul_ref(a, b)
     onegemm.persistent_matmul(a, b, tma=True)
-    best = _persistent.best_config() or INTERPRET_CONFIG
+    best = _matmul.best_config() or INTERPRET_CONFIG
     base_ms = timer(lambda: onegemm.persistent_matmul(a, b, tma=True, config=best))
     rows = []
     for opt, extra_stages in OPTIONS:
@@ -173,9 +172,10 @@ def report(dname: str, rows: list[dict], option_rows: list[dict]) -> str:
     text = header(f"Persistent vs launch-per-tile GEMM ({dname}), pointer and TMA loads, vs cuBLAS")
     text += (
         "Each ratio column X/Y is Y's time / X's time: above 1, X is faster. lpt = launch-per-tile "
-        "(onegemm.matmul), pers = onegemm.persistent_matmul (one program per SM, or two for a '2/SM' "
-        "config), _ptr / _tma = pointer / tensor-descriptor loads; both schedulers autotune over the "
-        "same tiles (persistent also at two per SM) and run the same tile body. tiles and waves "
+        "(onegemm.matmul with persistent=False), pers = onegemm.persistent_matmul (one program per "
+        "SM, or two for a '2/SM' config), _ptr / _tma = pointer / tensor-descriptor loads; both "
+        "schedules autotune over the same tiles (persistent also at two per SM) and run the same "
+        "kernel, core's matmul_kernel, with its PERSISTENT switch off or on. tiles and waves "
         "(tiles / SMs) are for pers_tma's chosen tile shape. "
         "B = W.t() of an nn.Linear weight.\n\n"
         "Targets (issue 4): pers_ptr/lpt_ptr geomean over the sweep >= 1.0; pers_tma/cuBLAS >= 1.0 at "

@@ -50,7 +50,7 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100, graph: bool = True) -> 
 def config_label(cfg: triton.Config, group_m: bool = False) -> str:
     """A config as the results tables print it, e.g. '128x256x64 w4 s3 WS TMA': the tile, warps,
     stages, then WS when core's K loop is warp-specialised, 'pers' for the persistent schedule
-    (blockscaled's PERSISTENT), 'splitK4' for split-K (core/splitk.py), '2/SM' for a persistent
+    (PERSISTENT), 'splitK4' for split-K (core/splitk.py), '2/SM' for a persistent
     default grid of two programs per SM, and the load flavour
     when the config names one (the tuner picks it for matmul and grouped GEMMs)."""
     k = cfg.kwargs

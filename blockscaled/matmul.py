@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ..core import checks, splitk
-from ..core.runtime import Kernel, default_programs, empty, next_pow2_bucket
-from ..core.tiles import gemm_tile, grouped_tile, make_operands
+from ..core.runtime import Kernel, empty, next_pow2_bucket, tile_grid
+from ..core.tiles import gemm_tile, grouped_tile, make_operands, program_units
 from ..core.tma import choose_tma, flavour_meta, warp_specialized
 from .quantize import BLOCK
 
@@ -64,14 +64,14 @@ def blockscaled_matmul_kernel(
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour (tiles.make_operands, core/tma.py);
         the scales are always read through pointers (one small vector per K block).
     WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop).
-    PERSISTENT: persistent/matmul.py's schedule: P programs, each taking tiles pid, pid + P, ...,
-        so the TMA descriptors are built once per program and no SM waits for a new program
-        between tiles. Off: one program per tile.
+    PERSISTENT: persistent/matmul.py's schedule (tiles.program_units): P programs, each
+        taking tiles pid, pid + P, ..., so the TMA descriptors are built once per program and
+        no SM waits for a new program between tiles. Off: one program per tile.
     SPLIT_K, ws_ptr, lock_ptr: split-K (core/splitk.py), as in core/matmul.py: work unit u is
         split u % SPLIT_K of tile u // SPLIT_K; the split ranges are whole K blocks, so every
         block keeps its one scale.
-    Grid: (P,) with P = min(SM count, units) when PERSISTENT, else P = units = cdiv(M, BLOCK_M)
-        * cdiv(N, BLOCK_N) * SPLIT_K; tiles in grouped (GROUP_M) order either way.
+    Grid: runtime.tile_grid: (P,) with P = min(SM count, units) when PERSISTENT, else P = units
+        = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K; tiles in grouped (GROUP_M) order.
     """
     a, b, c = make_operands(
         a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
@@ -79,15 +79,7 @@ def blockscaled_matmul_kernel(
     )
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    if PERSISTENT:
-        tiles_here = tl.cdiv(num_pid_m * num_pid_n * SPLIT_K - tl.program_id(0), tl.num_programs(0))
-    else:
-        tiles_here = 1
-    # One loop for both schedules. Off, its bounds are the constants (0, 1) and the compiler
-    # removes it: the sm_90 PTX has the launch-per-tile kernel's instruction counts. A loop
-    # from pid to pid + 1 is not removed, and it cost 64x128 and warp-specialised configs
-    # 4-6% on the H200 and broke 256x128 with TMA (bench/results/blockscaled.md).
-    for i in tl.range(0, tiles_here):
+    for i in tl.range(0, program_units(num_pid_m * num_pid_n * SPLIT_K, PERSISTENT)):
         unit = tl.program_id(0) + i * tl.num_programs(0)
         pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
         gemm_tile(
@@ -274,12 +266,6 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     else:
         scale_n, scale_n_stride = scale_b, (0 if kind_b == "tensor" else scale_b.stride(1))
 
-    programs = default_programs(a.device)
-
-    def grid(meta):
-        units = splitk.units(meta, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))
-        return (min(programs, units) if meta.get("PERSISTENT") else units,)
-
     args = (
         a, b, c, bias, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
@@ -296,5 +282,5 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
         ACTIVATION=activation, SA_ROWS_PER_SCALE=sa_rows, SB_COLS_PER_SCALE=sb_cols,
         **flavour_meta(choose_tma(tma, a, b, c)),
     )
-    _blockscaled.launch(grid, config, *args, **meta)
+    _blockscaled.launch(tile_grid(M, N, a.device), config, *args, **meta)
     return c

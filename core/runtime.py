@@ -158,6 +158,11 @@ class Kernel:
         return None if self.tuned is None else self.tuned.best_config
 
 
+def with_meta(cfg: triton.Config, **kwargs) -> triton.Config:
+    """``cfg`` with ``kwargs`` added to (or replacing) its constexprs."""
+    return triton.Config({**cfg.kwargs, **kwargs}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -174,3 +179,21 @@ def default_programs(device: torch.device) -> int:
     if INTERPRET:
         return INTERPRET_PROGRAMS
     return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tile_grid(M: int, N: int, device: torch.device, programs: int | None = None):
+    """The grid function of a kernel on core's schedules (tiles.program_units), [M, N] output.
+
+    A config's work units are its output tiles, times SPLIT_K. Launch-per-tile: one program
+    per unit. PERSISTENT: min(P, units) programs, where P is ``programs`` when given, else
+    ``default_programs`` times the config's PROGRAMS_PER_SM (read by the host only). A program
+    past the last unit would only build its descriptors and exit, so it is not started.
+    """
+    def grid(meta):
+        units = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * meta.get("SPLIT_K", 1)
+        if not meta.get("PERSISTENT"):
+            return (units,)
+        p = programs if programs is not None else default_programs(device) * meta.get("PROGRAMS_PER_SM", 1)
+        return (min(p, units),)
+
+    return grid

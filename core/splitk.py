@@ -22,7 +22,7 @@ import functools
 import torch
 import triton
 
-from .runtime import empty
+from .runtime import empty, with_meta
 
 SPLITS = (2, 4, 8)
 
@@ -35,7 +35,7 @@ WORKSPACE_ROWS = 512
 def with_splits(configs: list[triton.Config], splits=SPLITS) -> list[triton.Config]:
     """Each config once per split count, SPLIT_K set."""
     return [
-        triton.Config({**c.kwargs, "SPLIT_K": s}, num_warps=c.num_warps, num_stages=c.num_stages)
+        with_meta(c, SPLIT_K=s)
         for c in configs
         for s in splits
     ]
@@ -48,11 +48,6 @@ def split_of(config: triton.Config) -> int:
 def allowed(config: triton.Config, m_bucket: int) -> bool:
     """Whether ``config`` may be tuned for an M in this power-of-two bucket (a pruner step)."""
     return split_of(config) == 1 or split_of(config) * m_bucket <= WORKSPACE_ROWS
-
-
-def units(meta: dict, tiles: int) -> int:
-    """A launch-per-tile grid's size: one program per tile and split."""
-    return tiles * meta.get("SPLIT_K", 1)
 
 
 def _shapes(configs) -> tuple[tuple[int, int, int], ...]:

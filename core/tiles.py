@@ -11,8 +11,9 @@ A GEMM kernel in this project is three steps, each one helper here:
 3. ``epilogue`` + ``store_tile``: dequant scales, bias, activation, routing weight, cast, masked
    store.
 
-``gemm_tile`` chains 2 and 3 for one output tile of a plain GEMM; the launch-per-tile kernel
-(core/matmul.py) calls it once, the persistent kernel (persistent/) calls it in a loop. With
+``gemm_tile`` chains 2 and 3 for one output tile of a plain GEMM; a kernel calls it once per
+work unit, one unit per program (launch-per-tile) or a loop of them (``program_units``, the
+persistent schedule). With
 SPLIT_K it computes one K range of the tile, and the last range to finish sums them
 (``split_k_range``, ``split_k_combine``; core/splitk.py is the host side).
 Kernels never copy these bodies: a new need is a new constexpr or argument here.
@@ -49,6 +50,27 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
     pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def program_units(units, PERSISTENT: tl.constexpr):
+    """How many work units (output tiles, or K splits of them) this program runs.
+
+    Launch-per-tile: 1, its own unit ``program_id``. PERSISTENT: units pid, pid + P, ... below
+    ``units`` (P = the grid size), so a kernel walks both schedules with one loop:
+
+        for i in tl.range(0, program_units(units, PERSISTENT)):
+            unit = tl.program_id(0) + i * tl.num_programs(0)
+
+    Launch-per-tile, the loop's bounds are then the constants (0, 1) and the compiler removes
+    it: the sm_90 PTX has the loop-free kernel's instruction counts. A loop from pid to pid + 1
+    is not removed, and it cost 64x128 and warp-specialised fp8 configs 4-6% on the H200 and
+    broke 256x128 with TMA (bench/results/blockscaled.md).
+    """
+    if PERSISTENT:
+        return tl.cdiv(units - tl.program_id(0), tl.num_programs(0))
+    else:
+        return 1
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from .runtime import INTERPRET
+from .runtime import INTERPRET, with_meta
 
 _ALIGN = 16  # bytes: TMA's requirement on the base address and on every non-unit stride
 
@@ -153,7 +153,7 @@ POINTERS_ONLY, TMA_ONLY, EITHER = 0, 1, 2
 def tuned_flavours(configs: list[triton.Config]) -> list[triton.Config]:
     """Each config twice: with pointer loads (USE_TMA False) and with TMA (True)."""
     return [
-        triton.Config({**c.kwargs, "USE_TMA": t}, num_warps=c.num_warps, num_stages=c.num_stages)
+        with_meta(c, USE_TMA=t)
         for c in configs
         for t in (False, True)
     ]
@@ -163,7 +163,7 @@ def warp_specialized(cfg: triton.Config, **extra) -> triton.Config:
     """``cfg`` with core's warp-specialised K loop on (tiles.mma_k_loop WARP_SPECIALIZE, which
     only the TMA flavour honours); ``extra`` adds constexprs, e.g. USE_TMA=True for a kernel
     whose tuner picks the flavour."""
-    return triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": True, **extra}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return with_meta(cfg, WARP_SPECIALIZE=True, **extra)
 
 
 def keep_flavours(configs, args):

@@ -9,6 +9,7 @@ import onegemm
 from onegemm.core.checks import ACTIVATIONS
 from onegemm.core import splitk
 from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, _cfg, prune_configs
+from onegemm.core.runtime import with_meta
 from onegemm.core.tiles import grouped_tile
 from reference import TF32_TOL, TOL, assert_close, matmul_ref
 
@@ -253,7 +254,7 @@ def split_cfg(split, dtype=torch.float32):
         base = INTERPRET_CONFIG
     else:
         base = _cfg(64, 64, {1: 128, 2: 64, 4: 32}[torch.empty(0, dtype=dtype).element_size()], 4, 3)
-    return triton.Config({**base.kwargs, "SPLIT_K": split}, num_warps=base.num_warps, num_stages=base.num_stages)
+    return with_meta(base, SPLIT_K=split)
 
 
 @pytest.mark.parametrize("M,N,K,split,dtype,layout_a,layout_b,tma,activation", SPLIT_CASES)
@@ -433,7 +434,7 @@ def test_gpu_tuner_times_graph_replays(monkeypatch, device):
 
     monkeypatch.setattr(runtime, "TUNE_MS", None)
     monkeypatch.setattr(runtime, "graph_bench", counted)
-    configs = [triton.Config({**c.kwargs, "USE_TMA": False}, num_warps=c.num_warps, num_stages=c.num_stages)
+    configs = [with_meta(c, USE_TMA=False)
                for c in (_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3))]
     kernel = runtime.Kernel(matmul_kernel, configs, key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
                             interpret_config=INTERPRET_CONFIG, prune=prune_flavours)

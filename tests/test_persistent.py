@@ -16,9 +16,11 @@ import triton
 import onegemm
 from onegemm.core import tma as core_tma
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.matmul import INTERPRET_CONFIG, _cfg
+from onegemm.core.matmul import (
+    ANY_SCHEDULE, INTERPRET_CONFIG, PER_TILE, PERSISTENT_CONFIGS, PERSISTENT_ONLY, _cfg, _matmul, prune_flavours,
+)
 from onegemm.core.tma import warp_specialized
-from onegemm.persistent import matmul as pmod
+from onegemm.core.runtime import default_programs, next_pow2_bucket, with_meta
 from reference import TOL, assert_close, matmul_ref
 from test_core import DTYPES, FP8, LAYOUTS, SHAPES, SPLIT_CASES, _bad_cases, make, split_cfg, tol_for
 
@@ -90,16 +92,16 @@ def test_persistent_empty_output(M, N, K, device):
 
 @pytest.fixture
 def launched_grids(monkeypatch):
-    """The grid of each persistent launch in the test, as the launcher computes it from the
-    config it runs."""
+    """The grid of each matmul_kernel launch in the test, as the launcher computes it from the
+    config it runs and the call's constexprs."""
     grids = []
-    run = pmod._persistent.run
+    run = _matmul.run
 
     def spy(grid, config, *args, **kwargs):
-        grids.append(grid(dict(config.kwargs)))
+        grids.append(grid({**kwargs, **config.kwargs}))
         return run(grid, config, *args, **kwargs)
 
-    monkeypatch.setattr(pmod._persistent, "run", spy)
+    monkeypatch.setattr(_matmul, "run", spy)
     return grids
 
 
@@ -158,11 +160,11 @@ def test_programs_per_sm_sizes_the_default_grid(num_programs, per_sm, launched_g
     here) and leaves an explicit num_programs alone; 320 x 256 in 32 x 32 tiles is 80 tiles,
     more than either grid."""
     cfg = _cfg(32, 32, 32, 4, 2, group_m=2) if onegemm.INTERPRET else _cfg(64, 64, 64, 4, 5)
-    cfg = triton.Config({**cfg.kwargs, "PROGRAMS_PER_SM": per_sm}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cfg = with_meta(cfg, PROGRAMS_PER_SM=per_sm)
     a = make((320, 64), torch.float32, device)
     b = make((64, 256), torch.float32, device)
     out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=cfg)
-    default = pmod.default_programs(a.device)
+    default = default_programs(a.device)
     tiles = triton.cdiv(320, cfg.kwargs["BLOCK_M"]) * triton.cdiv(256, cfg.kwargs["BLOCK_N"])
     assert launched_grids == [(min(tiles, 3 if num_programs else default * per_sm),)]
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
@@ -171,9 +173,85 @@ def test_programs_per_sm_sizes_the_default_grid(num_programs, per_sm, launched_g
 def test_two_per_sm_only_for_small_tiles():
     """Two programs per SM only where two pipelines fit in shared memory (64-row tiles up to
     128 wide), and every tuned split config keeps its split."""
-    extra = [c for c in pmod.PERSISTENT_CONFIGS if c.kwargs.get("PROGRAMS_PER_SM", 1) == 2]
+    extra = [c for c in PERSISTENT_CONFIGS if c.kwargs.get("PROGRAMS_PER_SM", 1) == 2]
     assert extra and all(c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] <= 128 for c in extra)
     assert {c.kwargs.get("SPLIT_K", 1) for c in extra} == {1, 2, 4, 8}
+
+
+# ---- matmul's schedule knob (persistent=None / False / True) ----
+
+# 512 x 384 in 32 x 32 tiles: 192 tiles, more than one program per SM on the H200 (132) or
+# under the interpreter (INTERPRET_PROGRAMS), so the two schedules launch different grids.
+SCHEDULE_CASES = [
+    # (the config's own PERSISTENT, matmul's persistent=, whether the launch is persistent)
+    (None, None, False),
+    (None, False, False),
+    (None, True, True),
+    (True, None, True),   # a best_config() that was tuned persistent keeps its schedule
+    (True, False, False),
+    (False, True, True),
+]
+
+
+@pytest.mark.parametrize("cfg_persistent,persistent,want_persistent", SCHEDULE_CASES)
+def test_matmul_schedule_knob(cfg_persistent, persistent, want_persistent, launched_grids, device):
+    cfg = _cfg(32, 32, 32, 4, 2, group_m=2)
+    if cfg_persistent is not None:
+        cfg = with_meta(cfg, PERSISTENT=cfg_persistent)
+    a = make((512, 96), torch.float32, device)
+    b = make((96, 384), torch.float32, device, "transposed")
+    out = onegemm.matmul(a, b, config=cfg, persistent=persistent)
+    tiles = 16 * 12
+    assert launched_grids == [(min(default_programs(a.device), tiles) if want_persistent else tiles,)]
+    assert_close(out, matmul_ref(a, b), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("persistent", [None, False, True])
+def test_matmul_schedule_knob_autotuned(persistent, launched_grids, device):
+    """Without a config: on the H200 the tuner picks among the schedules allowed; the
+    interpreter runs its one config launch-per-tile unless persistent=True."""
+    a = make((200, 64), torch.bfloat16, device)
+    b = make((64, 72), torch.bfloat16, device)
+    out = onegemm.matmul(a, b, persistent=persistent)
+    assert_close(out, matmul_ref(a, b), TOL[torch.bfloat16])
+    if onegemm.INTERPRET:
+        bm, bn = INTERPRET_CONFIG.kwargs["BLOCK_M"], INTERPRET_CONFIG.kwargs["BLOCK_N"]
+        tiles = triton.cdiv(200, bm) * triton.cdiv(72, bn)
+        assert launched_grids == [(min(default_programs(a.device), tiles) if persistent else tiles,)]
+    elif persistent is not None:
+        assert _matmul.best_config().kwargs.get("PERSISTENT", False) == persistent
+
+
+def _pruned(dtype, M, schedule):
+    """What matmul's pruner keeps for a [M, 4096] @ [4096, 4096] call of ``dtype``, TMA allowed."""
+    args = dict(a_ptr=torch.empty(0, dtype=dtype), M_BUCKET=next_pow2_bucket(M), TMA_MODE=core_tma.EITHER, SCHEDULE=schedule)
+    return prune_flavours(_matmul.configs, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_schedule_pruning(dtype):
+    """Launch-per-tile keeps no persistent config, persistent keeps only those (two per SM
+    included), and automatic scheduling adds just the big persistent tiles to launch-per-tile,
+    and none at decode sizes, where 64-row tiles are all that is tuned."""
+    def persistent(configs):
+        return [c for c in configs if c.kwargs.get("PERSISTENT")]
+
+    bk = 64 if dtype == torch.bfloat16 else 128
+    per_tile = _pruned(dtype, 4096, PER_TILE)
+    assert per_tile and not persistent(per_tile)
+    only = _pruned(dtype, 4096, PERSISTENT_ONLY)
+    assert only == persistent(only) and any(c.kwargs.get("PROGRAMS_PER_SM") == 2 for c in only)
+    auto = _pruned(dtype, 4096, ANY_SCHEDULE)
+    assert [c for c in auto if not c.kwargs.get("PERSISTENT")] == per_tile
+    tiles = sorted((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["USE_TMA"]) for c in persistent(auto))
+    assert tiles == sorted((m, n, bk, tma) for m, n in ((128, 256), (256, 128)) for tma in (False, True))
+    assert not persistent(_pruned(dtype, 16, ANY_SCHEDULE))
+
+
+def test_matmul_bad_schedule(device):
+    a, b = torch.randn(8, 16, device=device), torch.randn(16, 8, device=device)
+    with pytest.raises(TypeError, match="persistent must be None"):
+        onegemm.matmul(a, b, persistent="yes")
 
 
 # ---- TMA flavour. Under the interpreter it runs when forced (tma=True). ----
@@ -347,12 +425,12 @@ def test_gpu_program_counts(num_programs, tma, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("cfg", pmod.PERSISTENT_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+@pytest.mark.parametrize("cfg", PERSISTENT_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
 def test_gpu_every_config(cfg, tma, device):
     """Each Hopper config, forced, with partial tiles on every edge (TMA needs the 16-byte
     multiple row lengths: K = 784 and N = 560); the split configs' 64-row tiles make 54 x
-    SPLIT_K units, more than one pass of 132 programs (or 264 at two per SM). onegemm.matmul
-    takes every config but the persistent-only PROGRAMS_PER_SM ones."""
+    SPLIT_K units, more than one pass of 132 programs (or 264 at two per SM). Launch-per-tile
+    (persistent=False) runs each tile but the two-per-SM ones, which only a persistent grid reads."""
     dtype = torch.float8_e4m3fn if cfg.kwargs["BLOCK_K"] == 128 else torch.bfloat16
     a = make((333, 784), dtype, device)
     b = make((560, 784), dtype, device).t()
@@ -360,7 +438,7 @@ def test_gpu_every_config(cfg, tma, device):
     out = onegemm.persistent_matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma)
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
     if "PROGRAMS_PER_SM" not in cfg.kwargs:
-        out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma)
+        out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma, persistent=False)
         assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
 
 
