@@ -423,7 +423,7 @@ def test_gpu_tuner_times_graph_replays(monkeypatch, device):
     (CUDA-graph replays: GPU time, not the launch's host time), and the config it keeps gives
     the right product. The suite itself tunes with ONEGEMM_TUNE_MS, so this builds its own."""
     from onegemm.core import runtime
-    from onegemm.core.matmul import launch_args, matmul_kernel, prune_flavours
+    from onegemm.core.matmul import PER_TILE, launch_args, matmul_kernel, prune_flavours
     from onegemm.core.tma import launch_flavoured
 
     graph_bench, timed = runtime.graph_bench, []
@@ -444,7 +444,8 @@ def test_gpu_tuner_times_graph_replays(monkeypatch, device):
     c = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
     args, meta = launch_args(a, b, c, None, None, False)
     grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
-    launch_flavoured(kernel, grid, None, False, args, {**meta, "ws_ptr": None, "lock_ptr": None})
+    launch_flavoured(kernel, grid, None, False, args,
+                     {**meta, "SCHEDULE": PER_TILE, "PROGRAMS_KEY": 0, "ws_ptr": None, "lock_ptr": None})
     assert len(timed) == 2 and all(0 < t[0] < float("inf") for t in timed), timed
     assert kernel.best_config() in configs
     assert_close(c, matmul_ref(a, b), TOL[torch.bfloat16])
