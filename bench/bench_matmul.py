@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
 import torch  # noqa: E402
-import triton  # noqa: E402
 from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
 from onegemm.core.matmul import _matmul  # noqa: E402
 from onegemm.core.runtime import with_meta  # noqa: E402

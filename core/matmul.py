@@ -127,15 +127,7 @@ SPLIT_K_CONFIGS = splitk.with_splits([
     _cfg(64, 64, 32, 4, 4),
 ])
 
-# The persistent schedule (PERSISTENT; persistent/matmul.py) over the same tiles, split ones
-# included, so bench/bench_persistent.py's ratio is scheduling, not a different tile shape.
-# (Without the split configs, launch-per-tile split K on 5 small-M shapes of that sweep and
-# persistence lost there: 0.97x over the sweep against 1.04x on the other 16 shapes.)
-# Plus the small tiles at two programs per SM: launch-per-tile keeps several 64-row programs
-# resident on an SM, each hiding the others' load latency, and one persistent program per SM
-# ran at 0.77-0.87x of it at M = 256 (bench/results/persistent.md). Their pipelines need 64-98
-# KB of shared memory (stages x (BLOCK_M + BLOCK_N) x BLOCK_K x itemsize), so two fit in the
-# H200's 227 KB; 64x256 (160 KB) does not.
+
 def persistent(configs: list[triton.Config], **extra) -> list[triton.Config]:
     """Each config on the persistent schedule; ``extra`` adds constexprs."""
     return [with_meta(c, PERSISTENT=True, **extra) for c in configs]
@@ -147,6 +139,15 @@ def two_per_sm(configs: list[triton.Config]) -> list[triton.Config]:
     return persistent(small, PROGRAMS_PER_SM=2)
 
 
+# The persistent schedule (PERSISTENT; persistent/matmul.py) over the same tiles, split ones
+# included, so bench/bench_persistent.py's ratio is scheduling, not a different tile shape.
+# (Without the split configs, launch-per-tile split K on 5 small-M shapes of that sweep and
+# persistence lost there: 0.97x over the sweep against 1.04x on the other 16 shapes.)
+# Plus the small tiles at two programs per SM: launch-per-tile keeps several 64-row programs
+# resident on an SM, each hiding the others' load latency, and one persistent program per SM
+# ran at 0.77-0.87x of it at M = 256 (bench/results/persistent.md). Their pipelines need 64-98
+# KB of shared memory (stages x (BLOCK_M + BLOCK_N) x BLOCK_K x itemsize), so two fit in the
+# H200's 227 KB; 64x256 (160 KB) does not.
 PERSISTENT_CONFIGS = persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
 
 
