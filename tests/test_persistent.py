@@ -294,8 +294,7 @@ def test_tma_epilogue_split_and_flatten(M, N, K, epi_split, flatten, num_program
         cfg = _cfg(128, 128, 64, 8, 3)
     else:
         cfg = INTERPRET_CONFIG
-    cfg = triton.Config({**cfg.kwargs, "EPI_SPLIT": epi_split, "FLATTEN": flatten, "SPLIT_K": split_k},
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cfg = with_meta(cfg, EPI_SPLIT=epi_split, FLATTEN=flatten, SPLIT_K=split_k)
     out = onegemm.persistent_matmul(a, b, bias=bias, activation="gelu", num_programs=num_programs, config=cfg, tma=True)
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
 
@@ -340,7 +339,7 @@ def test_matmul_config_names_its_flavour(device):
     flavour, and is refused on a view TMA cannot read (an odd column offset)."""
     a = make((40, 64), torch.bfloat16, device)
     b = make((64, 48), torch.bfloat16, device)
-    cfg = triton.Config({**INTERPRET_CONFIG.kwargs, "USE_TMA": True}, num_warps=1, num_stages=1)
+    cfg = with_meta(INTERPRET_CONFIG, USE_TMA=True)
     assert_close(onegemm.matmul(a, b, config=cfg, tma=True), matmul_ref(a, b), TOL[torch.bfloat16])
     odd = make((40, 65), torch.bfloat16, device)[:, 1:]
     with pytest.raises(ValueError, match="config has USE_TMA=True"):
