@@ -4,8 +4,9 @@ The main job. It loads the Mixtral-style layer shipped in grouped/data/ (8 exper
 intermediate 512, bf16), routes a batch of random tokens (top-2), runs the expert FFN through
 onegemm's grouped kernels (gather + SwiGLU GEMM, routing-weighted down GEMM, fixed-order
 combine) and compares it with plain torch: errors against a float64 reference of the same
-routing, and timings against torch's bf16 implementation. Then a short core-GEMM comparison
-(onegemm.matmul against torch.matmul).
+routing, and timings against torch's bf16 implementation. On a GPU it then runs the expert FFN
+at a real model's size (Qwen3-30B-A3B's experts, random weights) and the core GEMM at an LLM
+linear's shape, each timed next to torch as a user calls them (eager) and in GPU time.
 
 Without a GPU the kernels run under Triton's CPU interpreter: correct, but slow, so the batch is
 small there and the timings only say that it ran (they are not performance numbers).
@@ -23,7 +24,7 @@ import torch
 
 import onegemm
 from onegemm.grouped import STORED_LAYER
-from onegemm.grouped.moe import moe_ffn_torch
+from onegemm.testing import moe_ffn_torch
 
 
 def rel_err(out, ref) -> float:
@@ -31,23 +32,38 @@ def rel_err(out, ref) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def timed_ms(fn, gpu: bool) -> float:
-    """Median ms (triton's do_bench, CUDA events) on a GPU; one wall-clock run otherwise."""
-    if gpu:
-        import triton
-
-        fn()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+def wall_ms(fn) -> float:
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
 
 
+def timing_line(label: str, ours, theirs, flop: float | None = None) -> str:
+    """'label: eager a ms vs b ms (r x); GPU c ms vs d ms (s x)' on a GPU (testing's timers)."""
+    from onegemm import testing
+
+    e1, e2 = testing.eager_ms(ours), testing.eager_ms(theirs)
+    g1, g2 = testing.gpu_ms(ours), testing.gpu_ms(theirs)
+    rate = f", {flop / g1 / 1e9:.0f} TFLOP/s" if flop else ""
+    return (f"  {label}: eager {e1:.3f} ms vs torch {e2:.3f} ms -> {e2 / e1:.2f}x; "
+            f"GPU time {g1:.3f} ms vs {g2:.3f} ms -> {g2 / g1:.2f}x{rate}")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onegemm", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=None, help="batch size T (default: 4096 on a GPU, 128 interpreted)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=positive_int, default=None,
+                        help="batch size T for the stored layer (default: 4096 on a GPU, 128 interpreted)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random tokens and weights (default: 0)")
     args = parser.parse_args(argv)
 
     gpu = not onegemm.INTERPRET
@@ -82,26 +98,42 @@ def main(argv=None) -> int:
     print(f"  torch {x.dtype} ({'torch._grouped_mm' if gpu else 'torch.mm per expert'}): {rel_err(torch_bf16, ref):.2e}")
     print(f"  bitwise identical on a rerun: {torch.equal(layer(x), y)}")
 
-    t_one = timed_ms(lambda: onegemm.moe_ffn(x, w_gu, w_dn, weights, ids), gpu)
-    t_torch = timed_ms(lambda: moe_ffn_torch(x, w_gu, w_dn, weights, ids, use_grouped_mm=gpu), gpu)
-    flop = 2 * T * layer.top_k * (2 * I * H + H * I)
+    one = lambda: onegemm.moe_ffn(x, w_gu, w_dn, weights, ids)  # noqa: E731
+    peer = lambda: moe_ffn_torch(x, w_gu, w_dn, weights, ids, use_grouped_mm=gpu)  # noqa: E731
     print("expert FFN time (routing excluded):")
-    print(f"  onegemm.moe_ffn: {t_one:9.3f} ms ({flop / t_one / 1e9:.1f} TFLOP/s)" if gpu else f"  onegemm.moe_ffn: {t_one:9.1f} ms")
-    print(f"  torch:           {t_torch:9.3f} ms -> onegemm is {t_torch / t_one:.2f}x" if gpu else f"  torch:           {t_torch:9.1f} ms")
+    if gpu:
+        print(timing_line(f"stored layer, {T} tokens", one, peer))
+    else:
+        print(f"  onegemm.moe_ffn: {wall_ms(one):9.1f} ms, torch: {wall_ms(peer):9.1f} ms (interpreted)")
 
-    # The core GEMM everything is built on.
-    M, N, K = (T, 4 * H, H) if gpu else (128, 256, 256)
+    if gpu:
+        # A real model's experts: Qwen3-30B-A3B (128 experts, hidden 2048, intermediate 768,
+        # top-8), random weights scaled like trained ones.
+        E2, H2, I2, k2 = 128, 2048, 768, 8
+        x2 = torch.randn(T, H2, device=device, dtype=torch.bfloat16)
+        gu2 = torch.randn(E2, 2 * I2, H2, device=device, dtype=torch.bfloat16) * H2**-0.5
+        dn2 = torch.randn(E2, H2, I2, device=device, dtype=torch.bfloat16) * I2**-0.5
+        w2, i2 = onegemm.route(torch.randn(T, E2, device=device), k2)
+        y2, p2 = onegemm.moe_ffn(x2, gu2, dn2, w2, i2), moe_ffn_torch(x2, gu2, dn2, w2, i2, use_grouped_mm=True)
+        print(f"  Qwen3-30B-A3B experts ({E2} x [{2 * I2}, {H2}] / [{H2}, {I2}], top-{k2}), {T} tokens: "
+              f"onegemm vs torch relative difference {rel_err(y2, p2):.2e}")
+        print(timing_line("Qwen3-30B-A3B experts", lambda: onegemm.moe_ffn(x2, gu2, dn2, w2, i2),
+                          lambda: moe_ffn_torch(x2, gu2, dn2, w2, i2, use_grouped_mm=True),
+                          2 * T * k2 * 3 * H2 * I2))
+        del x2, gu2, dn2
+
+    # The core GEMM everything is built on: an LLM linear's shape on a GPU.
+    M, N, K = (T, 14336, 4096) if gpu else (128, 256, 256)
     a = torch.randn(M, K, device=device).to(torch.bfloat16)
-    w = torch.randn(N, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) * K**-0.5).to(torch.bfloat16)
     c = onegemm.matmul(a, w.t())
     c_ref = a.double() @ w.double().t()
     print(f"\ncore GEMM [{M}, {K}] @ [{K}, {N}] bf16 (weight as W.t()):")
     print(f"  error vs float64: onegemm.matmul {rel_err(c, c_ref):.2e}, torch.matmul {rel_err(a @ w.t(), c_ref):.2e}")
-    t_c = timed_ms(lambda: onegemm.matmul(a, w.t()), gpu)
-    t_t = timed_ms(lambda: a @ w.t(), gpu)
     if gpu:
-        print(f"  time: onegemm.matmul {t_c:.3f} ms, torch.matmul {t_t:.3f} ms -> {t_t / t_c:.2f}x")
+        print(timing_line("onegemm.matmul vs torch.matmul", lambda: onegemm.matmul(a, w.t()), lambda: a @ w.t(), 2 * M * N * K))
     else:
+        t_c, t_t = wall_ms(lambda: onegemm.matmul(a, w.t())), wall_ms(lambda: a @ w.t())
         print(f"  time: onegemm.matmul {t_c:.1f} ms (interpreted), torch.matmul {t_t:.1f} ms")
     ok = rel_err(y, ref) < 2e-2 and rel_err(c, c_ref) < 1e-2
     print("\nOK" if ok else "\nFAILED: error above the bf16 bound (2e-2)")

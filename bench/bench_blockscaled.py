@@ -22,16 +22,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
-import torch  # noqa: E402
-from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
-from onegemm.blockscaled.matmul import _blockscaled  # noqa: E402
-from onegemm.blockscaled.quantize import _quantize_torch  # noqa: E402
-from reference import assert_close, blockscaled_matmul_ref, calc_diff, sqnr_db  # noqa: E402
+import onegemm  # first: it picks Triton's interpreter when there is no GPU
+import torch
+from common import bench_ms, config_of, geomean, header, markdown_table, plot_ratios, tflops, write_results
+from onegemm.testing import assert_close, blockscaled_matmul_ref, calc_diff, sqnr_db
 
 LLM_NK = [(4096, 4096), (7168, 2048), (2112, 7168), (14336, 4096)]
 SHAPES = [("square", s, s, s) for s in (1024, 2048, 4096, 8192)] + [
@@ -55,10 +50,10 @@ def make_gemms(x, w):
     transposed view of a contiguous [N/128, K/128]; row-wise scales contiguous)."""
     qx, sx = onegemm.quantize_fp8(x)  # 1x128, outer-dim-major scale (torch._scaled_mm's layout)
     qw, sw = onegemm.quantize_fp8(w, (128, 128))
-    qx_r, sx_r = _quantize_torch(x, "row", E4M3, False)
-    qw_r, sw_r = _quantize_torch(w, "row", E4M3, False)
-    qx_t, sx_t = _quantize_torch(x, "tensor", E4M3, False)
-    qw_t, sw_t = _quantize_torch(w, "tensor", E4M3, False)
+    qx_r, sx_r = onegemm.quantize_fp8(x, "row")
+    qw_r, sw_r = onegemm.quantize_fp8(w, "row")
+    qx_t, sx_t = onegemm.quantize_fp8(x, "tensor")
+    qw_t, sw_t = onegemm.quantize_fp8(w, "tensor")
     sw_r_t = sw_r.t().contiguous()
     layer = onegemm.Fp8Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=BF16)
     layer.weight, layer.weight_scale = qw, sw
@@ -82,13 +77,6 @@ def run_or_reason(fn):
         return None, str(e).strip().splitlines()[0][:80]
 
 
-def config_name(quick: bool) -> str:
-    cfg = None if quick else _blockscaled.best_config()
-    if cfg is None:
-        return "interpreter"
-    return config_label(cfg)
-
-
 def measure(kind, M, N, K, device, timer, quick):
     x = torch.randn(M, K, device=device, dtype=BF16)
     w = torch.randn(N, K, device=device, dtype=BF16)
@@ -108,7 +96,7 @@ def measure(kind, M, N, K, device, timer, quick):
         if name == "onegemm":
             # The kernel itself against float64 on the same fp8 values (the quick run's check).
             assert_close(out[:r], blockscaled_matmul_ref(qx[:r], qw.t(), sx[:r], sw.t(), (1, 128), (128, 128)), 1e-2)
-            speed["tile"] = config_name(quick)
+            speed["tile"] = config_of(fn)
         ms[name] = timer(fn)
         acc[f"calc_diff {name}"] = calc_diff(out[:r], ref)
         acc[f"SQNR dB {name}"] = sqnr_db(out[:r], ref)

@@ -28,16 +28,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
-import torch  # noqa: E402
-from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
-from onegemm.grouped.moe import moe_ffn_torch  # noqa: E402
-from onegemm.grouped.ops import _ragged  # noqa: E402
-from reference import assert_close, grouped_mm_ref, moe_ref  # noqa: E402
+import onegemm  # first: it picks Triton's interpreter when there is no GPU
+import torch
+from common import bench_ms, config_of, geomean, header, markdown_table, plot_ratios, tflops, write_results
+from onegemm.testing import assert_close, grouped_mm_ref, moe_ffn_torch, moe_ref
 
 # name: (E, H, I, top_k, decode rows, prefill rows)
 MODELS = {
@@ -126,8 +121,7 @@ def bench_bf16(models, quick, gen, device):
                         row = dict(model=name, gemm=which, phase=phase, rows=rows, routing=routing, N=N, K=K)
                         if not quick:
                             ms = {p: bench_ms(f, warmup_ms=10, rep_ms=60) for p, f in fns.items()}
-                            # The peers are torch ops, so the ragged kernel's last call was onegemm's.
-                            row["tile"] = tile_name(_ragged.best_config())
+                            row["tile"] = config_of(fns["onegemm"])
                             flop = 2 * rows * N * K
                             weight_bytes = sum(1 for s in sizes if s) * N * K * 2
                             row.update(
@@ -141,11 +135,6 @@ def bench_bf16(models, quick, gen, device):
                         rows_out.append(row)
                         del a, b, offs, fns
     return rows_out
-
-
-def tile_name(cfg) -> str:
-    """The tuner's choice, e.g. '128x256x64 w8 s4 TMA'."""
-    return config_label(cfg)
 
 
 def bench_fp16(models, cases, quick, gen, device):

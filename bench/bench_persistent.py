@@ -10,8 +10,9 @@ Five GEMMs on the same inputs (A [M, K] row-major, B = W.t() of an nn.Linear wei
     pers_ptr  onegemm.persistent_matmul, one program per SM (two for small tiles), pointer loads
     pers_tma  onegemm.persistent_matmul, one program per SM (two for small tiles), TMA loads
     cuBLAS    torch.matmul
-Both schedulers autotune over the same configs and run the same tile body, so pers_x / lpt_x
-is the scheduling effect alone (the chosen tile shapes are printed so this can be checked).
+Both schedules are autotuned (onegemm.autotune: every candidate timed in GPU time, the winner
+kept in the user's tuning cache) over the same tiles and run the same tile body, so
+pers_x / lpt_x is the scheduling effect alone (the chosen tile shapes are printed).
 
 Sweep: square 512..8192; small-M LLM linears (M 16..256 with DESIGN.md's (N, K)); K in
 {512, 1024, 8192} at 4096 x 4096 (4096 is in the square set); and "wave tail" shapes whose
@@ -25,16 +26,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
-import torch  # noqa: E402
-import triton  # noqa: E402
-from common import bench_ms, config_label, geomean, header, markdown_table, plot_ratios, tflops, write_results  # noqa: E402
-from onegemm.core.matmul import INTERPRET_CONFIG, _matmul  # noqa: E402
-from reference import TOL, assert_close, matmul_ref, rel_err  # noqa: E402
+import onegemm  # first: it picks Triton's interpreter when there is no GPU
+import torch
+import triton
+from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results
+from onegemm import testing
+from onegemm.core import configs
+from onegemm.testing import TOL, assert_close, matmul_ref, rel_err
 
 SM_COUNT = 132  # H200; the table's "waves" column uses the real count when a GPU is present
 LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336)]
@@ -86,12 +85,12 @@ def operands(M, N, K, dtype, device):
     return a, w.t()
 
 
-def cfg_name(cfg: triton.Config | None) -> str:
-    return config_label(cfg or INTERPRET_CONFIG)
+def cfg_name(cfg: triton.Config) -> str:
+    return configs.label(cfg)
 
 
-def tiles_of(M, N, cfg: triton.Config | None) -> int:
-    k = (cfg or INTERPRET_CONFIG).kwargs
+def tiles_of(M, N, cfg: triton.Config) -> int:
+    k = cfg.kwargs
     return triton.cdiv(M, k["BLOCK_M"]) * triton.cdiv(N, k["BLOCK_N"])
 
 
@@ -103,24 +102,26 @@ def measure(kind, M, N, K, dtype, device, timer) -> dict:
     """One shape: every variant checked against the reference, then timed by ``timer``."""
     a, b = operands(M, N, K, dtype, device)
     ref = torch.matmul(a, b) if device == "cuda" else matmul_ref(a, b)
-    ms, configs, err = {}, {}, 0.0
+    ms, chosen, err = {}, {}, 0.0
     for name, fn in VARIANTS.items():
-        out = fn(a, b)  # the first call autotunes
+        with onegemm.autotune(device == "cuda"):
+            (ran,) = testing.launched(lambda: fn(a, b))  # the first call autotunes
+        out = fn(a, b)
         # Same inputs, fp32 accumulation everywhere: outputs differ from cuBLAS by rounding only.
         assert_close(out, ref, TOL[dtype], f"{name} {M}x{N}x{K}")
         err = max(err, rel_err(out, ref))
         ms[name] = timer(lambda: fn(a, b))
-        configs[name] = _matmul.best_config()  # both ops run core's matmul_kernel
+        chosen[name] = ran["triton_config"]  # both ops run core's matmul_kernel
     ms["cuBLAS"] = timer(lambda: torch.matmul(a, b))
     flop = 2.0 * M * N * K
-    tiles = tiles_of(M, N, configs["pers_tma"])
+    tiles = tiles_of(M, N, chosen["pers_tma"])
     row = dict(kind=kind, M=M, N=N, K=K, tiles=tiles, waves=tiles / sm_count(), cuBLAS_TFLOPs=tflops(flop, ms["cuBLAS"]))
     row["pers_tma_TFLOPs"] = tflops(flop, ms["pers_tma"])
     for num, den in RATIOS:
         row[ratio_name(num, den)] = ms[den] / ms[num]
     row["max_err_vs_cuBLAS"] = err
-    row["cfg lpt_ptr / pers_ptr"] = f"{cfg_name(configs['lpt_ptr'])} / {cfg_name(configs['pers_ptr'])}"
-    row["cfg lpt_tma / pers_tma"] = f"{cfg_name(configs['lpt_tma'])} / {cfg_name(configs['pers_tma'])}"
+    row["cfg lpt_ptr / pers_ptr"] = f"{cfg_name(chosen['lpt_ptr'])} / {cfg_name(chosen['pers_ptr'])}"
+    row["cfg lpt_tma / pers_tma"] = f"{cfg_name(chosen['lpt_tma'])} / {cfg_name(chosen['pers_tma'])}"
     return row
 
 
@@ -128,8 +129,9 @@ def measure_options(M, N, K, dtype, device, timer) -> list[dict]:
     """The persistent TMA kernel at its tuned tile shape, with each option switched on."""
     a, b = operands(M, N, K, dtype, device)
     ref = torch.matmul(a, b) if device == "cuda" else matmul_ref(a, b)
-    onegemm.persistent_matmul(a, b, tma=True)
-    best = _matmul.best_config() or INTERPRET_CONFIG
+    with onegemm.autotune(device == "cuda"):
+        (ran,) = testing.launched(lambda: onegemm.persistent_matmul(a, b, tma=True))
+    best = ran["triton_config"]
     base_ms = timer(lambda: onegemm.persistent_matmul(a, b, tma=True, config=best))
     rows = []
     for opt, extra_stages in OPTIONS:
@@ -174,7 +176,7 @@ def report(dname: str, rows: list[dict], option_rows: list[dict]) -> str:
         "Each ratio column X/Y is Y's time / X's time: above 1, X is faster. lpt = launch-per-tile "
         "(onegemm.matmul with persistent=False), pers = onegemm.persistent_matmul (one program per "
         "SM, or two for a '2/SM' config), _ptr / _tma = pointer / tensor-descriptor loads; both "
-        "schedules autotune over the same tiles (persistent also at two per SM) and run the same "
+        "schedules are autotuned over the same tiles (persistent also at two per SM) and run the same "
         "kernel, core's matmul_kernel, with its PERSISTENT switch off or on. tiles and waves "
         "(tiles / SMs) are for pers_tma's chosen tile shape. "
         "B = W.t() of an nn.Linear weight.\n\n"

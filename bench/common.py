@@ -2,11 +2,11 @@
 
 Benchmarks compare onegemm with its peer measured in the same run, and report ratios.
 Timing (bench_ms) is the GPU time of one call replayed from a CUDA graph, median over
-triton.testing.do_bench's runs, after warm-up (the first call of a shape also autotunes, and
-is kept out of the numbers). Inputs are random, never zeros: an
-H200 ran a bf16 GEMM 13% faster on zeros than on random data (DESIGN.md / METHOD.md).
+triton.testing.do_bench's runs, after a first call (which compiles) that is kept out of the
+numbers; bench_overhead.py times eager calls and the host. Inputs are random, never zeros: an
+H200 ran a bf16 GEMM 13% faster on zeros than on random data.
 
-The float64 references live in tests/reference.py; benchmarks import them from there.
+The float64 references and timing helpers are onegemm.testing's, shared with the tests.
 """
 
 from __future__ import annotations
@@ -22,52 +22,22 @@ from pathlib import Path
 import torch
 import triton
 
-from onegemm.core.runtime import graph_bench
+from onegemm import testing
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-sys.path.insert(0, str(REPO / "tests"))  # so benchmarks can `from reference import ...`
 
 
 def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100, graph: bool = True) -> float:
-    """Median milliseconds of fn() on the GPU.
-
-    graph=True (default): core.runtime.graph_bench, the autotuner's own measure: fn captured
-    once in a CUDA graph, its replays timed (CUDA events, L2 flushed between runs). This
-    measures the kernels alone: eager calls of a Triton op cost 60-90 us of Python on the host
-    (bench/diagnose_matmul.py, H200), more than a small GEMM's GPU time, and production decode
-    runs under CUDA graphs. A peer that cannot be captured (a host-synced fallback) is timed
-    eagerly instead, and graph_bench says so.
-    graph=False: eager calls, host overhead included where it exceeds GPU time.
-    """
-    fn()  # compile / autotune outside the timed region
-    torch.cuda.synchronize()
-    if graph:
-        return graph_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    """Median milliseconds of fn() on the GPU: GPU time (CUDA-graph replays, the default) or
+    eager calls (graph=False; the host's launch time counts where it exceeds the GPU's)."""
+    timer = testing.gpu_ms if graph else testing.eager_ms
+    return timer(fn, warmup_ms, rep_ms)
 
 
-def config_label(cfg: triton.Config, group_m: bool = False) -> str:
-    """A config as the results tables print it, e.g. '128x256x64 w4 s3 WS TMA': the tile, warps,
-    stages, then WS when core's K loop is warp-specialised, 'pers' for the persistent schedule
-    (PERSISTENT), 'splitK4' for split-K (core/splitk.py), '2/SM' for a persistent
-    default grid of two programs per SM, and the load flavour
-    when the config names one (the tuner picks it for matmul and grouped GEMMs)."""
-    k = cfg.kwargs
-    text = f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
-    if group_m:
-        text += f" g{k['GROUP_M']}"
-    if k.get("WARP_SPECIALIZE"):
-        text += " WS"
-    if k.get("PERSISTENT"):
-        text += " pers"
-    if k.get("SPLIT_K", 1) > 1:
-        text += f" splitK{k['SPLIT_K']}"
-    if k.get("PROGRAMS_PER_SM", 1) > 1:
-        text += f" {k['PROGRAMS_PER_SM']}/SM"
-    if "USE_TMA" in k:
-        text += " TMA" if k["USE_TMA"] else " ptr"
-    return text
+def config_of(fn) -> str:
+    """The config(s) fn() runs, as the results tables print them ('+' between launches)."""
+    return " + ".join(dict.fromkeys(f"{x['config']}" for x in testing.launched(fn)))
 
 
 def tflops(flop: float, ms: float) -> float:
@@ -91,8 +61,7 @@ def header(title: str) -> str:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
         f"- command: `python {cmd}`\n"
         f"- timing: GPU time, median of triton.testing.do_bench over CUDA-graph replays of one call (L2 flushed "
-        f"between runs; autotuning done before, timing its candidates the same way). Eager calls add 60-90 us of Python launch overhead per Triton op "
-        f"(10-15 us for torch.matmul), which bounds small shapes; see bench/diagnose_matmul.py\n\n"
+        f"between runs; the first call, which compiles, kept out). Host time per eager call: bench/results/overhead.md\n\n"
     )
 
 

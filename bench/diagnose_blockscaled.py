@@ -19,18 +19,16 @@ compiler rejects is reported as such and the sweep goes on.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import onegemm  # noqa: E402,I001  (first: it picks Triton's interpreter when there is no GPU)
-import torch  # noqa: E402
-from bench_blockscaled import make_gemms  # noqa: E402
-from common import bench_ms, config_label, markdown_table, require_gpu, tflops  # noqa: E402
-from onegemm.blockscaled.matmul import LARGE_M_CONFIGS, _blockscaled  # noqa: E402
-from onegemm.blockscaled.matmul import _cfg as fp8_cfg  # noqa: E402
-from onegemm.core.matmul import _cfg  # noqa: E402
-from onegemm.core.tma import warp_specialized  # noqa: E402
+import onegemm  # first: it picks Triton's interpreter when there is no GPU
+import torch
+from bench_blockscaled import make_gemms
+from common import bench_ms, config_of, markdown_table, require_gpu, tflops
+from onegemm.core.configs import BLOCKSCALED_LARGE_M as LARGE_M_CONFIGS
+from onegemm.core.configs import blockscaled_cfg as fp8_cfg
+from onegemm.core.configs import cfg as _cfg
+from onegemm.core.configs import label as config_label
+from onegemm.core.configs import warp_specialized
 
 FP8_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 7168, 2048), (8192, 14336, 4096), (2048, 2112, 7168)]
 BF16_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 14336, 4096)]
@@ -74,11 +72,11 @@ def sweep_fp8():
         peer_out, peer_ms = peer(), bench_ms(peer, warmup_ms=10, rep_ms=50)
         base = dict(M=M, N=N, K=K, cuBLAS_TFLOPs=tflops(2.0 * M * N * K, peer_ms))
         ratio = timed_ratio(gemms["onegemm"], peer_out, peer_ms)
-        rows.append(dict(base, config=f"autotuned ({config_label(_blockscaled.best_config())})", vs_cuBLAS_block=ratio))
+        rows.append(dict(base, config=f"unforced ({config_of(gemms['onegemm'])})", vs_cuBLAS_block=ratio))
         extra = [warp_specialized(c) for c in FP8_WS_CONFIGS] + FP8_PERSISTENT_CONFIGS
         for cfg in LARGE_M_CONFIGS + [c for c in extra if c not in LARGE_M_CONFIGS]:
             fn = lambda: onegemm.blockscaled_matmul(qx, qw.t(), sx, sw.t(), config=cfg, tma=True)  # noqa: E731
-            rows.append(dict(base, config=config_label(cfg, group_m=True), vs_cuBLAS_block=timed_ratio(fn, peer_out, peer_ms)))
+            rows.append(dict(base, config=config_label(cfg) + f" g{cfg.kwargs['GROUP_M']}", vs_cuBLAS_block=timed_ratio(fn, peer_out, peer_ms)))
             print(rows[-1], flush=True)
     print("\nblock-scaled fp8, ratio = cuBLAS blockwise time / onegemm time (TMA loads)")
     print(markdown_table(rows))

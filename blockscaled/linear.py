@@ -9,7 +9,7 @@ from torch import nn
 
 from ..core import checks
 from .matmul import blockscaled_matmul
-from .quantize import BLOCK, quantize_fp8, quantize_fp8_unchecked
+from .quantize import BLOCK, quantize_fp8
 
 
 class Fp8Linear(nn.Module):
@@ -52,7 +52,7 @@ class Fp8Linear(nn.Module):
         """Quantise a float weight [out_features, in_features] (128x128 blocks) into the buffers."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight must be [out_features, in_features] = [{self.out_features}, {self.in_features}], got {tuple(weight.shape)}")
-        self.weight, self.weight_scale = quantize_fp8(weight.detach(), (BLOCK, BLOCK))
+        self.weight, self.weight_scale = quantize_fp8(weight.detach(), (BLOCK, BLOCK), check_finite=True)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
@@ -78,7 +78,7 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"x must be [..., in_features] = [..., {self.in_features}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        q, scale = quantize_fp8_unchecked(x2, (1, BLOCK))
+        q, scale = quantize_fp8(x2, (1, BLOCK))
         # b = W.t(): K-major, the fast layout for Hopper's fp8 MMA; its 128x128 scale
         # [kb, nb] is then weight_scale.t(), torch._scaled_mm's layout too.
         y = blockscaled_matmul(q, self.weight.t(), scale, self.weight_scale.t(), out_dtype=x.dtype, bias=self.bias)

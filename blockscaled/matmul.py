@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core import checks, splitk
-from ..core.runtime import Kernel, empty, next_pow2_bucket, tile_grid
+from ..core import checks, configs, splitk
+from ..core.launch import Launcher, Request
+from ..core.runtime import cdiv, empty, tile_grid
 from ..core.tiles import gemm_tile, grouped_tile, make_operands, program_units
-from ..core.tma import choose_tma, flavour_meta, warp_specialized
+from ..core.tma import choose_tma, forced_flavour, layout_meta
 from .quantize import BLOCK
 
 
@@ -40,7 +41,6 @@ def blockscaled_matmul_kernel(
     sb_ptr, stride_sb_k, stride_sb_n,
     scale_m_ptr, stride_scale_m,
     scale_n_ptr, stride_scale_n,
-    M_BUCKET, LAYOUT, SCALING,
     ws_ptr, lock_ptr,
     ACTIVATION: tl.constexpr,
     SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
@@ -59,8 +59,6 @@ def blockscaled_matmul_kernel(
     scale_m_ptr / scale_n_ptr: row-wise scale of A / column-wise scale of B, element i at
         ptr + i*stride; stride 0 for a tensor-wise scalar; or None.
     bias_ptr [N] (stride_bias) or None.
-    M_BUCKET, LAYOUT, SCALING: autotune key only (M's power-of-two bucket; which operands
-        are K-contiguous; the granularity pair).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour (tiles.make_operands, core/tma.py);
         the scales are always read through pointers (one small vector per K block).
     WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop).
@@ -95,87 +93,7 @@ def blockscaled_matmul_kernel(
         )
 
 
-def _cfg(bm, bn, warps, stages, group_m=8, **extra):
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK, "GROUP_M": group_m, **extra},
-        num_warps=warps, num_stages=stages,
-    )
-
-
-# Hopper fp8, BLOCK_K = 128 everywhere: one scale per K block (and 128 bytes of fp8 per row
-# per stage, a full wgmma swizzle row). Triton 3.6 waits for each K block's wgmma before
-# promoting it (acc += part * scale), so one warpgroup cannot overlap its MMAs with its
-# promotions; what hides them is other warpgroups on the same SM: two per CTA (8 warps, or
-# warp specialisation's two consumers), or several CTAs per SM (64x128 w4 s3: 72 KB of
-# shared memory, three CTAs).
-# Measured on the H200, 1x128 x 128x128, forced configs on 5 large shapes against cuBLAS
-# blockwise (bench/diagnose_blockscaled.py fp8; bench/results/blockscaled.md):
-# - persistent + warp-specialised 128x128 w4 s4 (a TMA producer and two 64-row consumer
-#   warpgroups, one CTA per SM, descriptors built once): 0.63-0.75x, the tuner's pick on 10
-#   of the benchmark's 11 shapes with M >= 2048; its unspecialised w8 s4 twin (0.63-0.69x)
-#   serves the operands warp specialisation cannot take (MN-major fp8, pointer loads).
-#   5 stages with warp specialisation gave NaN output (Triton 3.6), so 4 is the most here;
-# - launch-per-tile: 64x128 w4 s3 0.60-0.78x (the pick at 2048x2112x7168: 272 tiles, too
-#   few for the persistent grid to help), warp-specialised 128x128 0.58-0.68x, 128x128 w8
-#   0.53-0.63x.
-# 128x256 and 64x256 tiles straddle two 128-column weight scale blocks (a [1, BLOCK_N] scale
-# vector: one more multiply per element) and ran 0.3-0.5x; warp-specialised 256x128 and
-# 128x256 (2 stages, all that fits) 0.22-0.39x. ptxas (sm_90): 128x128 with 4 warps and no
-# warp specialisation holds two 128-register fp32 tiles per thread and spills a little; with
-# 8 warps it uses 155 registers.
-LARGE_M_CONFIGS = [
-    _cfg(128, 128, 8, 3),
-    _cfg(128, 128, 8, 4),
-    _cfg(128, 128, 4, 3),
-    _cfg(256, 128, 8, 3),
-    _cfg(64, 128, 4, 3),
-    _cfg(64, 128, 4, 4),
-    warp_specialized(_cfg(128, 128, 4, 4)),
-    _cfg(128, 128, 8, 4, PERSISTENT=True),
-    warp_specialized(_cfg(128, 128, 4, 4), PERSISTENT=True),
-]
-# M <= 64 is bound by reading B: 64-row tiles (128-row ones would be mostly masked), and
-# narrow ones give more programs (N/32 of them) to keep all 132 SMs loading.
-SMALL_M_CONFIGS = [
-    _cfg(64, 128, 4, 3),
-    _cfg(64, 128, 4, 4),
-    _cfg(64, 256, 4, 3),
-    _cfg(64, 64, 4, 4),
-    _cfg(64, 32, 4, 5),
-]
-# Split-K (core/splitk.py): the 64-row tiles that leave SMs idle at small M (16x4096x4096 has
-# 64 tiles of 64x64) with 2, 4 and 8 splits, tried while SPLIT_K x the M bucket <= 512: up to
-# 8 splits for M <= 64, 4 for M <= 128. Measured on the H200 (bench/results/blockscaled.md):
-# picked on 6 of the 8 shapes with M <= 128, 0.72x -> 0.86x cuBLAS blockwise there.
-SPLIT_K_CONFIGS = splitk.with_splits([
-    _cfg(64, 128, 4, 4),
-    _cfg(64, 64, 4, 4),
-    _cfg(64, 32, 4, 5),
-])
-BLOCKSCALED_CONFIGS = LARGE_M_CONFIGS + [c for c in SMALL_M_CONFIGS if c not in LARGE_M_CONFIGS] + SPLIT_K_CONFIGS
-
-# Interpreter: one small config; BLOCK_K stays 128 (the scale block).
-INTERPRET_CONFIG = _cfg(32, 32, 1, 1, group_m=4)
-
-
-def prune_configs(configs, args):
-    """Decode-sized M (bucket <= 64) tunes SMALL_M_CONFIGS, larger M LARGE_M_CONFIGS, both
-    with the SPLIT_K_CONFIGS that ``splitk.allowed`` keeps for the bucket; the
-    warp-specialised ones only with TMA loads of K-major a and b (core's K loop ignores the
-    switch otherwise, tiles.mma_k_loop)."""
-    family = (SMALL_M_CONFIGS if args["M_BUCKET"] <= 64 else LARGE_M_CONFIGS) + SPLIT_K_CONFIGS
-    kept = [c for c in configs if c in family and splitk.allowed(c, args["M_BUCKET"])] or configs
-    ws_ok = args["USE_TMA"] and args["A_K_CONTIG"] and args["B_K_CONTIG"]
-    return [c for c in kept if ws_ok or not c.kwargs.get("WARP_SPECIALIZE")]
-
-
-_blockscaled = Kernel(
-    blockscaled_matmul_kernel,
-    BLOCKSCALED_CONFIGS,
-    key=["M_BUCKET", "N", "K", "LAYOUT", "SCALING", "USE_TMA"],
-    interpret_config=INTERPRET_CONFIG,
-    prune=prune_configs,
-)
+BLOCKSCALED = Launcher(blockscaled_matmul_kernel, configs.BLOCKSCALED)
 
 A_KINDS = ("tensor", "row", "1x128", "128x128")
 B_KINDS = ("tensor", "col", "128x1", "128x128")
@@ -183,7 +101,7 @@ B_KINDS = ("tensor", "col", "128x1", "128x128")
 
 def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> str:
     """Which granularity scale_a's shape gives, coarsest first (module docstring)."""
-    kb, mb = triton.cdiv(K, BLOCK), triton.cdiv(M, BLOCK)
+    kb, mb = cdiv(K, BLOCK), cdiv(M, BLOCK)
     shape = tuple(scale_a.shape)
     if scale_a.dim() <= 2 and scale_a.numel() == 1:
         return "tensor"
@@ -198,7 +116,7 @@ def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> str:
 
 
 def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> str:
-    kb, nb = triton.cdiv(K, BLOCK), triton.cdiv(N, BLOCK)
+    kb, nb = cdiv(K, BLOCK), cdiv(N, BLOCK)
     shape = tuple(scale_b.shape)
     if scale_b.dim() <= 2 and scale_b.numel() == 1:
         return "tensor"
@@ -266,21 +184,35 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     else:
         scale_n, scale_n_stride = scale_b, (0 if kind_b == "tensor" else scale_b.stride(1))
 
-    args = (
+    layout = choose_tma(tma, a, b, c)
+    scaling = f"{kind_a},{kind_b}"
+    key = (a.dtype, b.dtype, out_dtype, bias is None or bias.dtype, activation, configs.m_bucket(M), N, K,
+           a.stride(1) == 1, b.stride(0) == 1, layout, tma, scaling, a.get_device(), config)
+    scales = (sa, *sa_strides, sb, *sb_strides, scale_m, scale_m_stride, scale_n, scale_n_stride)
+
+    def request():
+        return Request(
+            configs.BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
+                                   configs.flavour_mode(tma, layout is not None), scaling),
+            dict(ACTIVATION=activation, SA_ROWS_PER_SCALE=sa_rows, SB_COLS_PER_SCALE=sb_cols, **layout_meta(layout)),
+            a.device, forced_flavour(config, layout), lambda plan: _launch(plan, a, b, c, bias, scales),
+        )
+
+    _launch(BLOCKSCALED.plan(key, request), a, b, c, bias, scales)
+    return c
+
+
+def _launch(plan, a, b, c, bias, scales):
+    """One launch of blockscaled_matmul_kernel with ``plan``."""
+    M, K = a.shape
+    N = b.shape[1]
+    meta = plan.meta
+    split = meta.get("SPLIT_K", 1)
+    ws = locks = None
+    if split > 1:
+        ws, locks = splitk.buffers(a.device, split * M * N, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))
+    BLOCKSCALED.launch(plan, tile_grid(M, N, meta, plan.device_index), (
         a, b, c, bias, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        bias.stride(0) if bias is not None else 0,
-        sa, *sa_strides, sb, *sb_strides,
-        scale_m, scale_m_stride, scale_n, scale_n_stride,
-        next_pow2_bucket(M),
-        int(a.stride(1) == 1) * 2 + int(b.stride(0) == 1),
-        A_KINDS.index(kind_a) * 4 + B_KINDS.index(kind_b),
-    )
-    ws, locks = splitk.launch_buffers(_blockscaled, config, M, N, next_pow2_bucket(M), a.device)
-    meta = dict(
-        ws_ptr=ws, lock_ptr=locks,
-        ACTIVATION=activation, SA_ROWS_PER_SCALE=sa_rows, SB_COLS_PER_SCALE=sb_cols,
-        **flavour_meta(choose_tma(tma, a, b, c)),
-    )
-    _blockscaled.launch(tile_grid(M, N, a.device), config, *args, **meta)
-    return c
+        0 if bias is None else bias.stride(0), *scales, ws, locks,
+    ))

@@ -14,9 +14,8 @@ Rounding the scale UP keeps |x| / scale <= FP8_MAX; the clamp only catches the l
 division, so values saturate at the format's max instead of becoming NaN (e4m3fn has no inf).
 
 Non-finite input: NaN is counted as +inf in the amax, so a block holding NaN or inf gets an
-inf scale. ``quantize_fp8`` then raises ValueError. Reading the scales back is a host sync,
-but on tensors 128x smaller than x; Fp8Linear skips the check on its hot path, and a
-non-finite activation then gives a non-finite output, as it would in nn.Linear.
+inf scale and dequantises to NaN: a non-finite input gives a non-finite output, as it would
+through nn.Linear. ``check_finite=True`` raises ValueError instead, at the cost of a host sync.
 """
 
 from __future__ import annotations
@@ -27,8 +26,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..core import checks
-from ..core.runtime import INTERPRET, Kernel, empty, next_pow2_bucket
+from ..core import checks, configs
+from ..core.launch import Launcher, Request
+from ..core.runtime import INTERPRET, cdiv, empty
 
 BLOCK = 128  # the scale block of the DeepSeek-V3 recipe and of torch._scaled_mm's blockwise mode
 BLOCKS = ((1, BLOCK), (BLOCK, BLOCK), "row", "tensor")
@@ -57,7 +57,6 @@ def quantize_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, cols_per_scale,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
-    M_BUCKET,
     FP8_MAX: tl.constexpr, FLT_MIN: tl.constexpr, POW2: tl.constexpr,
     ROWS_PER_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -68,7 +67,6 @@ def quantize_kernel(
     s_ptr [ceil(M / ROWS_PER_SCALE), ceil(K / cols_per_scale)] fp32, any strides.
     ROWS_PER_SCALE: 1 (1x128 blocks, row-wise) or BLOCK_M (128x128 blocks).
     cols_per_scale: 128 for blocks, K for row-wise (the program then loops over the row).
-    M_BUCKET: autotune key only.
     Grid: (cdiv(M, BLOCK_M), cdiv(K, cols_per_scale)); program (pm, pk) owns rows
     [pm*BLOCK_M, +BLOCK_M) and the pk-th column group. Two passes over the group: amax, then
     cast. The second pass re-reads x, which for a 128-column group is still in L1/L2.
@@ -111,33 +109,11 @@ def quantize_kernel(
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def _qcfg(bm, warps):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_K": BLOCK}, num_warps=warps, num_stages=2)
-
-
-# Memory-bound: a few tile heights are enough. 128x128 blocks need BLOCK_M = 128 (prune).
-QUANT_CONFIGS = [_qcfg(16, 4), _qcfg(32, 4), _qcfg(64, 4), _qcfg(128, 8), _qcfg(128, 4)]
-QUANT_INTERPRET_CONFIG = _qcfg(BLOCK, 1)
-
-
-def _prune_quant(configs, args):
-    rows_per_scale = args["ROWS_PER_SCALE"]
-    if rows_per_scale > 1:
-        return [c for c in configs if c.kwargs["BLOCK_M"] == rows_per_scale]
-    return configs
-
-
-_quantize = Kernel(
-    quantize_kernel,
-    QUANT_CONFIGS,
-    key=["M_BUCKET", "K", "cols_per_scale", "ROWS_PER_SCALE"],
-    interpret_config=QUANT_INTERPRET_CONFIG,
-    prune=_prune_quant,
-)
+QUANTIZE = Launcher(quantize_kernel, configs.QUANT)
 
 
 def _scale_shape(block, M: int, K: int) -> tuple:
-    mb, kb = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    mb, kb = cdiv(M, BLOCK), cdiv(K, BLOCK)
     return {(1, BLOCK): (M, kb), (BLOCK, BLOCK): (mb, kb), "row": (M, 1), "tensor": ()}[block]
 
 
@@ -149,22 +125,31 @@ def _quantize_triton(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: boo
         # [M, kb] stored outer-dim-major (a transposed [kb, M]): the layout torch._scaled_mm's
         # blockwise mode wants for scale_a, and the GEMM's K loop then loads BLOCK_M
         # consecutive scales (coalesced) per K block.
-        scale = empty((triton.cdiv(K, BLOCK), M), dtype=torch.float32, device=x.device).t()
+        scale = empty((cdiv(K, BLOCK), M), dtype=torch.float32, device=x.device).t()
     else:
         scale = empty(_scale_shape(block, M, K), dtype=torch.float32, device=x.device)
     cols_per_scale = K if block == "row" else BLOCK
     rows_per_scale = BLOCK if block == (BLOCK, BLOCK) else 1
 
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(K, cols_per_scale))
+    kind = {(1, BLOCK): "1x128", (BLOCK, BLOCK): "128x128", "row": "row"}[block]
+    key = (x.dtype, dtype, kind, pow2_scale, configs.m_bucket(M), K, x.get_device())
+    args = (x, q, scale, M, K, cols_per_scale,
+            x.stride(0), x.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1))
 
-    _quantize[grid](
-        x, q, scale, M, K, cols_per_scale,
-        x.stride(0), x.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
-        next_pow2_bucket(M),
-        FP8_MAX=fp8_max(dtype), FLT_MIN=FLT_MIN, POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale,
-    )
+    def request():
+        return Request(
+            configs.QuantKey(configs.m_bucket(M), K, kind),
+            dict(FP8_MAX=fp8_max(dtype), FLT_MIN=FLT_MIN, POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
+            x.device, None, lambda plan: _launch(plan, args),
+        )
+
+    _launch(QUANTIZE.plan(key, request), args)
     return q, scale
+
+
+def _launch(plan, args):
+    M, K, cols_per_scale = args[3], args[4], args[5]
+    QUANTIZE.launch(plan, (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale)), args)
 
 
 # ---- torch: the CPU path (the interpreter's fp32 -> fp8 cast is wrong) and "tensor" ----
@@ -210,20 +195,7 @@ def _check_args(x, block, dtype):
     return block
 
 
-def quantize_fp8_unchecked(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False):
-    """quantize_fp8 without the non-finite check (no host sync): Fp8Linear's hot path."""
-    block = _check_args(x, block, dtype)
-    M, K = x.shape
-    if x.numel() == 0:
-        return torch.empty((M, K), dtype=dtype, device=x.device), torch.ones(_scale_shape(block, M, K), device=x.device)
-    if INTERPRET or block == "tensor":
-        # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
-        # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it.
-        return _quantize_torch(x, block, dtype, pow2_scale)
-    return _quantize_triton(x, block, dtype, pow2_scale)
-
-
-def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False):
+def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False, check_finite=False):
     """Quantise x [M, K] to fp8 with fp32 scales: x ~= q.float() * scale per block.
 
     block: (1, 128) -> scale [M, ceil(K/128)] (stored outer-dim-major on the GPU, the layout
@@ -231,10 +203,24 @@ def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=F
         "row" -> [M, 1]; "tensor" -> 0-dim.
     dtype: torch.float8_e4m3fn (max 448) or torch.float8_e5m2 (max 57344); values saturate there.
     pow2_scale: round each scale up to a power of two (exact rescaling), quantising with it.
-    An all-zero block gets scale 1.0 and zeros. Non-finite input raises ValueError.
+    An all-zero block gets scale 1.0 and zeros. A block holding NaN or inf gets an inf scale,
+    so it dequantises to NaN (never to finite values); nothing is read back to the host, so
+    the call can be captured in a CUDA graph. check_finite=True reads the scales back (a
+    device sync) and raises ValueError for non-finite input instead.
     On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
     """
-    q, scale = quantize_fp8_unchecked(x, block, dtype=dtype, pow2_scale=pow2_scale)
-    if not bool(torch.isfinite(scale).all()):
+    block = _check_args(x, block, dtype)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+    M, K = x.shape
+    if x.numel() == 0:
+        return torch.empty((M, K), dtype=dtype, device=x.device), torch.ones(_scale_shape(block, M, K), device=x.device)
+    if INTERPRET or block == "tensor":
+        # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
+        # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it.
+        q, scale = _quantize_torch(x, block, dtype, pow2_scale)
+    else:
+        q, scale = _quantize_triton(x, block, dtype, pow2_scale)
+    if check_finite and not bool(torch.isfinite(scale).all()):
         raise ValueError("x must be finite: it holds NaN or inf (its block's scale would be inf)")
     return q, scale

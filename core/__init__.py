@@ -1,6 +1,8 @@
-"""The one GEMM: tile helpers (tiles.py), launch rules (runtime.py), checks, and matmul."""
+"""The one GEMM: tile helpers (tiles.py), the launcher (launch.py), the tuning policy
+(configs.py), input checks, and matmul."""
 
+from .launch import autotune
 from .matmul import linear, matmul
 from .runtime import INTERPRET
 
-__all__ = ["INTERPRET", "matmul", "linear"]
+__all__ = ["INTERPRET", "matmul", "linear", "autotune"]

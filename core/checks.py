@@ -23,14 +23,17 @@ def _dtype_names(dtypes) -> str:
 
 
 def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
-    """TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank or device."""
+    """TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank or device.
+
+    Every public call runs these checks, so they are written for speed: a passing check is a
+    few attribute reads; the messages are built only when one fails.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ndim is not None:
+    if ndim is not None and (t.dim() != ndim if ndim.__class__ is int else t.dim() not in ndim):
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed:
-            want = " or ".join(f"{d}-D" for d in allowed)
-            raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+        want = " or ".join(f"{d}-D" for d in allowed)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {t.dtype}")
     check_device(name, t)
@@ -39,20 +42,23 @@ def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
 def check_device(name: str, t: torch.Tensor) -> None:
     # Under the interpreter kernels read host memory; on a GPU they read device memory.
     if INTERPRET:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(
                 f"{name} must be a CPU tensor under Triton's interpreter (TRITON_INTERPRET=1), "
                 f"got device {t.device}"
             )
-    elif t.device.type != "cuda":
+    elif not t.is_cuda:
         raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
 
 
 def check_same_device(**tensors) -> None:
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = items[0]
-    for n, t in items[1:]:
-        if t.device != first.device:
+    first_name = first = None
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first_name, first, index = n, t, t.get_device()
+        elif t.get_device() != index:
             raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}")
 
 
@@ -71,8 +77,13 @@ def resolve_out_dtype(out_dtype, in_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_operand_dtypes(a: torch.Tensor, b: torch.Tensor, a_name="a", b_name="b") -> None:
-    check_tensor(a_name, a, dtypes=GEMM_DTYPES)
-    check_tensor(b_name, b, dtypes=GEMM_DTYPES)
+    """a and b: GEMM dtypes, the same one or two fp8 formats (checked as tensors already)."""
+    if a.dtype not in GEMM_DTYPES:
+        check_tensor(a_name, a, dtypes=GEMM_DTYPES)
+    if b.dtype not in GEMM_DTYPES:
+        check_tensor(b_name, b, dtypes=GEMM_DTYPES)
+    if a.dtype == b.dtype and a.dtype != torch.float8_e5m2:
+        return
     both_fp8 = a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES
     if a.dtype != b.dtype and not both_fp8:
         raise TypeError(f"{a_name} and {b_name} must have the same dtype, got {a.dtype} and {b.dtype}")

@@ -16,12 +16,14 @@ row length that is not a multiple of 16 bytes) runs the pointer flavour instead.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 
-from .runtime import INTERPRET, with_meta
+from .configs import with_meta
+from .runtime import INTERPRET
 
 _ALIGN = 16  # bytes: TMA's requirement on the base address and on every non-unit stride
 
@@ -74,7 +76,12 @@ def tma_hardware(device: torch.device) -> bool:
     """
     if INTERPRET:
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+@functools.cache
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def choose_tma(tma: bool | None, a, b, c) -> TmaLayout | None:
@@ -130,11 +137,10 @@ def ensure_allocator() -> None:
         triton.set_allocator(_alloc)
 
 
-def flavour_meta(layout: TmaLayout | None) -> dict:
-    """The flavour constexprs every kernel built on core's helpers takes, for ``layout``
-    (None: pointer loads). Sets this thread's descriptor allocator when TMA is on."""
-    if layout is not None:
-        ensure_allocator()
+def layout_meta(layout: TmaLayout | None) -> dict:
+    """The layout constexprs of core's TMA flavour for ``layout`` (None: pointer loads, for
+    which they are unused); USE_TMA itself is a config's (core/configs.py), defaulting to
+    whether the operands allow TMA."""
     return dict(
         USE_TMA=layout is not None,
         A_K_CONTIG=layout is None or layout.a_k_contig,
@@ -142,56 +148,14 @@ def flavour_meta(layout: TmaLayout | None) -> dict:
     )
 
 
-# Tuning the flavour. Whether TMA pays depends on the shape: each program builds its
-# descriptors in-kernel (about 2.4 us on the H200 before its first load), which pointer loads
-# skip. A kernel that lets the tuner choose takes USE_TMA from its configs (``tuned_flavours``
-# doubles a config list) and a TMA_MODE argument in its autotune key saying which flavours
-# this call allows (``keep_flavours`` prunes to them); ``launch_flavoured`` launches it.
-POINTERS_ONLY, TMA_ONLY, EITHER = 0, 1, 2
-
-
-def tuned_flavours(configs: list[triton.Config]) -> list[triton.Config]:
-    """Each config twice: with pointer loads (USE_TMA False) and with TMA (True)."""
-    return [
-        with_meta(c, USE_TMA=t)
-        for c in configs
-        for t in (False, True)
-    ]
-
-
-def warp_specialized(cfg: triton.Config, **extra) -> triton.Config:
-    """``cfg`` with core's warp-specialised K loop on (tiles.mma_k_loop WARP_SPECIALIZE, which
-    only the TMA flavour honours); ``extra`` adds constexprs, e.g. USE_TMA=True for a kernel
-    whose tuner picks the flavour."""
-    return with_meta(cfg, WARP_SPECIALIZE=True, **extra)
-
-
-def keep_flavours(configs, args):
-    """The configs whose flavour the call's TMA_MODE allows (a pruner step)."""
-    mode = args["TMA_MODE"]
-    if mode == EITHER:
-        return configs
-    return [c for c in configs if c.kwargs["USE_TMA"] == (mode == TMA_ONLY)]
-
-
-def launch_flavoured(kernel, grid, config, tma, args, meta) -> None:
-    """Launch a ``Kernel`` whose configs carry USE_TMA (see above).
-
-    meta: the call's constexprs, with ``flavour_meta``'s USE_TMA saying whether the operands
-    allow TMA. tma=None lets the tuner choose among the flavours allowed; True / False pin
-    one. A forced ``config`` may name its flavour (one taken from ``best_config()`` does).
-    """
-    eligible = meta.pop("USE_TMA")
+def forced_flavour(config, layout: TmaLayout | None):
+    """A forced config's load flavour: the one it names (TMA only where the operands allow it),
+    else TMA exactly when ``layout`` (what ``choose_tma`` resolved) says so."""
     if config is None:
-        mode = EITHER if tma is None and eligible else (TMA_ONLY if eligible else POINTERS_ONLY)
-        if kernel.tuned is None:  # interpreter: one fixed config, the flavour choose_tma gave
-            meta["USE_TMA"] = eligible
-        kernel[grid](*args, TMA_MODE=mode, **meta)
-        return
-    if "USE_TMA" in config.kwargs:
-        if config.kwargs["USE_TMA"] and not eligible:
-            raise ValueError("config has USE_TMA=True but these operands cannot use TMA (see core/tma.py)")
-        eligible = config.kwargs["USE_TMA"]
-        config = triton.Config({k: v for k, v in config.kwargs.items() if k != "USE_TMA"},
-                               num_warps=config.num_warps, num_stages=config.num_stages)
-    kernel.run(grid, config, *args, TMA_MODE=int(eligible), USE_TMA=eligible, **meta)
+        return None
+    if "USE_TMA" not in config.kwargs:
+        return with_meta(config, USE_TMA=layout is not None)
+    if config.kwargs["USE_TMA"] and layout is None:
+        raise ValueError("config has USE_TMA=True but these operands cannot use TMA (see core/tma.py), "
+                         "or tma=False was passed")
+    return config

@@ -20,8 +20,6 @@ zero-fills and clips at group edges exactly where the pointer flavour masks.
 import triton
 import triton.language as tl
 
-from ..core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, _cfg, prune_configs
-from ..core.tma import keep_flavours, tuned_flavours
 from ..core.tiles import (
     activate,
     epilogue,
@@ -159,7 +157,6 @@ def ragged_kernel(
     stride_bg, stride_bk, stride_bn,
     stride_cg, stride_cm, stride_cn,
     stride_bias_g, stride_bias_n,
-    M_BUCKET, LAYOUT, TMA_MODE,
     RAGGED: tl.constexpr, SWIGLU: tl.constexpr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -180,11 +177,9 @@ def ragged_kernel(
         [total N] vector with stride_bias_g = 0), or None.
     a_rows_ptr, c_rows_ptr [M] int32, weight_ptr: the MoE gather / scatter / routing weight
         ("M" only; see group_tile).
-    M_BUCKET, LAYOUT, TMA_MODE: autotune key only (rows per group, next power of two; operand
-        layout; which load flavours the tuner may pick, core/tma.py).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, per group (see group_tile); USE_TMA
-        comes from the tuned config.
+        comes from the config.
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values:
       "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT); "N": cdiv(M, BLOCK_M) *
       (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
@@ -263,7 +258,7 @@ def ragged_kernel(
 @triton.jit
 def list_kernel(
     a_ptrs, b_ptrs, c_ptrs, sizes_ptr, strides_ptr, G,
-    a_like, b_like, c_like, TOTAL_BUCKET,
+    a_like, b_like, c_like,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     G_BLOCK: tl.constexpr,
@@ -275,7 +270,6 @@ def list_kernel(
         *_like tensors are the first group's, passed only for their dtypes).
     sizes_ptr [G, 3] int32: (M_g, N_g, K_g), row-major.
     strides_ptr [G, 6] int64: (stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn).
-    TOTAL_BUCKET: autotune key only (output elements over all groups, next power of two).
     Grid: (min(SM count, total tiles),). Program p walks tiles p, p + grid, ... over all
     groups' tiles laid out group after group (GROUP_M order inside a group); every tile is
     core's gemm_tile, masked on M, N and K, so no size needs to be a multiple of a block.
@@ -300,59 +294,3 @@ def list_kernel(
             tl.load(st + 4), tl.load(st + 5), 0,
             ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )
-
-
-# Core's Hopper configs plus thin-M tiles: MoE decode gives each expert a handful of rows, and a
-# 64-row tile would multiply mostly padding while the weights (the real cost) stream through.
-SMALL_M_CONFIGS = [
-    _cfg(16, 64, 64, 4, 5),
-    _cfg(16, 128, 64, 4, 4),
-    _cfg(16, 256, 64, 4, 3),
-    _cfg(32, 128, 64, 4, 4),
-    _cfg(16, 64, 128, 4, 5),
-    _cfg(16, 128, 128, 4, 4),
-    _cfg(32, 128, 128, 4, 4),
-    _cfg(16, 64, 32, 4, 4),
-    _cfg(32, 64, 32, 4, 4),
-]
-# 128x256 with a 4th stage (196 KB of shared memory with TMA, sm_90 compile): on the H200 it
-# beat 3 stages on most prefill shapes, by up to 1.2x (DeepSeek-V3 EP8 experts at 4K tokens).
-# Not in core's list: the persistent TMA kernel needs 262 KB for it, more than Hopper has.
-LARGE_M_CONFIGS = [_cfg(128, 256, 64, 8, 4)]
-# Both load flavours are tuned: measured on the H200 (prefill, 128x256 tiles), pointers beat
-# TMA on Qwen3-30B-A3B's short-K down projection (K=768: 0.84x vs 0.78x torch._grouped_mm at
-# 32K rows) and TMA wins on DeepSeek-V3's and Mixtral's longer K (0.92x vs 0.83x; 1.01 vs 0.95).
-GROUPED_CONFIGS = tuned_flavours(MATMUL_CONFIGS + LARGE_M_CONFIGS + SMALL_M_CONFIGS)
-
-
-# Rows per group -> the tile heights worth trying. A tile much taller than a group multiplies
-# padding; a much shorter one re-reads each weight tile once per row-block. Four bands keep
-# every autotune key to 3-5 configs (the benchmark tunes ~40 keys within its time budget).
-_BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128, 256))]
-
-
-def prune_grouped(configs, args):
-    """Core's pruning (BLOCK_K by dtype), the flavours allowed (TMA_MODE), then tile heights
-    by M_BUCKET = rows per group."""
-    kept = keep_flavours(prune_configs(configs, args), args)
-    m = args["M_BUCKET"]
-    heights = next(h for limit, h in _BLOCK_M_BANDS if m <= limit)
-    kept = [c for c in kept if c.kwargs["BLOCK_M"] in heights] or kept
-    if 64 < m < 256:
-        # Mid-size groups: 128x256 tiles leave too few tiles per expert to fill 132 SMs.
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or kept
-    if args["SWIGLU"]:
-        # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
-        kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128] or kept
-    return kept
-
-
-# A persistent list walk: no M bucket to prune by, so one small and one large family.
-LIST_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3),
-    _cfg(64, 128, 64, 4, 4),
-    _cfg(128, 128, 128, 8, 3),
-    _cfg(64, 128, 128, 4, 4),
-    _cfg(64, 64, 32, 4, 4),
-]
-

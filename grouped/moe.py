@@ -101,7 +101,7 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
         strides_a=(0, x.stride(0), x.stride(1)),
         strides_b=tuple(w1.stride()),
         strides_c=(0, h.stride(0), h.stride(1)),
-        a_rows=token, swiglu=True, m_bucket=P // E,
+        a_rows=token, swiglu=True, rows_per_group=P // E,
     )
     # GEMM2: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T), fp32 so the combine rounds once.
     y_pairs = empty((P, H), dtype=torch.float32, device=x.device)
@@ -112,49 +112,11 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
         strides_a=(0, h.stride(0), h.stride(1)),
         strides_b=tuple(w2.stride()),
         strides_c=(0, y_pairs.stride(0), y_pairs.stride(1)),
-        c_rows=pair, weight=weights, m_bucket=P // E,
+        c_rows=pair, weight=weights, rows_per_group=P // E,
     )
     # Combine: a plain sum over the k slots of each token, in slot order (no atomics), hence
     # the same bits on every run.
     return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
-
-
-def moe_ffn_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, use_grouped_mm: bool = False):
-    """The same expert FFN in plain torch, in x's dtype: the peer that benchmarks and
-    ``python -m onegemm`` compare against (in float64 it is the reference).
-
-    The usual eager recipe: sort the pairs by expert, copy the token rows into that order,
-    one GEMM per expert (a loop of torch.mm, which reads the group sizes on the host) or
-    torch._grouped_mm (``use_grouped_mm``; bf16 on a GPU is its fast path), SwiGLU, the down
-    GEMM, scale by the routing weight and index_add the rows back per token.
-    """
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, checks.FLOAT_DTYPES + (torch.float64,))
-    T, H = x.shape
-    E, two_i, _ = w_gate_up.shape
-    I = two_i // 2
-    pair, token, offs = sort_by_expert(topk_ids, E)
-    pair, token = pair.long(), token.long()
-    xs = x[token]
-    if use_grouped_mm:
-        gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs, out_dtype=x.dtype)
-    else:
-        gu = torch.empty(xs.shape[0], two_i, dtype=x.dtype, device=x.device)
-        ends = offs.tolist()
-        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
-            gu[s:t] = xs[s:t] @ w_gate_up[e].t()
-    h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
-    if use_grouped_mm:
-        down = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs, out_dtype=x.dtype)
-    else:
-        down = torch.empty(h.shape[0], H, dtype=x.dtype, device=x.device)
-        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
-            down[s:t] = h[s:t] @ w_down[e].t()
-    ids = topk_ids.reshape(-1)[pair]
-    valid = (ids >= 0) & (ids < E)  # rows past offs[-1] hold no product (grouped_mm leaves them)
-    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    w = topk_weights.reshape(-1)[pair].to(acc_dtype)
-    rows = torch.where(valid[:, None], down.to(acc_dtype) * w[:, None], 0)
-    return torch.zeros(T, H, dtype=acc_dtype, device=x.device).index_add_(0, token, rows).to(x.dtype)
 
 
 class MoEFFN(nn.Module):

@@ -5,46 +5,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..core import checks
-from ..core.runtime import Kernel, default_programs, empty, next_pow2_bucket
-from ..core.tma import choose_tma, flavour_meta, launch_flavoured
-from ..core.matmul import _cfg
-from .kernels import (
-    GROUPED_CONFIGS,
-    INTERPRET_CONFIG,
-    LIST_CONFIGS,
-    list_kernel,
-    prune_grouped,
-    ragged_kernel,
-)
+from ..core import checks, configs
+from ..core.launch import Launcher, Request
+from ..core.runtime import cdiv, default_programs, empty, next_pow2
+from ..core.tma import choose_tma, forced_flavour, layout_meta
+from .kernels import list_kernel, ragged_kernel
 
-# Under the interpreter every program pays a fixed Python cost (each nested @triton.jit call
-# re-patches builtins), and the upper-bound grid adds G + 1 rows of programs: wider tiles than
-# core's 32x32x32 halve the program count and the K steps (measured: MoE on the stored layer
-# 9.2 s -> 3.7 s). SwiGLU tiles are then 32 output columns wide.
-RAGGED_INTERPRET_CONFIG = _cfg(32, 64, 64, 1, 1, group_m=4)
+RAGGED = Launcher(ragged_kernel, configs.RAGGED)
+LIST = Launcher(list_kernel, configs.LIST)
 
-_ragged = Kernel(
-    ragged_kernel,
-    GROUPED_CONFIGS,
-    key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE", "RAGGED", "SWIGLU"],
-    interpret_config=RAGGED_INTERPRET_CONFIG,
-    prune=prune_grouped,
-)
-
-
-def _prune_list(configs, args):
-    want_bk = {1: 128, 2: 64, 4: 32}[args["a_like"].element_size()]
-    return [c for c in configs if c.kwargs["BLOCK_K"] == want_bk] or configs
-
-
-_list = Kernel(
-    list_kernel,
-    LIST_CONFIGS,
-    key=["G", "TOTAL_BUCKET"],
-    interpret_config=INTERPRET_CONFIG,
-    prune=_prune_list,
-)
 
 def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
     """Metadata checks always; value checks (monotone, within ``total``) only if ``validate``.
@@ -115,43 +84,52 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides):
 def launch_ragged(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
-    m_bucket=None, config=None, tma=None,
+    rows_per_group=None, config=None, tma=None,
 ):
     """Launch ragged_kernel (see its docstring for the meaning of every argument).
 
-    tma: None (the tuner chooses pointers or core's TMA flavour on Hopper where every group's
-    operands allow TMA; pointers otherwise), False (pointers), True (TMA or ValueError).
+    rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
+    every group's operands allow it and the config takes it; pointers otherwise), False
+    (pointers), True (TMA or ValueError).
     """
-    flavour = _tma_flavour(
+    layout = _tma_flavour(
         tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a[0], strides_b[0], strides_c[0])
     )
-    n_out_block = (lambda meta: meta["BLOCK_N"] // 2) if swiglu else (lambda meta: meta["BLOCK_N"])
-
-    def grid(meta):
-        bm, bn = meta["BLOCK_M"], n_out_block(meta)
-        if ragged == "M":
-            return ((triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn),)
-        if ragged == "N":
-            return (triton.cdiv(M, bm) * (triton.cdiv(N, bn) + G + 1),)
-        return (G * triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-
-    layout = int(strides_a[2] == 1) * 2 + int(strides_b[1] == 1)
+    m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
+    a_k, b_k = strides_a[2] == 1, strides_b[1] == 1
+    key = (a.dtype, b.dtype, c.dtype, bias is None or bias.dtype, activation, ragged, swiglu, a_rows is not None,
+           c_rows is not None, weight is not None, m, N, K, a_k, b_k, layout, tma, checks.dot_precision(a.dtype),
+           next_pow2(G + 1), a.get_device(), config)
     args = (
         a, b, c, bias, offs, a_rows, c_rows, weight,
         G, M, N, K, *strides_a, *strides_b, *strides_c, *_bias_strides(bias),
-        next_pow2_bucket(m_bucket if m_bucket is not None else M), layout,
     )
-    meta = dict(
-        RAGGED=ragged,
-        SWIGLU=swiglu,
-        ACTIVATION=activation,
-        UPCAST=checks.upcast_flag(a.dtype),
-        PRECISION=checks.dot_precision(a.dtype),
-        G_BLOCK=triton.next_power_of_2(G + 1),
-        **flavour_meta(flavour),
-    )
-    launch_flavoured(_ragged, grid, config, tma, args, meta)
+
+    def request():
+        return Request(
+            configs.RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, a_k, b_k,
+                              configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None),
+            dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
+                 PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1), **layout_meta(layout)),
+            a.device, forced_flavour(config, layout), lambda plan: _launch_ragged(plan, args, ragged, G, M, N, swiglu),
+        )
+
+    _launch_ragged(RAGGED.plan(key, request), args, ragged, G, M, N, swiglu)
     return c
+
+
+def _launch_ragged(plan, args, ragged, G, M, N, swiglu):
+    """ragged_kernel's grid: an upper bound on the tiles that needs no offs values."""
+    bm, bn = plan.meta["BLOCK_M"], plan.meta["BLOCK_N"]
+    if swiglu:
+        bn //= 2
+    if ragged == "M":
+        grid = ((cdiv(M, bm) + G + 1) * cdiv(N, bn),)
+    elif ragged == "N":
+        grid = (cdiv(M, bm) * (cdiv(N, bn) + G + 1),)
+    else:
+        grid = (G * cdiv(M, bm) * cdiv(N, bn),)
+    RAGGED.launch(plan, grid, args)
 
 
 def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=None, check_offs=None, config=None, tma=None):
@@ -199,7 +177,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         validate_offs(offs, G, M, "a's rows (2D x 3D)", validate)
         checks.check_bias(bias, (G, N), "each group's output")
         c = empty((M, N), dtype=out_dtype, device=a.device)
-        ragged, m_bucket = "M", M // max(G, 1)
+        ragged, rows_per_group = "M", M // max(G, 1)
         sa = (0, a.stride(0), a.stride(1))
         sb = (b.stride(0), b.stride(1), b.stride(2))
         sc = (0, c.stride(0), c.stride(1))
@@ -212,7 +190,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         N = b.shape[2]
         checks.check_bias(bias, (G, N), "each group's output")
         c = empty((G, M, N), dtype=out_dtype, device=a.device)
-        ragged, m_bucket = "", M
+        ragged, rows_per_group = "", M
         sa = tuple(a.stride())
         sb = tuple(b.stride())
         sc = tuple(c.stride())
@@ -225,7 +203,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         validate_offs(offs, G, K, "the reduction dimension K (2D x 2D)", validate)
         checks.check_bias(bias, (G, N), "each group's output")
         c = empty((G, M, N), dtype=out_dtype, device=a.device)
-        ragged, m_bucket = "K", M
+        ragged, rows_per_group = "K", M
         sa = (0, a.stride(0), a.stride(1))
         sb = (0, b.stride(0), b.stride(1))
         sc = tuple(c.stride())
@@ -237,7 +215,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         validate_offs(offs, G, N, "b's columns (3D x 2D)", validate)
         checks.check_bias(bias, (N,), "the output (one value per column of [M, sum_N])")
         c = empty((M, N), dtype=out_dtype, device=a.device)
-        ragged, m_bucket = "N", M
+        ragged, rows_per_group = "N", M
         sa = tuple(a.stride())
         sb = (0, b.stride(0), b.stride(1))
         sc = (0, c.stride(0), c.stride(1))
@@ -246,7 +224,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         return c.zero_()
     return launch_ragged(
         a, b, c, offs, ragged=ragged, G=G, M=M, N=N, K=K, strides_a=sa, strides_b=sb, strides_c=sc,
-        bias=bias, activation=activation, m_bucket=m_bucket, config=config, tma=tma,
+        bias=bias, activation=activation, rows_per_group=rows_per_group, config=config, tma=tma,
     )
 
 
@@ -283,22 +261,26 @@ def _grouped_list(As, Bs, *, activation=None, out_dtype=None, config=None):
     sizes = sizes.to(device, non_blocking=True)
     strides = strides.to(device, non_blocking=True)
     shapes = [(x.shape[0], w.shape[1]) for x, w in zip(As, Bs)]
-    programs = default_programs(device)
-
-    def grid(meta):
-        tiles = sum(triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]) for m, n in shapes)
-        return (max(1, min(programs, tiles)),)
-
     total = sum(m * n for m, n in shapes)
+    dtype = As[0].dtype
+    key = (dtype, Bs[0].dtype, out_dtype, activation, G, configs.m_bucket(total, cap=1 << 26),
+           checks.dot_precision(dtype), device.index, config)
     args = (ptrs[0], ptrs[1], ptrs[2], sizes, strides, G, As[0], Bs[0], Cs[0])
-    meta = dict(
-        ACTIVATION=activation,
-        UPCAST=checks.upcast_flag(As[0].dtype),
-        PRECISION=checks.dot_precision(As[0].dtype),
-        G_BLOCK=triton.next_power_of_2(G),
-    )
-    if config is None:
-        _list[grid](*args, TOTAL_BUCKET=next_pow2_bucket(total, cap=1 << 26), **meta)
-    else:
-        _list.run(grid, config, *args, TOTAL_BUCKET=0, **meta)
+
+    def request():
+        return Request(
+            configs.ListKey(configs.dtype_name(dtype), G, configs.m_bucket(total, cap=1 << 26)),
+            dict(ACTIVATION=activation, UPCAST=checks.upcast_flag(dtype), PRECISION=checks.dot_precision(dtype),
+                 G_BLOCK=next_pow2(G)),
+            device, config, lambda plan: _launch_list(plan, args, shapes, device),
+        )
+
+    _launch_list(LIST.plan(key, request), args, shapes, device)
     return Cs
+
+
+def _launch_list(plan, args, shapes, device):
+    """list_kernel's grid: min(SM count, every pair's tiles), one persistent walk."""
+    bm, bn = plan.meta["BLOCK_M"], plan.meta["BLOCK_N"]
+    tiles = sum(cdiv(m, bm) * cdiv(n, bn) for m, n in shapes)
+    LIST.launch(plan, (max(1, min(default_programs(plan.device_index), tiles)),), args)

@@ -6,12 +6,13 @@ import triton
 import triton.language as tl
 
 import onegemm
+from onegemm.core import configs, splitk
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core import splitk
-from onegemm.core.matmul import INTERPRET_CONFIG, MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, _cfg, prune_configs
-from onegemm.core.runtime import with_meta
+from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, with_meta
+from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
+from onegemm.core.configs import cfg as _cfg
 from onegemm.core.tiles import grouped_tile
-from reference import TF32_TOL, TOL, assert_close, matmul_ref
+from onegemm.testing import TF32_TOL, TOL, assert_close, matmul_ref
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -268,57 +269,57 @@ def test_split_k(M, N, K, split, dtype, layout_a, layout_b, tma, activation, dev
     assert_close(out, matmul_ref(a, b, bias, activation), tol_for(dtype))
 
 
-def test_split_k_buffers_are_reusable_and_deterministic(monkeypatch, device):
-    """The last split puts its tile's counter back to 0, so one set of buffers serves launch
-    after launch (as autotuning and CUDA-graph replays reuse them); the partials are added in
-    split order, so every launch gives the same bits. A counter left at 1 would leave the
-    second launch's tiles unwritten (NaN)."""
-    made = []
-
-    def keep_first(*args):
-        if not made:
-            made.append(splitk_buffers(*args))
-        return made[0]
-
-    splitk_buffers = splitk.buffers
-    monkeypatch.setattr(splitk, "buffers", keep_first)
+def test_split_k_buffers_are_reusable_and_deterministic(device):
+    """The last split puts its tile's counter back to 0, so the cached buffers serve launch
+    after launch (and CUDA-graph replays) as they are; the partials are added in split order,
+    so every launch gives the same bits. A counter left at 1 would leave the second launch's
+    tiles unwritten (NaN)."""
+    splitk.clear()
     a = make((37, 300), torch.float32, device)
     b = make((300, 70), torch.float32, device)
     first = onegemm.matmul(a, b, activation="relu", config=split_cfg(3))
+    held = dict(splitk._buffers)
     second = onegemm.matmul(a, b, activation="relu", config=split_cfg(3))
     assert_close(first, matmul_ref(a, b, None, "relu"), TOL[torch.float32])
     assert torch.equal(first, second)
-    assert int(made[0][1].abs().sum()) == 0  # every counter back at zero
+    assert len(held) == 1 and all(splitk._buffers[k][0] is held[k][0] for k in held)  # reused, not re-allocated
+    (ws, counters), = splitk._buffers.values()
+    assert int(counters.abs().sum()) == 0  # every counter back at zero
 
 
-def test_split_k_tuned_only_for_small_m(device):
-    """The tuner tries split configs while SPLIT_K x the M bucket <= 512 (the workspace's
-    rows), and a launch sizes the workspace for the largest split it may run."""
-    def splits(m_bucket):
-        a = torch.empty(1, 1, dtype=torch.bfloat16)
-        kept = prune_configs(MATMUL_CONFIGS + SPLIT_K_CONFIGS, {"a_ptr": a, "M_BUCKET": m_bucket})
-        return sorted({splitk.split_of(c) for c in kept})
+def test_split_k_buffers_grow_and_stay_zeroed(device):
+    """A launch that needs more workspace or counters than the cached buffers gets larger
+    ones (zeroed counters); a smaller one reuses what is there."""
+    splitk.clear()
+    dev = torch.device(device)
+    ws, counters = splitk.buffers(dev, 100, 3)
+    assert ws.numel() >= 100 and counters.numel() >= 3 and int(counters.abs().sum()) == 0
+    again = splitk.buffers(dev, 50, 2)
+    assert again[0] is ws and again[1] is counters
+    bigger = splitk.buffers(dev, 1000, 40)
+    assert bigger[0].numel() >= 1000 and bigger[1].numel() >= 40 and int(bigger[1].abs().sum()) == 0
+    assert bigger[0].dtype == torch.float32 and bigger[1].dtype == torch.int32
+
+
+def test_split_k_tuned_only_for_small_m():
+    """Autotuning tries split configs while SPLIT_K x the M bucket <= 512 (the workspace's
+    rows), and the heuristic splits only when the tiles leave SMs idle and K is long."""
+    def splits(m):
+        key = configs.MatmulKey("bf16", m, 4096, 4096, True, True, configs.EITHER, configs.ANY_SCHEDULE, 0)
+        return sorted({configs.split_of(c) for c in configs.matmul_candidates(key, 132)})
 
     assert splits(16) == [1, 2, 4, 8]
     assert splits(128) == [1, 2, 4]
     assert splits(1024) == [1]
-    ws, locks = splitk.buffers([split_cfg(2), split_cfg(4), INTERPRET_CONFIG], 10, 7, device)
-    block = split_cfg(2).kwargs
-    assert ws.shape == (4 * 10, 7) and ws.dtype == torch.float32
-    assert locks.shape == (triton.cdiv(10, block["BLOCK_M"]) * triton.cdiv(7, block["BLOCK_N"]),)
-    assert splitk.buffers([INTERPRET_CONFIG], 10, 7, device) == (None, None)
-    # An autotuned launch sizes them for every split config allowed in its M bucket (the scan
-    # is cached per kernel and bucket); none is allowed for a large bucket.
-    class Tuned:  # a runtime.Kernel as launch_buffers sees it on a GPU
-        tuned, configs, interpret_config = True, MATMUL_CONFIGS + SPLIT_K_CONFIGS, None
 
-    tuned = Tuned()
-    for M, N, bucket in [(10, 300, 16), (100, 300, 128)]:
-        ws, locks = splitk.launch_buffers(tuned, None, M, N, bucket, device)
-        allowed = [c for c in tuned.configs if splitk.split_of(c) > 1 and splitk.allowed(c, bucket)]
-        assert ws.shape == (max(map(splitk.split_of, allowed)) * M, N)
-        assert locks.shape == (max(triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]) for c in allowed),)
-    assert splitk.launch_buffers(tuned, None, 4000, 300, 4096, device) == (None, None)
+    def pick(m, n, k):
+        key = configs.MatmulKey("bf16", m, n, k, True, True, configs.EITHER, configs.ANY_SCHEDULE, 0)
+        return configs.matmul_heuristic(key, 132)
+
+    assert configs.split_of(pick(16, 4096, 4096)) == 4  # 64 tiles of 64x64
+    assert configs.split_of(pick(16, 14336, 4096)) == 1  # 224 tiles: the SMs are busy
+    assert configs.split_of(pick(16, 4096, 256)) == 1  # 4 K blocks: too short to split
+    assert configs.split_of(pick(4096, 4096, 4096)) == 1
 
 
 def _bad_cases(device):
@@ -415,40 +416,6 @@ def test_gpu_fp32_tf32_follows_torch(device):
         assert_close(onegemm.matmul(a, b), matmul_ref(a, b), TF32_TOL)
     finally:
         torch.set_float32_matmul_precision(old)
-
-
-@pytest.mark.gpu
-def test_gpu_tuner_times_graph_replays(monkeypatch, device):
-    """Without ONEGEMM_TUNE_MS, a Kernel's tuner times every candidate with runtime.graph_bench
-    (CUDA-graph replays: GPU time, not the launch's host time), and the config it keeps gives
-    the right product. The suite itself tunes with ONEGEMM_TUNE_MS, so this builds its own."""
-    from onegemm.core import runtime
-    from onegemm.core.matmul import PER_TILE, launch_args, matmul_kernel, prune_flavours
-    from onegemm.core.tma import launch_flavoured
-
-    graph_bench, timed = runtime.graph_bench, []
-
-    def counted(fn, *args, **kwargs):
-        timed.append(graph_bench(fn, *args, **kwargs))
-        return timed[-1]
-
-    monkeypatch.setattr(runtime, "TUNE_MS", None)
-    monkeypatch.setattr(runtime, "graph_bench", counted)
-    configs = [with_meta(c, USE_TMA=False)
-               for c in (_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3))]
-    kernel = runtime.Kernel(matmul_kernel, configs, key=["M_BUCKET", "N", "K", "LAYOUT", "TMA_MODE"],
-                            interpret_config=INTERPRET_CONFIG, prune=prune_flavours)
-    M, N, K = 97, 200, 320
-    a = make((M, K), torch.bfloat16, device)
-    b = make((N, K), torch.bfloat16, device).t()
-    c = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
-    args, meta = launch_args(a, b, c, None, None, False)
-    grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
-    launch_flavoured(kernel, grid, None, False, args,
-                     {**meta, "SCHEDULE": PER_TILE, "PROGRAMS_KEY": 0, "ws_ptr": None, "lock_ptr": None})
-    assert len(timed) == 2 and all(0 < t[0] < float("inf") for t in timed), timed
-    assert kernel.best_config() in configs
-    assert_close(c, matmul_ref(a, b), TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

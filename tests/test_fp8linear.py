@@ -10,7 +10,7 @@ from torch import nn
 
 import onegemm
 from onegemm.blockscaled.quantize import BLOCK
-from reference import assert_close, blockscaled_matmul_ref, calc_diff, quantize_fp8_ref, sqnr_db
+from onegemm.testing import assert_close, blockscaled_matmul_ref, calc_diff, quantize_fp8_ref, sqnr_db
 
 KERNEL_TOL = 1e-5 if onegemm.INTERPRET else 1e-3
 EXPERT_FILES = sorted((Path(__file__).resolve().parents[1] / "grouped" / "data").glob("*.safetensors"))

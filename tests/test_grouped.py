@@ -4,9 +4,11 @@ import pytest
 import torch
 
 import onegemm
-from onegemm.core.matmul import _cfg
-from onegemm.grouped.kernels import GROUPED_CONFIGS
-from reference import TOL, assert_close, grouped_mm_ref, matmul_ref
+from onegemm.core.configs import EITHER, RAGGED_CONFIGS, flavoured
+from onegemm.core.configs import cfg as _cfg
+
+GROUPED_CONFIGS = flavoured(RAGGED_CONFIGS, EITHER)  # every ragged config in both load flavours
+from onegemm.testing import TOL, assert_close, grouped_mm_ref, matmul_ref
 
 
 def offs_of(sizes, device):

@@ -6,8 +6,8 @@ from safetensors.torch import load_file, save_file
 
 import onegemm
 from onegemm.grouped import STORED_LAYER, sort_by_expert
-from onegemm.grouped.moe import moe_ffn_torch
-from reference import TOL, assert_close, moe_ref, route_ref
+from onegemm.testing import moe_ffn_torch
+from onegemm.testing import TOL, assert_close, moe_ref, route_ref
 
 
 def moe_inputs(T, H, I, E, k, dtype, device):

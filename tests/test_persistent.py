@@ -14,14 +14,15 @@ import torch
 import triton
 
 import onegemm
+from onegemm.core import configs
 from onegemm.core import tma as core_tma
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.matmul import (
-    ANY_SCHEDULE, INTERPRET_CONFIG, PER_TILE, PERSISTENT_CONFIGS, PERSISTENT_ONLY, _cfg, _matmul, prune_flavours,
-)
-from onegemm.core.tma import warp_specialized
-from onegemm.core.runtime import default_programs, next_pow2_bucket, with_meta
-from reference import TOL, assert_close, matmul_ref
+from onegemm.core.configs import ANY_SCHEDULE, PER_TILE, PERSISTENT_CONFIGS, PERSISTENT_ONLY, warp_specialized, with_meta
+from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
+from onegemm.core.configs import cfg as _cfg
+from onegemm.core.matmul import MATMUL
+from onegemm.core.runtime import default_programs
+from onegemm.testing import TOL, assert_close, matmul_ref
 from test_core import DTYPES, FP8, LAYOUTS, SHAPES, SPLIT_CASES, _bad_cases, make, split_cfg, tol_for
 
 # num_programs cases: None is the default (SM count on a GPU, INTERPRET_PROGRAMS here);
@@ -91,18 +92,30 @@ def test_persistent_empty_output(M, N, K, device):
 
 
 @pytest.fixture
-def launched_grids(monkeypatch):
-    """The grid of each matmul_kernel launch in the test, as the launcher computes it from the
-    config it runs and the call's constexprs."""
-    grids = []
-    run = _matmul.run
+def launched(monkeypatch):
+    """(grid, plan) of each matmul_kernel launch in the test."""
+    seen = []
+    launch = MATMUL.launch
 
-    def spy(grid, config, *args, **kwargs):
-        grids.append(grid({**kwargs, **config.kwargs}))
-        return run(grid, config, *args, **kwargs)
+    def spy(plan, grid, args):
+        seen.append((grid, plan))
+        return launch(plan, grid, args)
 
-    monkeypatch.setattr(_matmul, "run", spy)
-    return grids
+    monkeypatch.setattr(MATMUL, "launch", spy)
+    return seen
+
+
+@pytest.fixture
+def launched_grids(launched):
+    """The grid of each matmul_kernel launch in the test, as the op computes it from the plan."""
+    class Grids:
+        def __eq__(self, other):
+            return [g for g, _ in launched] == other
+
+        def __repr__(self):
+            return repr([g for g, _ in launched])
+
+    return Grids()
 
 
 @pytest.mark.parametrize("num_programs,want", [(1, 1), (3, 3), (12, 12), (13, 12), (10**6, 12)])
@@ -164,7 +177,7 @@ def test_programs_per_sm_sizes_the_default_grid(num_programs, per_sm, launched_g
     a = make((320, 64), torch.float32, device)
     b = make((64, 256), torch.float32, device)
     out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=cfg)
-    default = default_programs(a.device)
+    default = default_programs(a.device.index)
     tiles = triton.cdiv(320, cfg.kwargs["BLOCK_M"]) * triton.cdiv(256, cfg.kwargs["BLOCK_N"])
     assert launched_grids == [(min(tiles, 3 if num_programs else default * per_sm),)]
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
@@ -202,14 +215,14 @@ def test_matmul_schedule_knob(cfg_persistent, persistent, want_persistent, launc
     b = make((96, 384), torch.float32, device, "transposed")
     out = onegemm.matmul(a, b, config=cfg, persistent=persistent)
     tiles = 16 * 12
-    assert launched_grids == [(min(default_programs(a.device), tiles) if want_persistent else tiles,)]
+    assert launched_grids == [(min(default_programs(a.device.index), tiles) if want_persistent else tiles,)]
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("persistent", [None, False, True])
-def test_matmul_schedule_knob_autotuned(persistent, launched_grids, device):
-    """Without a config: on the H200 the tuner picks among the schedules allowed; the
-    interpreter runs its one config launch-per-tile unless persistent=True."""
+def test_matmul_schedule_knob_unforced(persistent, launched, launched_grids, device):
+    """Without a config: on the H200 the config chosen (table or heuristic) is on a schedule the
+    call allows; the interpreter runs its one config launch-per-tile unless persistent=True."""
     a = make((200, 64), torch.bfloat16, device)
     b = make((64, 72), torch.bfloat16, device)
     out = onegemm.matmul(a, b, persistent=persistent)
@@ -217,15 +230,16 @@ def test_matmul_schedule_knob_autotuned(persistent, launched_grids, device):
     if onegemm.INTERPRET:
         bm, bn = INTERPRET_CONFIG.kwargs["BLOCK_M"], INTERPRET_CONFIG.kwargs["BLOCK_N"]
         tiles = triton.cdiv(200, bm) * triton.cdiv(72, bn)
-        assert launched_grids == [(min(default_programs(a.device), tiles) if persistent else tiles,)]
+        assert launched_grids == [(min(default_programs(a.device.index), tiles) if persistent else tiles,)]
     elif persistent is not None:
-        assert _matmul.best_config().kwargs.get("PERSISTENT", False) == persistent
+        (_, plan), = launched
+        assert plan.meta["PERSISTENT"] == persistent
 
 
 def _pruned(dtype, M, schedule):
-    """What matmul's pruner keeps for a [M, 4096] @ [4096, 4096] call of ``dtype``, TMA allowed."""
-    args = dict(a_ptr=torch.empty(0, dtype=dtype), M_BUCKET=next_pow2_bucket(M), TMA_MODE=core_tma.EITHER, SCHEDULE=schedule)
-    return prune_flavours(_matmul.configs, args)
+    """What autotuning would time for a [M, 4096] @ [4096, 4096] call of ``dtype``, TMA allowed."""
+    key = configs.MatmulKey(configs.dtype_name(dtype), configs.m_bucket(M), 4096, 4096, True, True, configs.EITHER, schedule, 0)
+    return configs.matmul_candidates(key, 132)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)

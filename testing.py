@@ -1,11 +1,22 @@
-"""float64 torch references and the error measure every test and benchmark uses."""
+"""onegemm.testing: what the tests, the benchmarks and users checking onegemm share.
+
+* float64 torch references of every op and the error measures (``rel_err``, ``calc_diff``,
+  ``sqnr_db``) with the tolerances the tests hold onegemm to;
+* ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
+* timing on a GPU: ``gpu_ms`` (CUDA-graph replays), ``eager_ms`` (calls as a user makes them)
+  and ``host_us`` (the host's time per call).
+"""
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
-# Relative Frobenius error bounds against a float64 reference of the same inputs (DESIGN.md).
+from .core.runtime import graph_bench
+from .grouped.moe import sort_by_expert
+
+# Relative Frobenius error bounds against a float64 reference of the same inputs.
 # bf16: its 8-bit mantissa, rounded once at the output cast. fp8 inputs are exact in fp64,
 # so their bound is the output cast's (bf16 by default).
 TOL = {
@@ -172,7 +183,7 @@ def grouped_mm_ref(a, b, offs=None, bias=None, activation=None):
 
 
 def route_ref(logits, top_k, renormalize=True):
-    """DESIGN.md routing in float64: softmax, top-k, optional renormalisation."""
+    """Mixtral / Qwen3 routing in float64: softmax, top-k, optional renormalisation."""
     p = torch.softmax(logits.double(), dim=-1)
     w, ids = torch.topk(p, top_k, dim=-1)
     if renormalize:
@@ -181,7 +192,7 @@ def route_ref(logits, top_k, renormalize=True):
 
 
 def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):
-    """float64 y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j] (DESIGN.md).
+    """float64 y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j].
 
     Ids outside [0, E) contribute nothing (onegemm's expert-parallel convention).
     """
@@ -196,3 +207,103 @@ def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):
         h = F.silu(gu[:, :I]) * gu[:, I:]
         y.index_add_(0, t, topk_weights[t, j].double()[:, None] * (h @ w_down[e].t()))
     return y
+
+
+def moe_ffn_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, use_grouped_mm: bool = False):
+    """The expert FFN in plain torch, in x's dtype: the peer that benchmarks and
+    ``python -m onegemm`` compare against (in float64 it is a reference).
+
+    The usual eager recipe: sort the pairs by expert, copy the token rows into that order,
+    one GEMM per expert (a loop of torch.mm, which reads the group sizes on the host) or
+    torch._grouped_mm (``use_grouped_mm``; bf16 on a GPU is its fast path), SwiGLU, the down
+    GEMM, scale by the routing weight and index_add the rows back per token.
+    """
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    I = two_i // 2
+    pair, token, offs = sort_by_expert(topk_ids, E)
+    pair, token = pair.long(), token.long()
+    xs = x[token]
+    if use_grouped_mm:
+        gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs, out_dtype=x.dtype)
+    else:
+        gu = torch.empty(xs.shape[0], two_i, dtype=x.dtype, device=x.device)
+        ends = offs.tolist()
+        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
+            gu[s:t] = xs[s:t] @ w_gate_up[e].t()
+    h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+    if use_grouped_mm:
+        down = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs, out_dtype=x.dtype)
+    else:
+        down = torch.empty(h.shape[0], H, dtype=x.dtype, device=x.device)
+        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
+            down[s:t] = h[s:t] @ w_down[e].t()
+    ids = topk_ids.reshape(-1)[pair]
+    valid = (ids >= 0) & (ids < E)  # rows past offs[-1] hold no product (grouped_mm leaves them)
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = topk_weights.reshape(-1)[pair].to(acc_dtype)
+    rows = torch.where(valid[:, None], down.to(acc_dtype) * w[:, None], 0)
+    return torch.zeros(T, H, dtype=acc_dtype, device=x.device).index_add_(0, token, rows).to(x.dtype)
+
+
+# ---- timing (GPU) ----
+
+
+def gpu_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median GPU time of fn() in ms: one call captured in a CUDA graph, its replays timed
+    (L2 flushed between them). What the kernels cost, without the host's launch time."""
+    fn()
+    torch.cuda.synchronize()
+    return graph_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def eager_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of fn() called eagerly in ms (triton.testing.do_bench): what a user who
+    calls the op from Python sees; the host's launch time counts where it exceeds the GPU's."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def host_us(fn, calls: int = 2000, repeats: int = 5) -> float:
+    """Host time per call in us: ``calls`` back-to-back calls and one sync at the end, best of
+    ``repeats``. With tiny shapes the GPU keeps up, so this is the Python + launch cost."""
+    fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def launched(fn) -> list[dict]:
+    """Run fn() once and say which kernel configs it launched: one dict per launch with the
+    kernel ``family``, the ``config``'s label (e.g. '128x256x64 w8 s3 pers TMA'), the
+    triton.Config itself (``triton_config``) and where it came from (``source``: 'table',
+    'tuned', 'heuristic', 'forced' or 'interpreter')."""
+    from .core import configs, launch
+
+    seen = []
+    originals = {name: la.launch for name, la in launch._LAUNCHERS.items()}
+
+    def spy(name, original):
+        def run(plan, grid, args):
+            seen.append(dict(family=name, config=configs.label(plan.config), triton_config=plan.config,
+                             source=plan.source))
+            return original(plan, grid, args)
+        return run
+
+    try:
+        for name, la in launch._LAUNCHERS.items():
+            la.launch = spy(name, originals[name])
+        fn()
+    finally:
+        for name, la in launch._LAUNCHERS.items():
+            del la.launch  # back to the class's method
+    return seen

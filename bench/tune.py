@@ -1,0 +1,158 @@
+"""Tune the shipped config table for this GPU: core/tuned/<GPU name>.json.
+
+    python bench/tune.py                 # every family, then merge into core/tuned/<GPU>.json
+    python bench/tune.py matmul ragged   # some families only
+    python bench/tune.py --list          # print the shape matrix (no GPU needed)
+    python bench/tune.py --merge FILE    # merge another tuning cache (e.g. a benchmark's) into the table
+
+Each shape of the matrix is called once with onegemm.autotune() on and a tuning cache of its
+own (ONEGEMM_CACHE_DIR set to a fresh folder, the shipped table set aside): every candidate
+config of the call's key (core/configs.py) is compiled in parallel threads, timed in GPU time
+(CUDA-graph replays) and the fastest stored. The new entries are then merged into the shipped
+table, replacing those with the same key. A key is per M bucket (next power of two), so the
+matrix walks M over powers of two.
+
+For a new GPU: run this on it (and any benchmark with ONEGEMM_AUTOTUNE=1, then --merge its
+cache), commit the JSON it writes. Without a table, every call there runs the heuristic's
+config, and users can still tune their own shapes with onegemm.autotune().
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import onegemm  # first: it picks Triton's interpreter when there is no GPU
+import torch
+from onegemm.core import launch
+
+BF16, FP16 = torch.bfloat16, torch.float16
+M_BUCKETS = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+# (N, K) of the linears people run: the benchmarks' set, Qwen3-30B-A3B attention (qkv, o),
+# Mixtral attention (qkv), DeepSeek-V3 (q_a, o).
+LINEAR_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 2048), (2048, 4096), (6144, 4096), (1536, 7168),
+             (7168, 16384)]
+SQUARES = [512, 1024, 2048, 4096, 8192]
+FP8_NK = [(4096, 4096), (7168, 2048), (2112, 7168), (14336, 4096)]
+FP8_M = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+# name: (E, H, I, top_k)
+MOE_MODELS = {"Qwen3-30B-A3B": (128, 2048, 768, 8), "Mixtral-8x7B": (8, 4096, 14336, 2), "DeepSeek-V3-EP8": (32, 7168, 2048, 8)}
+MOE_TOKENS = [1, 16, 64, 512, 4096, 8192]
+GROUPED_ROWS = [64, 512, 4096, 32768]
+
+
+def matmul_cases():
+    for dtype in (BF16, FP16):
+        nks = LINEAR_NK if dtype == BF16 else LINEAR_NK[:3]
+        ms = M_BUCKETS if dtype == BF16 else [16, 128, 4096, 16384]
+        for n, k in nks:
+            for m in ms:
+                yield f"matmul {dtype} {m}x{n}x{k}", _matmul(m, n, k, dtype)
+        for s in SQUARES:
+            yield f"matmul {dtype} {s}^3", _matmul(s, s, s, dtype)
+
+
+def _matmul(m, n, k, dtype):
+    def run():
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype)
+        onegemm.matmul(a, w.t())
+    return run
+
+
+def blockscaled_cases():
+    shapes = [(m, n, k) for n, k in FP8_NK for m in FP8_M] + [(s, s, s) for s in SQUARES[1:]]
+    for m, n, k in shapes:
+        def run(m=m, n=n, k=k):
+            qa, sa = onegemm.quantize_fp8(torch.randn(m, k, device="cuda"))
+            qw, sw = onegemm.quantize_fp8(torch.randn(n, k, device="cuda"), (128, 128))
+            onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t())
+        yield f"blockscaled {m}x{n}x{k}", run
+
+
+def ragged_cases():
+    for name, (E, H, I, k) in MOE_MODELS.items():
+        for which, (N, K) in (("gate_up", (2 * I, H)), ("down", (H, I))):
+            for rows in GROUPED_ROWS:
+                def run(E=E, N=N, K=K, rows=rows):
+                    sizes = torch.full((E,), rows // E, dtype=torch.int64)
+                    sizes[: rows % E] += 1
+                    a = torch.randn(rows, K, device="cuda", dtype=BF16)
+                    b = torch.randn(E, N, K, device="cuda", dtype=BF16).transpose(1, 2)
+                    onegemm.grouped_matmul(a, b, sizes.cumsum(0).to(torch.int32).cuda())
+                yield f"grouped {name} {which} rows={rows}", run
+        for T in MOE_TOKENS:
+            def run(E=E, H=H, I=I, k=k, T=T):
+                x = torch.randn(T, H, device="cuda", dtype=BF16)
+                w_gu = torch.randn(E, 2 * I, H, device="cuda", dtype=BF16) * H**-0.5
+                w_dn = torch.randn(E, H, I, device="cuda", dtype=BF16) * I**-0.5
+                weights, ids = onegemm.route(torch.randn(T, E, device="cuda"), k)
+                onegemm.moe_ffn(x, w_gu, w_dn, weights, ids)
+            yield f"moe_ffn {name} T={T}", run
+
+
+FAMILIES = {"matmul": matmul_cases, "blockscaled": blockscaled_cases, "ragged": ragged_cases}
+
+
+def merge(cache_file: Path, table_file: Path) -> int:
+    """Merge a tuning cache's entries into the table file; returns how many were merged."""
+    new = json.loads(cache_file.read_text())
+    try:
+        table = json.loads(table_file.read_text())
+    except FileNotFoundError:
+        table = {"configs": {}}
+    table.update(gpu=new.get("gpu", table.get("gpu")), triton=new.get("triton", table.get("triton")),
+                 torch=torch.__version__, made_by="bench/tune.py", date=time.strftime("%Y-%m-%d"))
+    count = 0
+    for family, entries in new["configs"].items():
+        table["configs"].setdefault(family, {}).update(entries)
+        count += len(entries)
+    table_file.parent.mkdir(parents=True, exist_ok=True)
+    table_file.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return count
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("families", nargs="*", help=f"families to tune, of {list(FAMILIES)} (default: all)")
+    p.add_argument("--list", action="store_true", help="print the shape matrix and exit")
+    p.add_argument("--merge", type=Path, help="merge this tuning cache file into the table and exit")
+    args = p.parse_args()
+    families = args.families or list(FAMILIES)
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown families {sorted(unknown)}; choose from {list(FAMILIES)}")
+    if args.list:
+        for f in families:
+            for name, _ in FAMILIES[f]():
+                print(name)
+        return
+    if not torch.cuda.is_available() or onegemm.INTERPRET:
+        sys.exit("tuning needs a CUDA GPU (use --list to see the matrix)")
+    table_file = launch.TABLE_DIR / f"{launch.gpu_slug(torch.cuda.get_device_name())}.json"
+    if args.merge:
+        print(f"merged {merge(args.merge, table_file)} entries into {table_file}")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["ONEGEMM_CACHE_DIR"] = tmp
+        launch.TABLE_DIR = Path(tmp) / "none"  # tune every key, whatever the shipped table holds
+        launch.reload_tables()
+        start = time.perf_counter()
+        with onegemm.autotune():
+            for f in families:
+                for name, run in FAMILIES[f]():
+                    t = time.perf_counter()
+                    run()
+                    torch.cuda.synchronize()
+                    print(f"{time.perf_counter() - start:7.1f} s  {name}: {time.perf_counter() - t:.1f} s", flush=True)
+        (cache,) = Path(tmp).glob("*.json")
+        print(f"merged {merge(cache, table_file)} entries into {table_file}")
+
+
+if __name__ == "__main__":
+    main()

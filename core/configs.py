@@ -1,0 +1,556 @@
+"""What runs for a shape: every kernel family's configs, candidates, heuristic and table key.
+
+This module is onegemm's whole tuning policy. For each call the launcher (core/launch.py)
+asks, in order, for
+
+1. the config the caller forced (``config=``);
+2. a tuned config for the call's key: the table shipped for this GPU (core/tuned/<GPU>.json,
+   written by bench/tune.py) or the user's own tuning cache (``onegemm.autotune``);
+3. with autotuning switched on: the fastest of ``candidates(key)`` in GPU time, which is then
+   stored in the user's cache;
+4. otherwise ``heuristic(key)``: one config from the shape, at once, with no timing.
+
+Under Triton's interpreter every family runs its one small ``interpret`` config (timing means
+nothing there, and cost grows with programs x K steps).
+
+A key is a NamedTuple of what the choice depends on (dtype, M bucket, N, K, layout, the load
+flavours and schedules the call allows); its ``str`` form names it in the tables. A config is
+a ``triton.Config`` whose kwargs are the kernel's tile constexprs (BLOCK_M, BLOCK_N, BLOCK_K,
+GROUP_M) plus the options a family takes: USE_TMA (tensor-descriptor loads), PERSISTENT and
+PROGRAMS_PER_SM (the persistent schedule), SPLIT_K, WARP_SPECIALIZE. docs/tuning.md says how
+these choices were measured.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from .runtime import cdiv, next_pow2
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def cfg(bm, bn, bk, warps, stages, group_m=8, **extra) -> triton.Config:
+    """A tile config: BLOCK_M x BLOCK_N x BLOCK_K, warps, pipeline stages, GROUP_M, options."""
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, **extra},
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def with_meta(c: triton.Config, **kwargs) -> triton.Config:
+    """``c`` with ``kwargs`` added to (or replacing) its constexprs."""
+    return triton.Config({**c.kwargs, **kwargs}, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def warp_specialized(c, **extra):
+    """``c`` with core's warp-specialised K loop on (a TMA producer and two consumer
+    warpgroups; tiles.mma_k_loop honours it only with TMA loads)."""
+    return with_meta(c, WARP_SPECIALIZE=True, **extra)
+
+
+def config_id(c: triton.Config) -> tuple:
+    """A hashable identity of a config (triton.Config hashes by object)."""
+    return (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages, c.num_ctas, c.maxnreg)
+
+
+def to_json(c: triton.Config) -> dict:
+    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+def from_json(d: dict) -> triton.Config:
+    d = dict(d)
+    warps, stages = d.pop("num_warps"), d.pop("num_stages")
+    return triton.Config(d, num_warps=warps, num_stages=stages)
+
+
+def label(c: triton.Config) -> str:
+    """A config as tables print it, e.g. '128x256x64 w8 s3 pers TMA'."""
+    k = c.kwargs
+    text = f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{c.num_warps} s{c.num_stages}"
+    for flag, name in (("WARP_SPECIALIZE", "WS"), ("PERSISTENT", "pers")):
+        if k.get(flag):
+            text += f" {name}"
+    if k.get("SPLIT_K", 1) > 1:
+        text += f" splitK{k['SPLIT_K']}"
+    if k.get("PROGRAMS_PER_SM", 1) > 1:
+        text += f" {k['PROGRAMS_PER_SM']}/SM"
+    if "USE_TMA" in k:
+        text += " TMA" if k["USE_TMA"] else " ptr"
+    return text
+
+
+def m_bucket(n: int, cap: int = 32768) -> int:
+    """A token-count dimension's key: its next power of two (capped). Decode and MoE calls see
+    a new M on every step; tiles that suit M = 3000 suit 4096 too."""
+    return min(next_pow2(int(n)), cap)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The key's dtype: one name for both fp8 formats (their configs are the same)."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "fp8"
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+# One K step moves BLOCK_K * itemsize bytes per row: 128 bytes fill a TMA/wgmma swizzle row
+# for 16-bit and fp8 inputs; fp32 takes 32 to keep shared memory in budget.
+BLOCK_K = {"fp8": 128, "bf16": 64, "fp16": 64, "fp32": 32}
+
+
+def tiles(M: int, N: int, bm: int, bn: int) -> int:
+    return cdiv(M, bm) * cdiv(N, bn)
+
+
+# Load flavours a call allows (its key's ``tma``): tma=False or operands TMA cannot read ->
+# pointers; tma=True -> TMA; tma=None on operands that allow it -> either.
+POINTERS_ONLY, TMA_ONLY, EITHER = 0, 1, 2
+# Schedules a call allows (matmul's ``persistent``): one program per tile, persistent, either.
+PER_TILE, PERSISTENT_ONLY, ANY_SCHEDULE = 0, 1, 2
+
+
+def flavour_mode(tma, eligible: bool) -> int:
+    if not eligible:
+        return POINTERS_ONLY
+    return EITHER if tma is None else (TMA_ONLY if tma else POINTERS_ONLY)
+
+
+def schedule_mode(persistent) -> int:
+    if persistent not in (None, True, False):
+        raise TypeError(f"persistent must be None (automatic), True or False, got {persistent!r}")
+    return ANY_SCHEDULE if persistent is None else (PERSISTENT_ONLY if persistent else PER_TILE)
+
+
+def flavoured(configs, mode: int):
+    """Each config once per load flavour the mode allows (USE_TMA set). Configs that already
+    name a flavour (warp-specialised ones are TMA only) are kept when the mode allows it."""
+    out = []
+    for c in configs:
+        if "USE_TMA" in c.kwargs:
+            if mode == EITHER or c.kwargs["USE_TMA"] == (mode == TMA_ONLY):
+                out.append(c)
+            continue
+        for t in ((False, True) if mode == EITHER else (mode == TMA_ONLY,)):
+            out.append(with_meta(c, USE_TMA=t))
+    return out
+
+
+# ---------------------------------------------------------------------------- split-K
+
+SPLITS = (2, 4, 8)
+# Split-K's fp32 workspace is SPLIT_K x M x N; a tuning candidate may split while SPLIT_K x the
+# M bucket stays within 512 rows (29 MB at N = 14336). Larger M fills the SMs without it.
+WORKSPACE_ROWS = 512
+# A split sums at least this many K blocks: shorter loops spend their time on the partials.
+MIN_BLOCKS_PER_SPLIT = 8
+
+
+def with_splits(configs, splits=SPLITS):
+    return [with_meta(c, SPLIT_K=s) for c in configs for s in splits]
+
+
+def split_of(c: triton.Config) -> int:
+    return c.kwargs.get("SPLIT_K", 1)
+
+
+def split_allowed(c: triton.Config, m: int) -> bool:
+    return split_of(c) == 1 or split_of(c) * m <= WORKSPACE_ROWS
+
+
+def fill_split(units: int, K: int, bk: int, sms: int) -> int:
+    """The fewest splits (1, 2, 4, 8) that give the SMs a unit each, as far as K allows."""
+    split = 1
+    while units * split < sms and split < SPLITS[-1] and cdiv(K, bk) >= 2 * split * MIN_BLOCKS_PER_SPLIT:
+        split *= 2
+    return split
+
+
+# ---------------------------------------------------------------------------- matmul family
+# core's matmul_kernel: onegemm.matmul / linear / persistent_matmul.
+
+
+class MatmulKey(NamedTuple):
+    dtype: str      # dtype_name of a (and b)
+    m: int          # m_bucket(M)
+    n: int
+    k: int
+    a_k: bool       # a.stride(1) == 1 (K-contiguous rows)
+    b_k: bool       # b.stride(0) == 1 (b = W.t(): K-major)
+    tma: int        # flavour_mode
+    schedule: int   # schedule_mode
+    programs: int   # persistent_matmul's num_programs (0: the default grid)
+
+    def __str__(self):
+        return (f"{self.dtype} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} b_k={int(self.b_k)} "
+                f"tma={self.tma} sched={self.schedule} programs={self.programs}")
+
+
+# Hopper configs: 128x256 / 256x128 tiles with 8 warps (two consumer warpgroups) are what wgmma
+# needs near the bf16 peak; 128x128 and 64-row tiles cover small M and small N. BLOCK_K = 128
+# rows are for fp8, 32 for fp32 (see BLOCK_K).
+MATMUL_CONFIGS = [
+    cfg(128, 256, 64, 8, 3),
+    cfg(256, 128, 64, 8, 3),
+    cfg(128, 128, 64, 8, 4),
+    cfg(128, 128, 64, 4, 4),
+    cfg(64, 256, 64, 4, 4),
+    cfg(64, 128, 64, 4, 4),
+    cfg(64, 64, 64, 4, 5),
+    cfg(128, 256, 128, 8, 3),
+    cfg(256, 128, 128, 8, 3),
+    cfg(128, 128, 128, 8, 4),
+    cfg(64, 128, 128, 4, 4),
+    cfg(64, 64, 128, 4, 4),
+    cfg(128, 128, 32, 4, 4),
+    cfg(64, 64, 32, 4, 4),
+]
+
+# Warp-specialised (core's K loop as a TMA producer and two consumer warpgroups; TMA only).
+# 4 warps: Triton 3.6 splits a 4-warp program's tile between the consumers.
+WS_CONFIGS = [
+    warp_specialized(cfg(128, 256, 64, 4, 3), USE_TMA=True),
+    warp_specialized(cfg(256, 128, 64, 4, 3), USE_TMA=True),
+]
+
+# Split-K for small M: the 64-row tiles with 2, 4 and 8 splits.
+SPLIT_K_CONFIGS = with_splits([
+    cfg(64, 64, 64, 4, 5),
+    cfg(64, 128, 64, 4, 4),
+    cfg(64, 64, 128, 4, 4),
+    cfg(64, 128, 128, 4, 4),
+    cfg(64, 64, 32, 4, 4),
+])
+
+
+def persistent(configs, **extra):
+    return [with_meta(c, PERSISTENT=True, **extra) for c in configs]
+
+
+def two_per_sm(configs):
+    """The 64 x (64 or 128) tiles with two programs per SM: their pipelines (64-98 KB of shared
+    memory) fit twice in an SM, and two resident programs hide each other's load latency."""
+    small = [c for c in configs if c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] <= 128]
+    return persistent(small, PROGRAMS_PER_SM=2)
+
+
+PERSISTENT_CONFIGS = persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
+
+
+def big_persistent(c: triton.Config) -> bool:
+    """The persistent 128x256 / 256x128 tiles, one program per SM, unsplit: the only persistent
+    configs matmul's automatic schedule tries (the smaller ones tie with launch-per-tile)."""
+    k = c.kwargs
+    return (k.get("PERSISTENT", False) and k["BLOCK_M"] * k["BLOCK_N"] == 128 * 256
+            and split_of(c) == 1 and k.get("PROGRAMS_PER_SM", 1) == 1)
+
+
+MATMUL_INTERPRET = cfg(32, 32, 32, 1, 1, group_m=4)
+
+
+def matmul_candidates(key: MatmulKey, sms: int) -> list[triton.Config]:
+    """What autotuning times for ``key``: the tiles for its dtype and M, the flavours and
+    schedules the call allows; the heuristic's pick is always among them."""
+    bk = BLOCK_K[key.dtype]
+    pool = MATMUL_CONFIGS + SPLIT_K_CONFIGS + PERSISTENT_CONFIGS
+    kept = [c for c in pool if c.kwargs["BLOCK_K"] == bk and split_allowed(c, key.m)]
+    if key.m <= 64:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
+    if key.schedule == ANY_SCHEDULE:
+        kept = [c for c in kept if not c.kwargs.get("PERSISTENT") or big_persistent(c)]
+    else:
+        kept = [c for c in kept if c.kwargs.get("PERSISTENT", False) == (key.schedule == PERSISTENT_ONLY)]
+    kept = flavoured(kept, key.tma)
+    if key.schedule != PERSISTENT_ONLY and bk == 64:
+        kept += flavoured(WS_CONFIGS, key.tma)
+    return _with_pick(kept, matmul_heuristic(key, sms))
+
+
+def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
+    """One config from the shape (no timing). Large outputs: 128x256 tiles, persistent with TMA
+    loads where allowed; a few hundred tiles: launch-per-tile, warp-specialised on TMA;
+    small M: 64-row tiles, as wide as still fills the SMs, then split-K until it does."""
+    bk = BLOCK_K[key.dtype]
+    M, N, K = key.m, key.n, key.k
+    tma = key.tma != POINTERS_ONLY
+    big = tiles(M, N, 128, 256)
+    if key.dtype != "fp32" and M >= 1024 and big >= sms // 2:
+        if key.schedule != PER_TILE and (big >= sms or key.schedule == PERSISTENT_ONLY):
+            return with_meta(cfg(128, 256, bk, 8, 3), PERSISTENT=True, USE_TMA=tma)
+        if tma and bk == 64:
+            wide = (128, 256) if N >= M else (256, 128)
+            return warp_specialized(cfg(*wide, bk, 4, 3), USE_TMA=True)
+        base = cfg(128, 256, bk, 8, 3)
+    elif key.dtype == "fp32":
+        base = cfg(128, 128, 32, 4, 4) if tiles(M, N, 128, 128) >= sms else cfg(64, 64, 32, 4, 4)
+    elif M > 64 and tiles(M, N, 128, 128) >= sms:
+        base = cfg(128, 128, bk, 8, 4)
+    elif tiles(M, N, 64, 128) >= sms:
+        base = cfg(64, 128, bk, 4, 4)
+    else:
+        base = cfg(64, 64, bk, 4, 5 if bk == 64 else 4)
+    kw = {"USE_TMA": key.tma == TMA_ONLY}
+    bm, bn = base.kwargs["BLOCK_M"], base.kwargs["BLOCK_N"]
+    split = fill_split(tiles(M, N, bm, bn), K, bk, sms) if bm == 64 else 1
+    if split > 1:
+        kw["SPLIT_K"] = split
+    if key.schedule == PERSISTENT_ONLY:
+        kw["PERSISTENT"] = True
+        if bm == 64 and bn <= 128 and not key.programs:
+            kw["PROGRAMS_PER_SM"] = 2
+    return with_meta(base, **kw)
+
+
+# ---------------------------------------------------------------------------- block-scaled FP8
+# The same kernel family with per-K-block scales (blockscaled/): BLOCK_K = 128, the scale block.
+
+
+class BlockscaledKey(NamedTuple):
+    m: int
+    n: int
+    k: int
+    a_k: bool
+    b_k: bool
+    tma: int
+    scaling: str    # "<kind of scale_a>,<kind of scale_b>", e.g. "1x128,128x128"
+
+    def __str__(self):
+        return f"m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} b_k={int(self.b_k)} tma={self.tma} {self.scaling}"
+
+
+SCALE_BLOCK = 128
+
+
+def blockscaled_cfg(bm, bn, warps, stages, group_m=8, **extra):
+    return cfg(bm, bn, SCALE_BLOCK, warps, stages, group_m, **extra)
+
+
+# Triton 3.6 waits for each K block's wgmma before promoting it (acc += part * scale), so what
+# hides the promotion is other warpgroups on the SM: two per program (8 warps, or warp
+# specialisation's two consumers) or several programs per SM (64x128 w4 s3). Warp-specialised
+# configs need TMA loads of K-major a and b; 5 stages with warp specialisation gave NaN.
+BLOCKSCALED_LARGE_M = [
+    blockscaled_cfg(128, 128, 8, 3),
+    blockscaled_cfg(128, 128, 8, 4),
+    blockscaled_cfg(128, 128, 4, 3),
+    blockscaled_cfg(256, 128, 8, 3),
+    blockscaled_cfg(64, 128, 4, 3),
+    blockscaled_cfg(64, 128, 4, 4),
+    warp_specialized(blockscaled_cfg(128, 128, 4, 4)),
+    blockscaled_cfg(128, 128, 8, 4, PERSISTENT=True),
+    warp_specialized(blockscaled_cfg(128, 128, 4, 4), PERSISTENT=True),
+]
+# M <= 64 is bound by reading B: 64-row tiles, narrow ones for more programs.
+BLOCKSCALED_SMALL_M = [
+    blockscaled_cfg(64, 128, 4, 3),
+    blockscaled_cfg(64, 128, 4, 4),
+    blockscaled_cfg(64, 256, 4, 3),
+    blockscaled_cfg(64, 64, 4, 4),
+    blockscaled_cfg(64, 32, 4, 5),
+]
+BLOCKSCALED_SPLIT_K = with_splits([blockscaled_cfg(64, 128, 4, 4), blockscaled_cfg(64, 64, 4, 4), blockscaled_cfg(64, 32, 4, 5)])
+BLOCKSCALED_CONFIGS = (BLOCKSCALED_LARGE_M + [c for c in BLOCKSCALED_SMALL_M if c not in BLOCKSCALED_LARGE_M]
+                       + BLOCKSCALED_SPLIT_K)
+BLOCKSCALED_INTERPRET = blockscaled_cfg(32, 32, 1, 1, group_m=4)
+
+
+def _ws_ok(key) -> bool:
+    return key.tma != POINTERS_ONLY and key.a_k and key.b_k
+
+
+def blockscaled_candidates(key: BlockscaledKey, sms: int) -> list[triton.Config]:
+    family = (BLOCKSCALED_SMALL_M if key.m <= 64 else BLOCKSCALED_LARGE_M) + BLOCKSCALED_SPLIT_K
+    kept = [c for c in family if split_allowed(c, key.m) and (_ws_ok(key) or not c.kwargs.get("WARP_SPECIALIZE"))]
+    kept = [with_meta(c, USE_TMA=True) if c.kwargs.get("WARP_SPECIALIZE") else c for c in kept]
+    return _with_pick(flavoured(kept, key.tma), blockscaled_heuristic(key, sms))
+
+
+def blockscaled_heuristic(key: BlockscaledKey, sms: int) -> triton.Config:
+    """M >= 2048 with enough 128x128 tiles: the persistent 128x128 tile, warp-specialised where
+    the operands allow it; otherwise 64-row tiles, split-K until the SMs are busy."""
+    M, N, K = key.m, key.n, key.k
+    tma = key.tma == TMA_ONLY or (key.tma == EITHER and M >= 1024)
+    if M >= 2048 and tiles(M, N, 128, 128) >= sms:
+        if _ws_ok(key):
+            return warp_specialized(blockscaled_cfg(128, 128, 4, 4), PERSISTENT=True, USE_TMA=True)
+        return blockscaled_cfg(128, 128, 8, 4, PERSISTENT=True, USE_TMA=tma)
+    bn = 128 if tiles(M, N, 64, 128) >= sms else 64
+    split = fill_split(tiles(M, N, 64, bn), K, SCALE_BLOCK, sms)
+    extra = {"SPLIT_K": split} if split > 1 else {}
+    return blockscaled_cfg(64, bn, 4, 4, USE_TMA=key.tma == TMA_ONLY, **extra)
+
+
+# ---------------------------------------------------------------------------- grouped (ragged)
+# grouped/'s ragged_kernel: grouped_matmul's four offs modes and the two MoE GEMMs.
+
+
+class RaggedKey(NamedTuple):
+    dtype: str
+    ragged: str     # "M", "N", "K" or "" (batched)
+    m: int          # m_bucket of the rows per group (M / G for offs over rows)
+    n: int
+    k: int
+    a_k: bool
+    b_k: bool
+    tma: int
+    swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
+    gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
+
+    def __str__(self):
+        return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
+                f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}")
+
+
+# Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
+# 64-row tile would multiply mostly padding while the weights (the real cost) stream through.
+RAGGED_SMALL_M = [
+    cfg(16, 64, 64, 4, 5),
+    cfg(16, 128, 64, 4, 4),
+    cfg(16, 256, 64, 4, 3),
+    cfg(32, 128, 64, 4, 4),
+    cfg(16, 64, 128, 4, 5),
+    cfg(16, 128, 128, 4, 4),
+    cfg(32, 128, 128, 4, 4),
+    cfg(16, 64, 32, 4, 4),
+    cfg(32, 64, 32, 4, 4),
+]
+# 128x256 with a 4th stage (196 KB of shared memory with TMA): it beat 3 stages on most prefill
+# shapes (it does not fit the persistent dense kernel, which also stages its output tile).
+RAGGED_LARGE_M = [cfg(128, 256, 64, 8, 4)]
+RAGGED_CONFIGS = MATMUL_CONFIGS + RAGGED_LARGE_M + RAGGED_SMALL_M
+# Wider than matmul's interpreter tile: the upper-bound grid adds G + 1 rows of programs, and
+# each program pays a fixed Python cost under the interpreter.
+RAGGED_INTERPRET = cfg(32, 64, 64, 1, 1, group_m=4)
+
+# Rows per group -> the tile heights worth trying: a tile much taller than a group multiplies
+# padding; a much shorter one re-reads each weight tile once per row block.
+_BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128, 256))]
+
+
+def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
+    bk = BLOCK_K[key.dtype]
+    heights = next(h for limit, h in _BLOCK_M_BANDS if key.m <= limit)
+    kept = [c for c in RAGGED_CONFIGS if c.kwargs["BLOCK_K"] == bk and c.kwargs["BLOCK_M"] in heights]
+    if 64 < key.m < 256:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    if key.swiglu:
+        # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
+        kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128]
+    return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
+
+
+def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
+    """Tile height from the rows per group (16 / 32-64 / 128 / 128x256 bands), as the tuned
+    picks on the MoE shapes of bench_grouped went; TMA only for large groups with long K."""
+    bk = BLOCK_K[key.dtype]
+    m = key.m
+    if m <= 16:
+        base = cfg(16, 128, bk, 4, 4) if key.swiglu else cfg(16, 64, bk, 4, 5 if bk <= 64 else 4)
+    elif m <= 32:
+        base = cfg(32, 128, bk, 4, 4)
+    elif m <= 64:
+        base = cfg(64, 128, bk, 4, 4)
+    elif m < 256:
+        base = cfg(128, 128, bk, 4, 4)
+    else:
+        base = cfg(128, 256, bk, 8, 4 if bk <= 64 else 3)
+    tma = key.tma == TMA_ONLY or (key.tma == EITHER and m >= 256 and key.k >= 2048)
+    return with_meta(base, USE_TMA=tma)
+
+
+# ---------------------------------------------------------------------------- grouped (list mode)
+
+
+class ListKey(NamedTuple):
+    dtype: str
+    g: int          # number of pairs
+    total: int      # m_bucket of the output elements over all pairs
+
+    def __str__(self):
+        return f"{self.dtype} g={self.g} total={self.total}"
+
+
+# A persistent walk over every pair's tiles: no M to prune by, so small and large tiles.
+LIST_CONFIGS = [
+    cfg(128, 128, 64, 8, 3),
+    cfg(64, 128, 64, 4, 4),
+    cfg(128, 128, 128, 8, 3),
+    cfg(64, 128, 128, 4, 4),
+    cfg(64, 64, 32, 4, 4),
+]
+
+
+def list_candidates(key: ListKey, sms: int) -> list[triton.Config]:
+    kept = [c for c in LIST_CONFIGS if c.kwargs["BLOCK_K"] == BLOCK_K[key.dtype]]
+    return _with_pick(kept, list_heuristic(key, sms))
+
+
+def list_heuristic(key: ListKey, sms: int) -> triton.Config:
+    bk = BLOCK_K[key.dtype]
+    if key.dtype == "fp32":
+        return cfg(64, 64, 32, 4, 4)
+    if key.total >= sms * 128 * 128 * 2:
+        return cfg(128, 128, bk, 8, 3)
+    return cfg(64, 128, bk, 4, 4)
+
+
+# ---------------------------------------------------------------------------- quantize_fp8
+
+
+class QuantKey(NamedTuple):
+    m: int
+    k: int
+    block: str      # "1x128", "128x128" or "row"
+
+    def __str__(self):
+        return f"m={self.m} k={self.k} {self.block}"
+
+
+def _qcfg(bm, warps):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_K": SCALE_BLOCK}, num_warps=warps, num_stages=2)
+
+
+# Memory-bound: a few tile heights are enough; 128x128 blocks need BLOCK_M = 128.
+QUANT_CONFIGS = [_qcfg(16, 4), _qcfg(32, 4), _qcfg(64, 4), _qcfg(128, 8), _qcfg(128, 4)]
+QUANT_INTERPRET = _qcfg(SCALE_BLOCK, 1)
+
+
+def quant_candidates(key: QuantKey, sms: int) -> list[triton.Config]:
+    if key.block == "128x128":
+        return [c for c in QUANT_CONFIGS if c.kwargs["BLOCK_M"] == SCALE_BLOCK]
+    return list(QUANT_CONFIGS)
+
+
+def quant_heuristic(key: QuantKey, sms: int) -> triton.Config:
+    if key.block == "128x128":
+        return _qcfg(SCALE_BLOCK, 4)
+    # Enough programs for every SM (one per BLOCK_M rows and 128 columns), tall tiles otherwise.
+    columns = 1 if key.block == "row" else cdiv(key.k, SCALE_BLOCK)
+    return _qcfg(32 if cdiv(key.m, 32) * columns >= 2 * sms else 16, 4)
+
+
+# ---------------------------------------------------------------------------- families
+
+
+def _with_pick(candidates, pick):
+    ids = {config_id(c) for c in candidates}
+    return candidates + ([pick] if config_id(pick) not in ids else [])
+
+
+class Family(NamedTuple):
+    """One kernel family's policy, as the launcher reads it."""
+
+    name: str
+    candidates: object      # (key, sms) -> list[triton.Config]
+    heuristic: object       # (key, sms) -> triton.Config
+    interpret: triton.Config
+
+
+MATMUL = Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET)
+BLOCKSCALED = Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET)
+RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, RAGGED_INTERPRET)
+LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
+QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
+FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, RAGGED, LIST, QUANT)}

@@ -1,0 +1,389 @@
+"""The one launch path: every kernel launch in onegemm goes through a ``Launcher``.
+
+An op checks its inputs, allocates its output and builds a *key*: everything its launch
+depends on (dtypes, the M bucket, N, K, the layout class, the device, a forced config). The
+launcher keeps one *plan* per key: the config chosen for it (core/configs.py: forced, tuned
+table, opt-in autotuning or the heuristic), the kernel's constexprs, and the compiled kernels
+by argument specialisation. A repeat call only builds the argument tuple and starts the
+compiled kernel through Triton's C launcher, skipping Triton's Python launch path (argument
+binding, cache-key hashing, the autotuner); nothing on that path scans configs, queries the
+device or allocates scratch memory.
+
+Specialisation: Triton compiles a kernel for the divisibility by 16 of its integer arguments
+and pointers, integers equal to 1 and None arguments (``_spec`` mirrors that rule;
+tests/test_launch.py checks it against Triton's own). A plan holds one compiled kernel per
+specialisation it has met, so a call with other strides or alignment never reuses a kernel
+compiled for different ones.
+
+Under Triton's interpreter there is nothing to compile: a launch runs the kernel in Python,
+with one lock for the whole process (the interpreter patches global state and is not safe to
+run from two threads at once).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+import triton
+from triton import knobs
+
+from . import configs, runtime
+from .runtime import INTERPRET, sm_count
+from .tma import ensure_allocator
+
+_INTERPRET_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------------- specialisation
+
+def _spec(args) -> tuple:
+    """What Triton's compiled kernel depends on in the runtime arguments: per int whether it is
+    1, a multiple of 16 and within int32; None; per tensor its dtype and 16-byte alignment; the
+    type of anything else (bools and floats are not specialised on their value)."""
+    return tuple([
+        (-1 if x == 1 else (x & 15 == 0) + (0 if -2147483648 <= x <= 2147483647 else 2)) if x.__class__ is int
+        else x if x is None
+        else (x.dtype, x.data_ptr() & 15 == 0) if isinstance(x, torch.Tensor)
+        else _spec(x) if x.__class__ is tuple
+        else x.__class__
+        for x in args
+    ])
+
+
+# ---------------------------------------------------------------------------- plans
+
+
+class Request(NamedTuple):
+    """What a plan is built from; an op makes one only when its key has no plan yet.
+
+    key: the family's key (core/configs.py): what the config choice depends on.
+    constexprs: the call's kernel constexprs that are not a config's (activation, layout flags).
+    device: where the call runs. forced: a config the caller forced, or None.
+    trial: ``trial(plan)`` launches the call once with ``plan``: autotuning times it.
+    """
+
+    key: tuple
+    constexprs: dict
+    device: torch.device
+    forced: triton.Config | None = None
+    trial: Callable | None = None
+
+
+def kernel_params(fn) -> list:
+    """A kernel's parameters as Triton describes them (name, is_constexpr, default), also for
+    the interpreter's InterpretedFunction, which does not keep them."""
+    if hasattr(fn, "params"):
+        return fn.params
+    from triton.runtime.jit import KernelParam
+
+    return [KernelParam(i, p, False, False) for i, p in enumerate(inspect.signature(fn.fn).parameters.values())]
+
+
+class Plan:
+    """A key's chosen config, its constexprs and the kernels compiled for it.
+
+    config: the triton.Config; ``source``: where it came from ("forced", "table", "tuned",
+    "heuristic" or "interpreter").
+    meta: every constexpr the kernel takes, by name (the call's, overridden by the config's):
+    what grids read. tail: their values in parameter order.
+    """
+
+    __slots__ = ("config", "source", "meta", "tail", "options", "kernels", "device_index", "tma")
+
+    def __init__(self, params, config: triton.Config, constexprs: dict, device: torch.device, source: str):
+        self.config = config
+        self.source = source
+        meta = {**constexprs, **config.kwargs}
+        unknown = set(meta) - {p.name for p in params if p.is_constexpr}
+        if unknown:
+            raise TypeError(f"the kernel has no constexpr {sorted(unknown)} (config {config})")
+        for p in params:
+            if p.is_constexpr and p.name not in meta:
+                if p.default is inspect.Parameter.empty:
+                    raise TypeError(f"no value for the kernel's constexpr {p.name}")
+                meta[p.name] = p.default
+        self.meta = meta
+        self.tail = tuple(meta[p.name] for p in params if p.is_constexpr)
+        self.options = {k: v for k, v in config.all_kwargs().items() if k not in config.kwargs}
+        self.kernels = {}
+        self.device_index = device.index if device.type == "cuda" else None
+        self.tma = bool(meta.get("USE_TMA", False))
+
+
+class Launcher:
+    """One ``@triton.jit`` kernel and its family's tuning policy (core/configs.py).
+
+    The kernel takes its runtime arguments first and its constexprs last (checked here): a
+    launch passes ``args`` (the runtime arguments, in order) and the plan supplies the rest.
+    """
+
+    def __init__(self, fn, family: configs.Family):
+        self.fn = fn
+        self.family = family
+        self.params = kernel_params(fn)
+        flags = [p.is_constexpr for p in self.params]
+        if flags != sorted(flags):
+            raise TypeError(f"{family.name}: the kernel's constexpr parameters must come after the runtime ones")
+        self.num_args = flags.count(False)
+        self._plans: dict = {}
+        self._lock = threading.RLock()
+        _LAUNCHERS[family.name] = self
+
+    # -- plans --
+
+    def plan(self, key: tuple, request: Callable[[], Request]) -> Plan:
+        """The plan for ``key`` (the whole call's key, device and forced config included),
+        made from ``request()`` the first time."""
+        plan = self._plans.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._make_plan(request())
+                    self._plans[key] = plan
+        return plan
+
+    def _make_plan(self, req: Request) -> Plan:
+        if req.forced is not None:
+            return Plan(self.params, req.forced, req.constexprs, req.device, "forced")
+        if INTERPRET:
+            return Plan(self.params, self.family.interpret, req.constexprs, req.device, "interpreter")
+        config = tuned_config(self.family.name, req.key, req.device)
+        if config is not None:
+            return Plan(self.params, config, req.constexprs, req.device, "table")
+        if autotune_enabled() and req.trial is not None:
+            return self._tune(req)
+        config = self.family.heuristic(req.key, sm_count(req.device.index))
+        return Plan(self.params, config, req.constexprs, req.device, "heuristic")
+
+    def clear(self) -> None:
+        """Forget every plan (tests; after changing tables or the autotune setting)."""
+        with self._lock:
+            self._plans.clear()
+
+    # -- launching --
+
+    def launch(self, plan: Plan, grid: tuple, args: tuple) -> None:
+        """Run the kernel on ``grid`` with ``args`` (runtime arguments) and ``plan``."""
+        if INTERPRET:
+            with _INTERPRET_LOCK:
+                self.fn[grid](*args, **plan.meta, **plan.options)
+            return
+        if plan.tma:
+            ensure_allocator()
+        spec = _spec(args)
+        kernel = plan.kernels.get(spec)
+        device = plan.device_index
+        if kernel is None or torch._C._cuda_getDevice() != device:
+            with torch.cuda.device(device):
+                if kernel is None:
+                    self._first_launch(plan, spec, grid, args)
+                else:
+                    _direct(kernel, grid, args, plan.tail, device)
+            return
+        _direct(kernel, grid, args, plan.tail, device)
+
+    def _first_launch(self, plan: Plan, spec: tuple, grid: tuple, args: tuple) -> None:
+        if len(args) != self.num_args:
+            raise TypeError(f"the {self.family.name} kernel takes {self.num_args} runtime arguments, got {len(args)}")
+        if _WARMUP.on:  # autotuning's parallel compile: compile only, launch nothing
+            self.fn.run(*args, grid=grid, warmup=True, **plan.meta, **plan.options)
+            return
+        kernel = self.fn.run(*args, grid=grid, warmup=False, **plan.meta, **plan.options)
+        plan.kernels[spec] = kernel
+
+    # -- autotuning (opt-in) --
+
+    def _tune(self, req: Request) -> Plan:
+        """Time every candidate for ``req.key`` in GPU time, keep the fastest, store it."""
+        from triton.runtime._async_compile import AsyncCompileMode
+
+        plans = [Plan(self.params, c, req.constexprs, req.device, "tuned")
+                 for c in self.family.candidates(req.key, sm_count(req.device.index))]
+        # Compile every candidate first, in parallel threads (ptxas runs as a subprocess).
+        with ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 2) - 1))) as pool:
+            with AsyncCompileMode(pool, ignore_errors=True):
+                _WARMUP.on = True
+                try:
+                    for p in plans:
+                        try:
+                            req.trial(p)
+                        except Exception:  # noqa: BLE001 - a candidate that cannot compile is skipped below
+                            pass
+                finally:
+                    _WARMUP.on = False
+        best, best_ms, errors = None, float("inf"), []
+        for p in plans:
+            try:
+                ms = runtime.graph_bench(lambda p=p: req.trial(p), warmup=_TUNE_WARMUP_MS, rep=_TUNE_REP_MS)
+            except Exception as e:  # noqa: BLE001 - out of shared memory and the like: not a candidate
+                errors.append(f"{configs.label(p.config)}: {type(e).__name__}")
+                continue
+            if ms < best_ms:
+                best, best_ms = p, ms
+        if best is None:
+            raise RuntimeError(f"{self.family.name}: no candidate config ran for {req.key}: {errors}")
+        _record(self.family.name, req.key, req.device, best.config)
+        return best
+
+
+class _Warmup(threading.local):
+    on = False
+
+
+_WARMUP = _Warmup()
+_TUNE_WARMUP_MS, _TUNE_REP_MS = 5, 25
+
+
+def _direct(kernel, grid, args, tail, device) -> None:
+    """Start a compiled kernel through Triton's C launcher (what JITFunction.run ends with)."""
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    full = args + tail
+    metadata = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *full)
+
+
+_LAUNCHERS: dict[str, Launcher] = {}
+
+
+def plans(family: str) -> dict:
+    """The plans a family's launcher holds, by key (what tests and benchmarks inspect)."""
+    return dict(_LAUNCHERS[family]._plans)
+
+
+def clear_plans() -> None:
+    for launcher in _LAUNCHERS.values():
+        launcher.clear()
+
+
+# ---------------------------------------------------------------------------- tuned tables
+
+TABLE_DIR = Path(__file__).resolve().parent / "tuned"
+
+
+def gpu_slug(name: str) -> str:
+    """A GPU's name as a file name: 'NVIDIA H200' -> 'NVIDIA_H200'."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def cache_dir() -> Path:
+    """Where ``onegemm.autotune`` stores what it measures: $ONEGEMM_CACHE_DIR, else
+    ~/.cache/onegemm."""
+    return Path(os.environ.get("ONEGEMM_CACHE_DIR") or Path.home() / ".cache" / "onegemm")
+
+
+_tables: dict[int, dict] = {}
+_tables_lock = threading.Lock()
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return {fam: {k: configs.from_json(v) for k, v in entries.items()} for fam, entries in data["configs"].items()}
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"onegemm: ignoring the config table {path}: {type(e).__name__}: {e}", stacklevel=3)
+        return {}
+
+
+def _table(device: torch.device) -> dict:
+    """The shipped table for the device's GPU merged with the user's cache (which wins)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    table = _tables.get(index)
+    if table is None:
+        with _tables_lock:
+            slug = gpu_slug(torch.cuda.get_device_name(index))
+            table = {}
+            for source in (TABLE_DIR / f"{slug}.json", cache_dir() / f"{slug}.json"):
+                for fam, entries in _read(source).items():
+                    table.setdefault(fam, {}).update(entries)
+            _tables[index] = table
+    return table
+
+
+def tuned_config(family: str, key: tuple, device: torch.device) -> triton.Config | None:
+    """The table's config for ``key`` on ``device``'s GPU, or None."""
+    return _table(device).get(family, {}).get(str(key))
+
+
+def _record(family: str, key: tuple, device: torch.device, config: triton.Config) -> None:
+    """Add a tuned config to the table in memory and to the user's cache file."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _table(device).setdefault(family, {})[str(key)] = config
+    path = cache_dir() / f"{gpu_slug(torch.cuda.get_device_name(index))}.json"
+    with _tables_lock:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            data = {"gpu": torch.cuda.get_device_name(index), "triton": triton.__version__, "configs": {}}
+        data["configs"].setdefault(family, {})[str(key)] = configs.to_json(config)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+
+def reload_tables() -> None:
+    """Read the tables again (after bench/tune.py or another process wrote them) and forget the
+    plans built from the old ones."""
+    with _tables_lock:
+        _tables.clear()
+    clear_plans()
+
+
+# ---------------------------------------------------------------------------- autotune switch
+
+_autotune = os.environ.get("ONEGEMM_AUTOTUNE", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def autotune_enabled() -> bool:
+    return _autotune
+
+
+class autotune:
+    """Switch autotuning on (or off) for keys the tables do not hold.
+
+    By default a call whose key has no tuned config runs the heuristic's config at once. With
+    autotuning on, such a call times every candidate config in GPU time (CUDA-graph replays),
+    keeps the fastest and writes it to the user's cache (``cache_dir()``), which later calls
+    and later processes read. Keys already tuned are not timed again.
+
+        onegemm.autotune()            # on from here (as ONEGEMM_AUTOTUNE=1 in the environment)
+        with onegemm.autotune():      # on inside the block only
+            model(x)
+
+    Plans made before the switch keep their config; ``onegemm.autotune`` forgets them so the
+    next call of each key chooses again.
+    """
+
+    def __init__(self, enabled: bool = True):
+        global _autotune
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self._previous = _autotune
+        _autotune = enabled
+        if enabled != self._previous:
+            clear_plans()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        global _autotune
+        if _autotune != self._previous:
+            _autotune = self._previous
+            clear_plans()
+        return False

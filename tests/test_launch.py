@@ -1,0 +1,351 @@
+"""The one launch path (core/launch.py): plans, specialisation, scratch, threads, autotuning."""
+
+import threading
+
+import pytest
+import torch
+
+import onegemm
+from onegemm.core import configs, launch, splitk
+from onegemm.core.configs import cfg
+from onegemm.core.matmul import MATMUL
+from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, quantize_fp8_ref
+
+# ---- specialisation: a compiled kernel is reused only where Triton would reuse it ----
+
+_INTS = [0, 1, 2, 15, 16, 17, 32, 48, 4096, 4095, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 16, 2**40, -1, -16, -17]
+
+
+def _tensors():
+    base = torch.empty(64, dtype=torch.float32)
+    return [base, base[1:], base[4:], base[3:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
+            base.to(torch.bfloat16)[1:], base.to(torch.int32), base.to(torch.float8_e4m3fn)[16:]]
+
+
+def _values():
+    return _INTS + _tensors() + [None, True, False, 2.5, 0.0]
+
+
+def test_spec_key_refines_triton_specialisation():
+    """Two argument values with the same launch._spec key get the same specialisation from
+    Triton's own rule (native_specialize_impl, what JITFunction.run keys its compiled kernels
+    on), so a plan never launches a kernel compiled for other strides or alignment."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    values = _values()
+    ours = [launch._spec((v,)) for v in values]
+    triton_spec = [native_specialize_impl(CUDABackend, v, False, True, True) for v in values]
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if ours[i] == ours[j]:
+                assert triton_spec[i] == triton_spec[j], (values[i], values[j])
+    # and it separates what matters: 1, multiples of 16, int64, alignment, dtype, None
+    assert len(set(ours[: len(_INTS)])) == 5
+    assert len({launch._spec((t,)) for t in _tensors()}) == 6
+
+
+def test_spec_key_recurses_into_tuples():
+    assert launch._spec(((16, 1), None)) == ((launch._spec((16,))[0], launch._spec((1,))[0]), None)
+
+
+# ---- the plan cache ----
+
+
+def _plans():
+    return launch.plans("matmul")
+
+
+@pytest.fixture
+def fresh_plans():
+    launch.clear_plans()
+    yield
+    launch.clear_plans()
+
+
+def test_plan_reused_for_the_same_call(fresh_plans, device):
+    a = torch.randn(40, 50, device=device)
+    b = torch.randn(50, 30, device=device)
+    onegemm.matmul(a, b)
+    (plan,) = _plans().values()
+    a2 = torch.randn(33, 50, device=device)  # another M in the same bucket (64)
+    out = onegemm.matmul(a2, b)
+    assert list(_plans().values()) == [plan]
+    assert_close(out, matmul_ref(a2, b), TOL[torch.float32])
+
+
+# Each case changes one thing a plan depends on; the call must get a plan of its own (and
+# the right answer), never the first call's.
+def _variants(device):
+    a = torch.randn(40, 50, device=device)
+    b = torch.randn(50, 30, device=device)
+    bias = torch.randn(30, device=device)
+    return {
+        "a transposed": dict(a=a.t().contiguous().t(), b=b),
+        "b transposed": dict(a=a, b=b.t().contiguous().t()),
+        "dtype": dict(a=a.half(), b=b.half()),
+        "out_dtype": dict(a=a, b=b, out_dtype=torch.float16),
+        "bias": dict(a=a, b=b, bias=bias),
+        "bias dtype": dict(a=a, b=b, bias=bias.half()),
+        "activation": dict(a=a, b=b, activation="silu"),
+        "another M bucket": dict(a=torch.randn(200, 50, device=device), b=b),
+        "forced config": dict(a=a, b=b, config=cfg(16, 16, 16, 4, 2, group_m=1)),
+        "persistent": dict(a=a, b=b, persistent=True),
+    }
+
+
+@pytest.mark.parametrize("change", list(_variants("cpu")))
+def test_plan_not_reused_across_what_it_depends_on(change, fresh_plans, device):
+    base = _variants(device)["a transposed"]
+    base = dict(a=base["a"].contiguous(), b=base["b"])
+    onegemm.matmul(**base)
+    first = list(_plans().values())
+    kwargs = _variants(device)[change]
+    out = onegemm.matmul(**kwargs)
+    plans = list(_plans().values())
+    assert len(plans) == 2 and plans[0] is first[0]
+    ref = matmul_ref(kwargs["a"], kwargs["b"], kwargs.get("bias"), kwargs.get("activation"))
+    assert_close(out, ref, TOL[out.dtype])
+    if change == "forced config":
+        assert plans[1].source == "forced" and plans[1].meta["BLOCK_M"] == 16
+
+
+def test_plan_key_holds_the_device(fresh_plans, monkeypatch, device):
+    """The same call on another device index gets its own plan (a plan's kernels are loaded
+    on one device). Simulated by reporting another index for the operands."""
+    a = torch.randn(40, 50, device=device)
+    b = torch.randn(50, 30, device=device)
+    onegemm.matmul(a, b)
+    real = torch.Tensor.get_device
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: real(t) + 7)
+    onegemm.matmul(a, b)
+    assert len(_plans()) == 2
+
+
+def test_forced_config_then_unforced(fresh_plans, device):
+    """A forced config does not leak into later unforced calls of the same shape."""
+    a = torch.randn(70, 40, device=device)
+    b = torch.randn(40, 50, device=device)
+    forced = onegemm.matmul(a, b, config=cfg(16, 16, 16, 4, 2, group_m=1))
+    free = onegemm.matmul(a, b)
+    sources = sorted(p.source for p in _plans().values())
+    assert sources == sorted(["forced", "interpreter" if onegemm.INTERPRET else free_source()])
+    assert_close(forced, matmul_ref(a, b), TOL[torch.float32])
+    assert_close(free, matmul_ref(a, b), TOL[torch.float32])
+
+
+def free_source():
+    sources = {p.source for p in _plans().values()} - {"forced"}
+    (source,) = sources
+    assert source in ("table", "heuristic", "tuned")
+    return source
+
+
+def test_plan_holds_every_constexpr(fresh_plans, device):
+    """A plan passes every constexpr of the kernel, in parameter order (the direct launch
+    hands Triton's C launcher all parameters positionally)."""
+    onegemm.matmul(torch.randn(8, 8, device=device), torch.randn(8, 8, device=device))
+    (plan,) = _plans().values()
+    names = [p.name for p in MATMUL.params if p.is_constexpr]
+    assert tuple(plan.meta[n] for n in names) == plan.tail
+    assert len(names) + MATMUL.num_args == len(MATMUL.params)
+
+
+def test_launcher_rejects_runtime_after_constexpr():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bad(x_ptr, N: tl.constexpr, y_ptr):
+        pass
+
+    with pytest.raises(TypeError, match="must come after the runtime ones"):
+        launch.Launcher(bad, configs.Family("bad", None, None, cfg(16, 16, 16, 1, 1)))
+    launch._LAUNCHERS.pop("bad", None)
+
+
+# ---- split-K scratch ----
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_scratch_per_stream(device):
+    """Buffers are keyed by device and stream: two streams never share one."""
+    splitk.clear()
+    dev = torch.device(device)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        w1, c1 = splitk.buffers(dev, 100, 4)
+    with torch.cuda.stream(s2):
+        w2, c2 = splitk.buffers(dev, 100, 4)
+    assert w1.data_ptr() != w2.data_ptr() and c1.data_ptr() != c2.data_ptr()
+    assert len(splitk._buffers) == 2
+
+
+# ---- threads ----
+
+
+def _mixed_ops(device):
+    """(name, fn, reference) for several public ops on small fresh inputs."""
+    a = torch.randn(37, 48, device=device)
+    b = torch.randn(48, 29, device=device)
+    sizes = [5, 0, 9]
+    ga = torch.randn(sum(sizes), 32, device=device)
+    gb = torch.randn(3, 32, 24, device=device)
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    x = torch.randn(20, 256, device=device)
+    qa, sa = quantize_fp8_ref(torch.randn(24, 256, device=device), (1, 128))
+    qw, sw = quantize_fp8_ref(torch.randn(40, 256, device=device), (128, 128))
+    return [
+        ("matmul", lambda: onegemm.matmul(a, b, activation="relu"), matmul_ref(a, b, None, "relu"), 1e-5),
+        ("grouped", lambda: onegemm.grouped_matmul(ga, gb, offs), grouped_mm_ref(ga, gb, offs), 1e-5),
+        ("quantize", lambda: onegemm.quantize_fp8(x, (1, 128))[1], quantize_fp8_ref(x, (1, 128))[1], 0.0),
+        ("blockscaled", lambda: onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32),
+         blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (1, 128), (128, 128)), 1e-3),
+    ]
+
+
+def test_concurrent_threads_mixed_ops(device):
+    """Four threads, each running every op three times: every result equals its reference.
+    Under the interpreter the launcher serialises launches (the interpreter is not
+    thread-safe); on a GPU each thread launches on its own."""
+    ops = _mixed_ops(device)
+    errors = []
+
+    def work(seed):
+        try:
+            for _ in range(3):
+                for name, fn, ref, tol in ops[seed % 4:] + ops[:seed % 4]:
+                    out = fn()
+                    if tol == 0.0:
+                        ok = torch.equal(out.cpu(), ref.cpu())
+                    else:
+                        ok = torch.isfinite(out).all() and (out.double() - ref).norm() <= tol * ref.norm()
+                    if not ok:
+                        errors.append(name)
+        except Exception as e:  # noqa: BLE001 - report it in the main thread
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# ---- autotuning switch and tables ----
+
+
+def test_autotune_switch():
+    before = launch.autotune_enabled()
+    with onegemm.autotune():
+        assert launch.autotune_enabled()
+        with onegemm.autotune(False):
+            assert not launch.autotune_enabled()
+        assert launch.autotune_enabled()
+    assert launch.autotune_enabled() == before
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        onegemm.autotune("yes")
+
+
+def test_table_reader_ignores_a_broken_file(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text('{"configs": {"matmul": {"k": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, '
+                    '"num_warps": 4, "num_stages": 3}}}}')
+    (config,) = launch._read(good)["matmul"].values()
+    assert config.kwargs["BLOCK_M"] == 64 and config.num_warps == 4 and config.num_stages == 3
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the config table"):
+        assert launch._read(broken) == {}
+    assert launch._read(tmp_path / "missing.json") == {}
+
+
+def test_shipped_tables_parse_and_name_known_keys():
+    """Every shipped table entry is a config of its family, for a key its family can make."""
+    for path in launch.TABLE_DIR.glob("*.json"):
+        table = launch._read(path)
+        assert table, path
+        for family, entries in table.items():
+            assert family in configs.FAMILIES, (path, family)
+            for key, config in entries.items():
+                assert {"BLOCK_M", "BLOCK_K"} <= set(config.kwargs), (path, key)
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_writes_the_cache_and_later_calls_read_it(tmp_path, monkeypatch, device):
+    """With autotuning on, a key no table holds is timed (GPU time) and its winner stored in
+    the user's cache file; after reloading the tables the same key comes from the table, and
+    with autotuning off a new key gets the heuristic's config at once."""
+    monkeypatch.setenv("ONEGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(launch, "_TUNE_REP_MS", 2)
+    launch.reload_tables()
+    M, N, K = 97, 208, 336  # no shipped table holds this
+    a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    b = torch.randn(N, K, device=device, dtype=torch.bfloat16).t()
+    try:
+        with onegemm.autotune():
+            out = onegemm.matmul(a, b)
+        (plan,) = [p for p in _plans().values()]
+        assert plan.source == "tuned"
+        assert_close(out, matmul_ref(a, b), TOL[torch.bfloat16])
+        files = list(tmp_path.glob("*.json"))
+        assert len(files) == 1 and "m=128 n=208 k=336" in files[0].read_text()
+        launch.reload_tables()
+        onegemm.matmul(a, b)
+        (again,) = _plans().values()
+        assert again.source == "table" and again.config.kwargs == plan.config.kwargs
+        onegemm.matmul(torch.randn(5, K, device=device, dtype=torch.bfloat16), b)
+        assert {p.source for p in _plans().values()} == {"table", "heuristic"}
+    finally:
+        launch.reload_tables()
+
+
+@pytest.mark.gpu
+def test_gpu_plan_keeps_one_kernel_per_alignment(fresh_plans, device):
+    """The same key with a 16-byte aligned and a misaligned operand: one plan, two compiled
+    kernels (Triton specialises on alignment), both right."""
+    w = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
+    big = torch.randn(40 * 256 + 8, device=device, dtype=torch.bfloat16)
+    aligned = big[: 40 * 256].view(40, 256)
+    shifted = big[1 : 1 + 40 * 256].view(40, 256)
+    for a in (aligned, shifted, aligned):
+        assert_close(onegemm.matmul(a, w.t(), tma=False), matmul_ref(a, w.t()), TOL[torch.bfloat16])
+    (plan,) = _plans().values()
+    assert len(plan.kernels) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_with_split_k_and_quantize(device):
+    """Capture a split-K matmul, quantize_fp8 and Fp8Linear in one CUDA graph; replays on new
+    inputs give the right results (no host sync, scratch from the graph's pool)."""
+    a = torch.randn(16, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16)
+    lin = onegemm.Fp8Linear.from_linear(torch.nn.Linear(4096, 256, device=device, dtype=torch.bfloat16))
+    split = cfg(64, 64, 64, 4, 3, SPLIT_K=4)
+    outs = {}
+
+    def step():
+        outs["mm"] = onegemm.matmul(a, w.t(), config=split)
+        outs["q"] = onegemm.quantize_fp8(a, (1, 128))
+        outs["lin"] = lin(a)
+
+    step()  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        a.copy_(torch.randn_like(a))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(outs["mm"], matmul_ref(a, w.t()), TOL[torch.bfloat16])
+        q_ref, s_ref = quantize_fp8_ref(a, (1, 128))
+        assert torch.equal(outs["q"][1], s_ref)
+        qa, sa = quantize_fp8_ref(a, (1, 128))
+        ref = blockscaled_matmul_ref(qa, lin.weight.t(), sa, lin.weight_scale.t(), (1, 128), (128, 128)) + lin.bias.double()
+        assert_close(outs["lin"], ref, TOL[torch.bfloat16])
