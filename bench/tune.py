@@ -122,6 +122,8 @@ def main():
     p.add_argument("families", nargs="*", help=f"families to tune, of {list(FAMILIES)} (default: all)")
     p.add_argument("--list", action="store_true", help="print the shape matrix and exit")
     p.add_argument("--merge", type=Path, help="merge this tuning cache file into the table and exit")
+    p.add_argument("--cache", type=Path, help="keep the tuning cache in this folder (default: a temporary one); "
+                   "it is written after every key, so an interrupted run can still be merged")
     args = p.parse_args()
     families = args.families or list(FAMILIES)
     unknown = set(families) - set(FAMILIES)
@@ -139,6 +141,8 @@ def main():
         print(f"merged {merge(args.merge, table_file)} entries into {table_file}")
         return
     with tempfile.TemporaryDirectory() as tmp:
+        if args.cache:
+            tmp = str(args.cache)
         os.environ["ONEGEMM_CACHE_DIR"] = tmp
         launch.TABLE_DIR = Path(tmp) / "none"  # tune every key, whatever the shipped table holds
         launch.reload_tables()

@@ -531,6 +531,31 @@ def quant_heuristic(key: QuantKey, sms: int) -> triton.Config:
     return _qcfg(32 if cdiv(key.m, 32) * columns >= 2 * sms else 16, 4)
 
 
+# ---------------------------------------------------------------------------- MoE routing sort
+# grouped/'s sort_by_expert_kernel: one program, so a config is only its warp count.
+
+
+class SortKey(NamedTuple):
+    e_block: int
+
+    def __str__(self):
+        return f"e_block={self.e_block}"
+
+
+SORT_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
+# The one-program sort serves decode-sized batches; above this many (token, slot) pairs
+# torch.sort's multi-block radix sort is faster on the GPU.
+SORT_MAX_PAIRS = 4096
+
+
+def sort_candidates(key: SortKey, sms: int) -> list[triton.Config]:
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (2, 4, 8)]
+
+
+def sort_heuristic(key: SortKey, sms: int) -> triton.Config:
+    return SORT_CONFIG
+
+
 # ---------------------------------------------------------------------------- families
 
 
@@ -553,4 +578,5 @@ BLOCKSCALED = Family("blockscaled", blockscaled_candidates, blockscaled_heuristi
 RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, RAGGED_INTERPRET)
 LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
 QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
-FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, RAGGED, LIST, QUANT)}
+SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1))
+FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, RAGGED, LIST, QUANT, SORT)}

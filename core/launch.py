@@ -365,8 +365,8 @@ class autotune:
         with onegemm.autotune():      # on inside the block only
             model(x)
 
-    Plans made before the switch keep their config; ``onegemm.autotune`` forgets them so the
-    next call of each key chooses again.
+    Switching it on forgets the plans made without it, so each key's next call is tuned;
+    switching it off keeps the tuned plans.
     """
 
     def __init__(self, enabled: bool = True):
@@ -375,7 +375,7 @@ class autotune:
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
         self._previous = _autotune
         _autotune = enabled
-        if enabled != self._previous:
+        if enabled and not self._previous:
             clear_plans()
 
     def __enter__(self):
@@ -383,7 +383,5 @@ class autotune:
 
     def __exit__(self, *exc):
         global _autotune
-        if _autotune != self._previous:
-            _autotune = self._previous
-            clear_plans()
+        _autotune = self._previous
         return False

@@ -101,19 +101,21 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
     (tensor-descriptor loads) on a Hopper GPU when a, b and the output allow TMA, and uses
     pointer loads otherwise; False forces pointers; True forces TMA or raises ValueError (see
     core/tma.py).
-    ``persistent``: None lets the autotuner also try the persistent schedule with its big
-    tiles (``auto_persistent``); False keeps one program per tile; True runs only the
-    persistent schedule, as onegemm.persistent_matmul does. The interpreter runs one program
-    per tile unless True. A ``config`` from ``best_config()`` carries the flavour and the
-    schedule it was tuned with.
+    ``persistent``: None lets the config choose the schedule (the tuned table and the
+    heuristic take the persistent one for large outputs); False keeps one program per tile;
+    True runs only the persistent schedule, as onegemm.persistent_matmul does. The
+    interpreter runs one program per tile unless True.
     """
+    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
     return run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent)
 
 
 def run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent, programs=None):
-    """matmul's body; ``programs``: the persistent grid size asked for (persistent_matmul's
-    ``num_programs``; None: SM count x the config's PROGRAMS_PER_SM)."""
-    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
+    """matmul's body, on inputs ``check_matmul_inputs`` (or the caller) has checked.
+    ``programs``: the persistent grid size asked for (persistent_matmul's ``num_programs``;
+    None: SM count x the config's PROGRAMS_PER_SM)."""
+    M, K = a.shape
+    N = b.shape[1]
     schedule = configs.schedule_mode(persistent)
     if config is not None and not isinstance(config, triton.Config):
         raise TypeError(f"config must be a triton.Config or None, got {type(config).__name__}")
@@ -166,14 +168,18 @@ def linear(x, weight, bias=None, *, activation=None):
     """
     checks.check_tensor("x", x)
     checks.check_tensor("weight", weight, ndim=2)
+    checks.check_operand_dtypes(x, weight, "x", "weight")
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension [..., K], got a 0-D tensor")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"x has {x.shape[-1]} features (last dim) but weight is {tuple(weight.shape)}: "
-            f"weight must be [out_features, {x.shape[-1]}]"
-        )
-    lead = x.shape[:-1]
-    out_dtype = torch.bfloat16 if x.dtype in checks.FP8_DTYPES else x.dtype
-    y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias, activation=activation, out_dtype=out_dtype)
-    return y.reshape(*lead, weight.shape[0])
+    K = x.shape[-1]
+    if K != weight.shape[1]:
+        raise ValueError(f"x has {K} features (last dim) but weight is {tuple(weight.shape)}: weight must be [out_features, {K}]")
+    if activation is not None:
+        checks.check_activation(activation)
+    checks.check_bias(bias, (weight.shape[0],))
+    checks.check_same_device(x=x, weight=weight, bias=bias)
+    out_dtype = checks.resolve_out_dtype(None, x.dtype)
+    if x.dim() == 2:
+        return run_matmul(x, weight.t(), bias, activation, out_dtype, None, None, None)
+    y = run_matmul(x.reshape(-1, K), weight.t(), bias, activation, out_dtype, None, None, None)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

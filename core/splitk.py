@@ -31,7 +31,8 @@ def buffers(device: torch.device, workspace: int, counters: int):
         if torch.cuda.is_current_stream_capturing():
             return (torch.empty(workspace, dtype=torch.float32, device=device),
                     torch.zeros(counters, dtype=torch.int32, device=device))
-        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, torch._C._cuda_getCurrentRawStream(index))
     else:
         key = (None, 0)  # the interpreter runs one launch at a time
     held = _buffers.get(key)

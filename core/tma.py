@@ -41,32 +41,40 @@ class TmaLayout(NamedTuple):
     b_k_contig: bool
 
 
-def _aligned(t: torch.Tensor, stride: int) -> bool:
-    return t.data_ptr() % _ALIGN == 0 and (stride * t.element_size()) % _ALIGN == 0
-
-
-def descriptor_orientation(t: torch.Tensor) -> int | None:
+def descriptor_orientation(t: torch.Tensor, strides=None) -> int | None:
     """Which dimension of the 2-D tensor ``t`` a descriptor can treat as contiguous.
 
     1: row-major (stride(1) == 1), 0: column-major (stride(0) == 1), None: neither is
     TMA-eligible. The other stride and the base address must be 16-byte aligned.
+    ``strides``: the two strides to judge instead of t's own (a grouped kernel's per-group
+    matrix inside a 3-D tensor starts at t's data pointer).
     """
-    if t.stride(1) == 1 and _aligned(t, t.stride(0)):
+    if t.data_ptr() % _ALIGN:
+        return None
+    s0, s1 = strides if strides is not None else t.stride()
+    if s1 == 1 and (s0 * t.element_size()) % _ALIGN == 0:
         return 1
-    if t.stride(0) == 1 and _aligned(t, t.stride(1)):
+    if s0 == 1 and (s1 * t.element_size()) % _ALIGN == 0:
         return 0
     return None
 
 
-def tma_layout(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> TmaLayout | None:
+_LAYOUTS = {(a, b): TmaLayout(a, b) for a in (False, True) for b in (False, True)}
+
+
+def tma_layout(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, strides=(None, None, None)) -> TmaLayout | None:
     """The TMA flavour's layout for C = A @ B, or None when any operand must use pointers.
 
     C is written through a row-major descriptor, so it needs stride(1) == 1 as well.
+    ``strides``: per operand, the 2-D strides to judge (see descriptor_orientation), or None.
     """
-    oa, ob = descriptor_orientation(a), descriptor_orientation(b)
-    if oa is None or ob is None or c.stride(1) != 1 or not _aligned(c, c.stride(0)):
+    oa = descriptor_orientation(a, strides[0])
+    if oa is None:
         return None
-    return TmaLayout(a_k_contig=oa == 1, b_k_contig=ob == 0)
+    ob = descriptor_orientation(b, strides[1])
+    if ob is None or descriptor_orientation(c, strides[2]) != 1:
+        return None
+    return _LAYOUTS[oa == 1, ob == 0]
 
 
 def tma_hardware(device: torch.device) -> bool:
@@ -76,15 +84,15 @@ def tma_hardware(device: torch.device) -> bool:
     """
     if INTERPRET:
         return True
-    return device.type == "cuda" and _capability(device.index)[0] >= 9
+    return device.type == "cuda" and _hopper(device.index)
 
 
 @functools.cache
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def choose_tma(tma: bool | None, a, b, c) -> TmaLayout | None:
+def choose_tma(tma: bool | None, a, b, c, strides=(None, None, None)) -> TmaLayout | None:
     """Resolve a public op's ``tma`` argument to a layout (TMA flavour) or None (pointers).
 
     tma=None: automatic, TMA on a Hopper GPU when every operand allows it (the interpreter
@@ -92,19 +100,23 @@ def choose_tma(tma: bool | None, a, b, c) -> TmaLayout | None:
     tma=False: always pointers. tma=True: TMA, or a ValueError saying which operand prevents it
         (benchmarks use it, so they measure the flavour they name).
     """
-    if tma not in (None, True, False):
+    if tma is None:
+        if INTERPRET or not a.is_cuda or not _hopper(a.get_device()) or a.numel() == 0 or b.numel() == 0:
+            return None
+        return tma_layout(a, b, c, strides)
+    if tma is not True and tma is not False:
         raise TypeError(f"tma must be None (automatic), True or False, got {tma!r}")
-    if tma is False or (tma is None and INTERPRET):
+    if tma is False:
         return None
     if a.numel() == 0 or b.numel() == 0:
         return None  # K == 0: nothing to load (and TMA boxes need every dimension >= 1)
-    layout = tma_layout(a, b, c) if tma_hardware(a.device) else None
+    layout = tma_layout(a, b, c, strides) if tma_hardware(a.device) else None
     if tma is None or layout is not None:
         return layout
     if not tma_hardware(a.device):
         raise ValueError(f"tma=True needs a Hopper (sm_90) or newer GPU, got {a.device}")
-    for name, t in (("a", a), ("b", b)):
-        if descriptor_orientation(t) is None:
+    for name, t, st in (("a", a, strides[0]), ("b", b, strides[1])):
+        if descriptor_orientation(t, st) is None:
             raise ValueError(
                 f"tma=True but {name} (shape {tuple(t.shape)}, strides {t.stride()}, "
                 f"data_ptr % 16 = {t.data_ptr() % 16}) has no unit stride with 16-byte aligned "

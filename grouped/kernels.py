@@ -294,3 +294,43 @@ def list_kernel(
             tl.load(st + 4), tl.load(st + 5), 0,
             ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )
+
+
+@triton.jit
+def sort_by_expert_kernel(
+    ids_ptr, pair_ptr, token_ptr, offs_ptr, P, E, k,
+    E_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Stable counting sort of the P = T * k (token, slot) pairs by expert, in one program.
+
+    ids_ptr [P] (int32 or int64, contiguous): the expert of pair i; ids outside [0, E) form a
+        last group after every expert's (compared in their own width: no wrap-around).
+    pair_ptr, token_ptr [P] int32 (out): row r of the sorted order is pair pair[r], of token
+        token[r] = pair[r] // k; pairs of one expert keep their order (stable).
+    offs_ptr [E] int32 (out): cumulative end offsets, expert e owns rows [offs[e-1], offs[e]).
+    E_BLOCK: a power of two > E (the experts plus the last group). BLOCK: pairs per step.
+    Grid: (1,). Two passes over the pairs: count per expert, then place each pair at its
+    expert's start + the pairs of that expert before it (a running count plus a prefix sum
+    over the step's one-hot rows). For decode-sized P, where torch's sort is several launches.
+    """
+    experts = tl.arange(0, E_BLOCK)
+    totals = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for start in range(0, P, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + i, mask=i < P, other=0)
+        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
+        onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)
+        totals += tl.sum(onehot, axis=0)
+    ends = tl.cumsum(totals, axis=0)
+    tl.store(offs_ptr + experts, ends, mask=experts < E)
+    base = ends - totals
+    for start in range(0, P, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + i, mask=i < P, other=0)
+        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
+        onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs earlier in this step
+        pos = tl.sum(onehot * (before + base[None, :]), axis=1)
+        tl.store(pair_ptr + pos, i, mask=i < P)
+        tl.store(token_ptr + pos, i // k, mask=i < P)
+        base += tl.sum(onehot, axis=0)

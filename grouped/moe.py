@@ -15,9 +15,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..core import checks
+from ..core import checks, configs
+from ..core.launch import Launcher, Request
 from ..core.matmul import matmul
-from ..core.runtime import INTERPRET, empty
+from ..core.runtime import INTERPRET, empty, next_pow2
+from .kernels import sort_by_expert_kernel
 from .ops import launch_ragged
 
 
@@ -45,15 +47,37 @@ def sort_by_expert(topk_ids, num_experts: int):
     e owns rows [offs[e-1], offs[e]). The sort is stable, so the order (and the result) is the
     same on every run. Ids outside [0, E) (e.g. experts on another rank under expert
     parallelism) sort past offs[-1], where the grouped GEMM writes zeros: they contribute 0.
+    Up to SORT_MAX_PAIRS pairs one Triton program sorts them (one launch); more go through
+    torch.sort. Both are stable, so both give the same order.
     """
     T, k = topk_ids.shape
-    flat = topk_ids.reshape(-1).to(torch.int32)
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    flat = topk_ids.reshape(-1)
+    P = flat.shape[0]
+    if P <= configs.SORT_MAX_PAIRS:
+        return _sort_small(flat.contiguous(), num_experts, k)
+    # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
     sorted_ids, pair = torch.sort(flat, stable=True)
     # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
     experts = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
     offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
     return pair.to(torch.int32), (pair // k).to(torch.int32), offs
+
+
+SORT = Launcher(sort_by_expert_kernel, configs.SORT)
+
+
+def _sort_small(flat, E: int, k: int):
+    P = flat.shape[0]
+    pair = torch.empty(P, dtype=torch.int32, device=flat.device)
+    token = torch.empty(P, dtype=torch.int32, device=flat.device)
+    offs = torch.empty(E, dtype=torch.int32, device=flat.device)
+    e_block = next_pow2(E + 1)
+    key = (flat.dtype, e_block, flat.get_device())
+    plan = SORT.plan(key, lambda: Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, BLOCK=max(16, min(256, 8192 // e_block))),
+                                          flat.device))
+    SORT.launch(plan, (1,), (flat, pair, token, offs, P, E, k))
+    return pair, token, offs
 
 
 def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, x_dtypes=checks.FLOAT_DTYPES):

@@ -7,7 +7,7 @@ import triton
 
 from ..core import checks, configs
 from ..core.launch import Launcher, Request
-from ..core.runtime import cdiv, default_programs, empty, next_pow2
+from ..core.runtime import INTERPRET, cdiv, default_programs, empty, next_pow2
 from ..core.tma import choose_tma, forced_flavour, layout_meta
 from .kernels import list_kernel, ragged_kernel
 
@@ -45,15 +45,7 @@ def _bias_strides(bias):
     return (bias.stride(0), bias.stride(1)) if bias.dim() == 2 else (0, bias.stride(0))
 
 
-def _group_views(a, b, c):
-    """Group 0's A [M, K], B [K, N] and C [M, N] as 2-D views: what a TMA descriptor sees."""
-    a0 = a if a.dim() == 2 else a[0]
-    b0 = b if b.dim() == 2 else b[0]
-    c0 = c if c.dim() == 2 else c[0]
-    return a0, b0, c0
-
-
-def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides):
+def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     """core.tma.choose_tma for one group, plus what per-group base pointers add.
 
     Group g's operands start at base + g * stride_g + start * stride (start read on the device),
@@ -62,16 +54,18 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides):
     ragged N or K shifts the base by single elements. A gather (MoE GEMM1) or the interleaved
     SwiGLU columns need pointer loads.
     """
+    if tma is None and (INTERPRET or not a.is_cuda):
+        return None  # the automatic choice on the interpreter is pointers
     reason = None
     if gather or swiglu:
         reason = "a row gather / SwiGLU tile reads through pointers"
     elif ragged in ("N", "K"):
         reason = f"offs over {ragged} shift group bases by single elements (TMA needs 16-byte alignment)"
-    elif any(st % (16 // t.element_size()) for st, t in zip(strides, (a, b, c))):
+    elif any(st[0] % (16 // t.element_size()) for st, t in zip(strides3, (a, b, c))):
         reason = "a group stride is not a multiple of 16 bytes"
     if reason is None:
-        a0, b0, c0 = _group_views(a, b, c)
-        layout = choose_tma(tma, a0, b0, c0)
+        # Group 0's matrices start at each tensor's data pointer, with the inner two strides.
+        layout = choose_tma(tma, a, b, c, tuple(st[1:] for st in strides3))
         if layout is not None and ragged == "M" and not layout.a_k_contig:
             reason = "a must be row-major for offs over rows (a column-major slice starts at any element)"
         else:
@@ -92,9 +86,7 @@ def launch_ragged(
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
     """
-    layout = _tma_flavour(
-        tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a[0], strides_b[0], strides_c[0])
-    )
+    layout = _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a, strides_b, strides_c))
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
     a_k, b_k = strides_a[2] == 1, strides_b[1] == 1
     key = (a.dtype, b.dtype, c.dtype, bias is None or bias.dtype, activation, ragged, swiglu, a_rows is not None,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import triton
 
-from ..core.matmul import run_matmul
+from ..core.matmul import check_matmul_inputs, run_matmul
 
 
 def persistent_matmul(
@@ -47,4 +47,5 @@ def persistent_matmul(
             raise TypeError(f"num_programs must be an int >= 1 or None, got {type(num_programs).__name__}")
         if num_programs < 1:
             raise ValueError(f"num_programs must be >= 1 (the number of programs to launch), got {num_programs}")
+    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
     return run_matmul(a, b, bias, activation, out_dtype, config, tma, True, programs=num_programs)
