@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..core import checks
-from .matmul import blockscaled_matmul
+from .matmul import run_blockscaled
 from .quantize import BLOCK, quantize_fp8
 
 
@@ -73,16 +73,30 @@ class Fp8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        checks.check_tensor("x", x)
+        checks.check_tensor("x", x, dtypes=checks.FLOAT_DTYPES)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must be [..., in_features] = [..., {self.in_features}], got {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        self._check_buffers(x)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         q, scale = quantize_fp8(x2, (1, BLOCK))
         # b = W.t(): K-major, the fast layout for Hopper's fp8 MMA; its 128x128 scale
         # [kb, nb] is then weight_scale.t(), torch._scaled_mm's layout too.
-        y = blockscaled_matmul(q, self.weight.t(), scale, self.weight_scale.t(), out_dtype=x.dtype, bias=self.bias)
-        return y.reshape(*lead, self.out_features)
+        y = run_blockscaled(q, self.weight.t(), scale, self.weight_scale.t(), "1x128", "128x128", x.dtype, self.bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _check_buffers(self, x) -> None:
+        """The weight, its scales and the bias as the GEMM reads them (they may have been
+        replaced since construction, e.g. by load_state_dict or assignment)."""
+        w, s, bias = self.weight, self.weight_scale, self.bias
+        kb, nb = -(-self.in_features // BLOCK), -(-self.out_features // BLOCK)
+        if w.dtype != torch.float8_e4m3fn or w.shape != (self.out_features, self.in_features):
+            raise ValueError(f"Fp8Linear.weight must be float8_e4m3fn [{self.out_features}, {self.in_features}], "
+                             f"got {w.dtype} {tuple(w.shape)}")
+        if s.dtype != torch.float32 or s.shape != (nb, kb):
+            raise ValueError(f"Fp8Linear.weight_scale must be float32 [{nb}, {kb}], got {s.dtype} {tuple(s.shape)}")
+        if bias is not None and (bias.shape != (self.out_features,) or bias.dtype not in checks.FLOAT_DTYPES):
+            raise ValueError(f"Fp8Linear.bias must be [{self.out_features}] of a float dtype, got {bias.dtype} {tuple(bias.shape)}")
+        checks.check_same_device(x=x, weight=w, weight_scale=s, bias=bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, weight=float8_e4m3fn 128x128, activations=1x128"

@@ -166,7 +166,13 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     checks.check_bias(bias, (N,))
     checks.check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
     out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
+    return run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)
 
+
+def run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None, activation=None, config=None, tma=None):
+    """blockscaled_matmul's body, on checked inputs whose scale granularities are known."""
+    M, K = a.shape
+    N = b.shape[1]
     c = empty((M, N), device=a.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return c

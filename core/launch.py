@@ -199,7 +199,7 @@ class Launcher:
             self.fn.run(*args, grid=grid, warmup=True, **plan.meta, **plan.options)
             return
         kernel = self.fn.run(*args, grid=grid, warmup=False, **plan.meta, **plan.options)
-        plan.kernels[spec] = kernel
+        plan.kernels[spec] = _compiled(kernel)
 
     # -- autotuning (opt-in) --
 
@@ -244,15 +244,48 @@ _WARMUP = _Warmup()
 _TUNE_WARMUP_MS, _TUNE_REP_MS = 5, 25
 
 
-def _direct(kernel, grid, args, tail, device) -> None:
-    """Start a compiled kernel through Triton's C launcher (what JITFunction.run ends with)."""
+class _Compiled(NamedTuple):
+    """A compiled kernel and what its launch needs, read once: Triton's launcher (``run``),
+    and its C entry point (``raw``) when the kernel needs no scratch memory, so a launch can
+    skip the launcher's Python wrapper."""
+
+    kernel: object
+    run: object
+    function: int
+    packed: object
+    raw: object
+
+
+def _compiled(kernel) -> _Compiled:
+    run = kernel.run
+    raw = None
+    if (getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        raw = run.launch
+    return _Compiled(kernel, run, kernel.function, kernel.packed_metadata, raw)
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook would do anything (3.6 keeps an empty HookChain)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _direct(c: _Compiled, grid, args, tail, device) -> None:
+    """Start a compiled kernel through Triton's C launcher (what JITFunction.run ends with).
+    Launch hooks (a profiler's) get their metadata; with none registered none is built."""
     stream = torch._C._cuda_getCurrentRawStream(device)
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     full = args + tail
-    metadata = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *full)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if _hooked(enter) or _hooked(leave):
+        metadata = c.kernel.launch_metadata(grid, stream, *full)
+        c.run(grid[0], g1, g2, stream, c.function, c.packed, metadata, enter, leave, *full)
+    elif c.raw is not None:
+        c.raw(grid[0], g1, g2, stream, c.function, c.run.launch_cooperative_grid, c.run.launch_pdl, None, None,
+              c.packed, None, None, None, *full)
+    else:
+        c.run(grid[0], g1, g2, stream, c.function, c.packed, None, None, None, *full)
 
 
 _LAUNCHERS: dict[str, Launcher] = {}

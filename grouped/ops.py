@@ -156,7 +156,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     checks.check_activation(activation)
     checks.check_same_device(a=a, b=b, offs=offs, bias=bias)
     out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
-    validate = check_offs if check_offs is not None else (offs is not None and offs.device.type == "cpu")
+    validate = check_offs if check_offs is not None else (isinstance(offs, torch.Tensor) and offs.is_cpu)
     mode = (a.dim(), b.dim())
     if mode != (3, 3) and offs is None:
         raise ValueError(f"offs is required for {a.dim()}D x {b.dim()}D grouped_matmul (int32 cumulative end offsets)")
