@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -122,6 +123,7 @@ def main():
     p.add_argument("families", nargs="*", help=f"families to tune, of {list(FAMILIES)} (default: all)")
     p.add_argument("--list", action="store_true", help="print the shape matrix and exit")
     p.add_argument("--merge", type=Path, help="merge this tuning cache file into the table and exit")
+    p.add_argument("--only", help="tune only the cases whose name matches this regular expression")
     p.add_argument("--cache", type=Path, help="keep the tuning cache in this folder (default: a temporary one); "
                    "it is written after every key, so an interrupted run can still be merged")
     args = p.parse_args()
@@ -132,7 +134,8 @@ def main():
     if args.list:
         for f in families:
             for name, _ in FAMILIES[f]():
-                print(name)
+                if not args.only or re.search(args.only, name):
+                    print(name)
         return
     if not torch.cuda.is_available() or onegemm.INTERPRET:
         sys.exit("tuning needs a CUDA GPU (use --list to see the matrix)")
@@ -150,6 +153,8 @@ def main():
         with onegemm.autotune():
             for f in families:
                 for name, run in FAMILIES[f]():
+                    if args.only and not re.search(args.only, name):
+                        continue
                     t = time.perf_counter()
                     run()
                     torch.cuda.synchronize()

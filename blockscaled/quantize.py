@@ -105,7 +105,8 @@ def quantize_kernel(
         x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         # div_rn: correctly rounded, so the kernel gives the same fp8 bits as torch's x / scale.
         q = tl.math.div_rn(x, scale[:, None])
-        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+        # NaN stays NaN (a block holding NaN has an inf scale: it must dequantise to NaN).
+        q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -70,7 +70,8 @@ def from_json(d: dict) -> triton.Config:
 def label(c: triton.Config) -> str:
     """A config as tables print it, e.g. '128x256x64 w8 s3 pers TMA'."""
     k = c.kwargs
-    text = f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{c.num_warps} s{c.num_stages}"
+    tile = f"{k['BLOCK_M']}x{k.get('BLOCK_N', '-')}x{k['BLOCK_K']} " if "BLOCK_M" in k and "BLOCK_K" in k else ""
+    text = f"{tile}w{c.num_warps} s{c.num_stages}"
     for flag, name in (("WARP_SPECIALIZE", "WS"), ("PERSISTENT", "pers")):
         if k.get(flag):
             text += f" {name}"
@@ -213,15 +214,18 @@ MATMUL_CONFIGS = [
 WS_CONFIGS = [
     warp_specialized(cfg(128, 256, 64, 4, 3), USE_TMA=True),
     warp_specialized(cfg(256, 128, 64, 4, 3), USE_TMA=True),
+    warp_specialized(cfg(128, 128, 64, 4, 4), USE_TMA=True),
 ]
 
-# Split-K for small M: the 64-row tiles with 2, 4 and 8 splits.
+# Split-K for small M: the 64-row tiles and a 128x128 one (which reads each weight tile once
+# per 128 rows) with 2, 4 and 8 splits.
 SPLIT_K_CONFIGS = with_splits([
     cfg(64, 64, 64, 4, 5),
     cfg(64, 128, 64, 4, 4),
     cfg(64, 64, 128, 4, 4),
     cfg(64, 128, 128, 4, 4),
     cfg(64, 64, 32, 4, 4),
+    cfg(128, 128, 64, 4, 4),
 ])
 
 
@@ -255,7 +259,11 @@ def matmul_candidates(key: MatmulKey, sms: int) -> list[triton.Config]:
     schedules the call allows; the heuristic's pick is always among them."""
     bk = BLOCK_K[key.dtype]
     pool = MATMUL_CONFIGS + SPLIT_K_CONFIGS + PERSISTENT_CONFIGS
-    kept = [c for c in pool if c.kwargs["BLOCK_K"] == bk and split_allowed(c, key.m)]
+
+    def few_tiles(c):  # a split that still leaves at most two units per SM
+        return split_of(c) <= 4 and tiles(key.m, key.n, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * split_of(c) <= 2 * sms
+
+    kept = [c for c in pool if c.kwargs["BLOCK_K"] == bk and (split_allowed(c, key.m) or few_tiles(c))]
     if key.m <= 64:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
     if key.schedule == ANY_SCHEDULE:

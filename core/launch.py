@@ -36,7 +36,7 @@ import torch
 import triton
 from triton import knobs
 
-from . import configs, runtime
+from . import configs, runtime, scratch
 from .runtime import INTERPRET, sm_count
 from .tma import ensure_allocator
 
@@ -97,7 +97,7 @@ class Plan:
     what grids read. tail: their values in parameter order.
     """
 
-    __slots__ = ("config", "source", "meta", "tail", "options", "kernels", "device_index", "tma")
+    __slots__ = ("config", "source", "meta", "tail", "options", "kernels", "device_index")
 
     def __init__(self, params, config: triton.Config, constexprs: dict, device: torch.device, source: str):
         self.config = config
@@ -116,7 +116,6 @@ class Plan:
         self.options = {k: v for k, v in config.all_kwargs().items() if k not in config.kwargs}
         self.kernels = {}
         self.device_index = device.index if device.type == "cuda" else None
-        self.tma = bool(meta.get("USE_TMA", False))
 
 
 class Launcher:
@@ -178,8 +177,6 @@ class Launcher:
             with _INTERPRET_LOCK:
                 self.fn[grid](*args, **plan.meta, **plan.options)
             return
-        if plan.tma:
-            ensure_allocator()
         spec = _spec(args)
         kernel = plan.kernels.get(spec)
         device = plan.device_index
@@ -195,6 +192,7 @@ class Launcher:
     def _first_launch(self, plan: Plan, spec: tuple, grid: tuple, args: tuple) -> None:
         if len(args) != self.num_args:
             raise TypeError(f"the {self.family.name} kernel takes {self.num_args} runtime arguments, got {len(args)}")
+        ensure_allocator()  # Triton's own launch allocates TMA scratch through it
         if _WARMUP.on:  # autotuning's parallel compile: compile only, launch nothing
             self.fn.run(*args, grid=grid, warmup=True, **plan.meta, **plan.options)
             return
@@ -221,17 +219,19 @@ class Launcher:
                             pass
                 finally:
                     _WARMUP.on = False
-        best, best_ms, errors = None, float("inf"), []
+        timed, errors = [], []
         for p in plans:
             try:
-                ms = runtime.graph_bench(lambda p=p: req.trial(p), warmup=_TUNE_WARMUP_MS, rep=_TUNE_REP_MS)
+                timed.append((runtime.graph_bench(lambda p=p: req.trial(p), warmup=_TUNE_WARMUP_MS, rep=_TUNE_REP_MS), p))
             except Exception as e:  # noqa: BLE001 - out of shared memory and the like: not a candidate
                 errors.append(f"{configs.label(p.config)}: {type(e).__name__}")
-                continue
-            if ms < best_ms:
-                best, best_ms = p, ms
-        if best is None:
+        if not timed:
             raise RuntimeError(f"{self.family.name}: no candidate config ran for {req.key}: {errors}")
+        # The front runners again, timed longer: a few percent between candidates is within
+        # one short timing's noise.
+        finalists = [p for _, p in sorted(timed, key=lambda t: t[0])[:_FINALISTS]]
+        best = min(finalists, key=lambda p: runtime.graph_bench(lambda: req.trial(p), warmup=_TUNE_WARMUP_MS,
+                                                                rep=4 * _TUNE_REP_MS, return_mode="median"))
         _record(self.family.name, req.key, req.device, best.config)
         return best
 
@@ -241,28 +241,30 @@ class _Warmup(threading.local):
 
 
 _WARMUP = _Warmup()
-_TUNE_WARMUP_MS, _TUNE_REP_MS = 5, 25
+_TUNE_WARMUP_MS, _TUNE_REP_MS, _FINALISTS = 5, 25, 3
 
 
 class _Compiled(NamedTuple):
     """A compiled kernel and what its launch needs, read once: Triton's launcher (``run``),
-    and its C entry point (``raw``) when the kernel needs no scratch memory, so a launch can
-    skip the launcher's Python wrapper."""
+    its C entry point (``raw``, None where the kernel needs profiler scratch), and the bytes
+    of global scratch memory per program (TMA descriptors), which the launch supplies."""
 
     kernel: object
     run: object
     function: int
     packed: object
     raw: object
+    scratch: int
 
 
 def _compiled(kernel) -> _Compiled:
     run = kernel.run
     raw = None
-    if (getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
-            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+    if (getattr(run, "profile_scratch_size", 1) == 0 and hasattr(run, "launch_cooperative_grid")
+            and hasattr(run, "launch_pdl") and hasattr(run, "global_scratch_size")):
         raw = run.launch
-    return _Compiled(kernel, run, kernel.function, kernel.packed_metadata, raw)
+    size = getattr(run, "global_scratch_size", 0) * getattr(run, "num_ctas", 1)
+    return _Compiled(kernel, run, kernel.function, kernel.packed_metadata, raw, size)
 
 
 def _hooked(hook) -> bool:
@@ -272,20 +274,35 @@ def _hooked(hook) -> bool:
 
 def _direct(c: _Compiled, grid, args, tail, device) -> None:
     """Start a compiled kernel through Triton's C launcher (what JITFunction.run ends with).
-    Launch hooks (a profiler's) get their metadata; with none registered none is built."""
+
+    Launch hooks (a profiler's) get their metadata; with none registered none is built. A
+    kernel that builds TMA descriptors gets its global scratch from core/scratch.py's cache
+    instead of an allocation per launch.
+    """
     stream = torch._C._cuda_getCurrentRawStream(device)
     full = args + tail
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    if _hooked(enter) or _hooked(leave):
+    if c.raw is None or _hooked(enter) or _hooked(leave):
+        ensure_allocator()
         metadata = c.kernel.launch_metadata(grid, stream, *full)
         c.run(grid[0], g1, g2, stream, c.function, c.packed, metadata, enter, leave, *full)
-    elif c.raw is not None:
-        c.raw(grid[0], g1, g2, stream, c.function, c.run.launch_cooperative_grid, c.run.launch_pdl, None, None,
-              c.packed, None, None, None, *full)
-    else:
-        c.run(grid[0], g1, g2, stream, c.function, c.packed, None, None, None, *full)
+        return
+    global_scratch = None
+    if c.scratch:
+        global_scratch = scratch.get(_DEVICES[device], "tma_descriptors", grid[0] * g1 * g2 * c.scratch, torch.int8).data_ptr()
+    c.raw(grid[0], g1, g2, stream, c.function, c.run.launch_cooperative_grid, c.run.launch_pdl, global_scratch, None,
+          c.packed, None, None, None, *full)
+
+
+class _DeviceCache(dict):
+    def __missing__(self, index):
+        self[index] = torch.device("cuda", index)
+        return self[index]
+
+
+_DEVICES = _DeviceCache()
 
 
 _LAUNCHERS: dict[str, Launcher] = {}

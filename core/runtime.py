@@ -54,6 +54,11 @@ def graph_bench(fn, warmup: float = 25, rep: float = 100, quantiles=None, return
     from triton.testing import do_bench
 
     fn()
+    # A capture that fails (fn syncs with the host) leaves the CUDA generator marked as
+    # capturing, and every later random op on the device raises; a clone of its state taken
+    # before puts it back.
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    saved = generator.clone_state()
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -65,6 +70,7 @@ def graph_bench(fn, warmup: float = 25, rep: float = 100, quantiles=None, return
             fn()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - an uncapturable fn (host sync): time it eagerly, say so
+        generator.graphsafe_set_state(saved)
         print(f"[graph_bench] CUDA graph capture failed ({type(e).__name__}: {str(e)[:80]}); timing eagerly", flush=True)
         torch.cuda.synchronize()
         return do_bench(fn, warmup=warmup, rep=rep, quantiles=quantiles, return_mode=return_mode)

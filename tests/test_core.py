@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 import onegemm
-from onegemm.core import configs, splitk
+from onegemm.core import configs, scratch, splitk
 from onegemm.core.checks import ACTIVATIONS
 from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, with_meta
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
@@ -278,12 +278,12 @@ def test_split_k_buffers_are_reusable_and_deterministic(device):
     a = make((37, 300), torch.float32, device)
     b = make((300, 70), torch.float32, device)
     first = onegemm.matmul(a, b, activation="relu", config=split_cfg(3))
-    held = dict(splitk._buffers)
+    held = dict(scratch._held)
     second = onegemm.matmul(a, b, activation="relu", config=split_cfg(3))
     assert_close(first, matmul_ref(a, b, None, "relu"), TOL[torch.float32])
     assert torch.equal(first, second)
-    assert len(held) == 1 and all(splitk._buffers[k][0] is held[k][0] for k in held)  # reused, not re-allocated
-    (ws, counters), = splitk._buffers.values()
+    assert len(held) == 2 and all(scratch._held[k] is held[k] for k in held)  # reused, not re-allocated
+    (counters,) = [buf for key, buf in scratch._held.items() if key[2] == "split_k_counters"]
     assert int(counters.abs().sum()) == 0  # every counter back at zero
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import onegemm
-from onegemm.core import configs, launch, splitk
+from onegemm.core import configs, launch, scratch, splitk
 from onegemm.core.configs import cfg
 from onegemm.core.matmul import MATMUL
 from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, quantize_fp8_ref
@@ -180,7 +180,7 @@ def test_gpu_split_k_scratch_per_stream(device):
     with torch.cuda.stream(s2):
         w2, c2 = splitk.buffers(dev, 100, 4)
     assert w1.data_ptr() != w2.data_ptr() and c1.data_ptr() != c2.data_ptr()
-    assert len(splitk._buffers) == 2
+    assert len(scratch._held) == 4
 
 
 # ---- threads ----
