@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..core import checks, configs, splitk
 from ..core.launch import Launcher, Request
-from ..core.runtime import cdiv, empty, tile_grid
+from ..core.runtime import cdiv, empty, interpretable, tile_grid
 from ..core.tiles import gemm_tile, grouped_tile, make_operands, program_units
 from ..core.tma import choose_tma, forced_flavour, layout_meta
 from .quantize import BLOCK
@@ -217,6 +217,7 @@ def _launch(plan, a, b, c, bias, scales):
     ws = locks = None
     if split > 1:
         ws, locks = splitk.buffers(a.device, split * M * N, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))
+    a, b = interpretable(a), interpretable(b)
     BLOCKSCALED.launch(plan, tile_grid(M, N, meta, plan.device_index), (
         a, b, c, bias, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from . import checks, configs, splitk
 from .launch import Launcher, Request
-from .runtime import cdiv, empty, tile_grid
+from .runtime import cdiv, empty, interpretable, tile_grid
 from .tiles import gemm_tile, grouped_tile, make_operands, program_units
 from .tma import choose_tma, forced_flavour, layout_meta
 
@@ -153,6 +153,7 @@ def _launch(plan, a, b, c, bias, programs):
     ws = locks = None
     if split > 1:
         ws, locks = splitk.buffers(a.device, split * M * N, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))
+    a, b = interpretable(a), interpretable(b)
     sa, sb, sc = a.stride(), b.stride(), c.stride()
     MATMUL.launch(plan, tile_grid(M, N, meta, plan.device_index, programs), (
         a, b, c, bias, M, N, K, sa[0], sa[1], sb[0], sb[1], sc[0], sc[1],

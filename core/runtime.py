@@ -34,6 +34,21 @@ def next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def interpretable(t):
+    """``t`` as a kernel operand may be read under Triton's interpreter: an fp8 tensor becomes
+    an fp16 copy with the same strides (exact: fp16 holds every e4m3 and e5m2 value), because
+    the interpreter reads an e4m3fn NaN as +-480 and e5m2 subnormals below 2^-14 as zero. On a
+    GPU, and for other dtypes, ``t`` itself."""
+    if not INTERPRET or t is None or t.dtype not in _FP8:
+        return t
+    out = torch.empty_strided(t.shape, t.stride(), dtype=torch.float16, device=t.device)
+    out.copy_(t)
+    return out
+
+
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     """torch.empty for kernel outputs; NaN-poisoned when ``POISON`` is set."""
     out = torch.empty(shape, dtype=dtype, device=device)

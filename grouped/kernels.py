@@ -47,18 +47,19 @@ def find_group(tile, tiles, idx):
 
 
 @triton.jit
-def group_spans(offs_ptr, G, total, G_BLOCK: tl.constexpr):
+def group_spans(offs_ptr, stride_offs, G, total, G_BLOCK: tl.constexpr):
     """(idx, starts, sizes, bad) of the G groups of ``offs`` plus the TAIL group G.
 
+    offs[g] is at offs_ptr + g * stride_offs (a strided view of offsets is read in place).
     Group g spans [offs[g-1], offs[g]) (offs[-1] := 0); the tail group G spans
     [offs[G-1], total): the rows (or columns) past the last offset, whose output is zero.
     Entries past G are empty. ``bad``: offs decrease, start below 0 or pass ``total``: the host
     does not check offs values without a sync, so the kernel must never trust them.
     """
     idx = tl.arange(0, G_BLOCK)
-    ends = tl.load(offs_ptr + idx, mask=idx < G, other=0)
+    ends = tl.load(offs_ptr + idx * stride_offs, mask=idx < G, other=0)
     ends = tl.where(idx < G, ends, total)
-    starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx <= G), other=0)
+    starts = tl.load(offs_ptr + (idx - 1) * stride_offs, mask=(idx >= 1) & (idx <= G), other=0)
     starts = tl.where(idx <= G, starts, total)
     sizes = ends - starts
     bad = tl.sum((sizes < 0).to(tl.int32)) > 0
@@ -66,13 +67,13 @@ def group_spans(offs_ptr, G, total, G_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def locate_tile(tile, offs_ptr, G, total, BLOCK: tl.constexpr, G_BLOCK: tl.constexpr):
+def locate_tile(tile, offs_ptr, stride_offs, G, total, BLOCK: tl.constexpr, G_BLOCK: tl.constexpr):
     """Block ``tile`` of the ragged dimension -> (g, start, size, local block, valid, bad).
 
     Blocks are numbered group after group, cdiv(size_g, BLOCK) per group, tail group last.
     With bad offs the whole dimension becomes one tail group (filled with NaN by the caller).
     """
-    idx, starts, sizes, bad = group_spans(offs_ptr, G, total, G_BLOCK)
+    idx, starts, sizes, bad = group_spans(offs_ptr, stride_offs, G, total, G_BLOCK)
     starts = tl.where(bad, 0, starts)
     sizes = tl.where(bad, tl.where(idx == G, total, 0), sizes)
     tiles = (sizes + BLOCK - 1) // BLOCK
@@ -150,7 +151,7 @@ def group_tile(
 
 @triton.jit
 def ragged_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, stride_offs,
     a_rows_ptr, c_rows_ptr, weight_ptr,
     G, M, N, K,
     stride_ag, stride_am, stride_ak,
@@ -172,7 +173,8 @@ def ragged_kernel(
       "K": a [M, K], b [K, N], c [G, M, N];       group g = a slice of the reduction.
       "":  a [G, M, K], b [G, K, N] (*), c [G, M, N]; no offs (batched).
     (*) with SWIGLU, b has 2N columns (gate then up) and c has N.
-    M, N, K: the sizes; the ragged one is the total over groups. offs_ptr [G] int32.
+    M, N, K: the sizes; the ragged one is the total over groups. offs_ptr [G] int32, element g
+        at offs_ptr + g * stride_offs.
     bias_ptr: bias_g[j] at bias_ptr + g*stride_bias_g + j*stride_bias_n ([G, N]; for "N" a
         [total N] vector with stride_bias_g = 0), or None.
     a_rows_ptr, c_rows_ptr [M] int32, weight_ptr: the MoE gather / scatter / routing weight
@@ -196,13 +198,13 @@ def ragged_kernel(
     fill_value = 0.0
     if RAGGED == "M":
         pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M) + G + 1, tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
-        g, start, size, pid_m, valid, bad = locate_tile(pid_m, offs_ptr, G, M, BLOCK_M, G_BLOCK)
+        g, start, size, pid_m, valid, bad = locate_tile(pid_m, offs_ptr, stride_offs, G, M, BLOCK_M, G_BLOCK)
         M_g = size
         N_g = N
         K_g = K
     elif RAGGED == "N":
         pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N) + G + 1, GROUP_M)
-        g, start, size, pid_n, valid, bad = locate_tile(pid_n, offs_ptr, G, N, BLOCK_N, G_BLOCK)
+        g, start, size, pid_n, valid, bad = locate_tile(pid_n, offs_ptr, stride_offs, G, N, BLOCK_N, G_BLOCK)
         M_g = M
         N_g = size
         K_g = K
@@ -215,7 +217,7 @@ def ragged_kernel(
         K_g = K
         bad = False
         if RAGGED == "K":
-            idx, starts, sizes, bad = group_spans(offs_ptr, G, K, G_BLOCK)
+            idx, starts, sizes, bad = group_spans(offs_ptr, stride_offs, G, K, G_BLOCK)
             start = tl.sum(tl.where(idx == g, starts, 0))
             K_g = tl.sum(tl.where(idx == g, sizes, 0))
     if RAGGED != "":

@@ -7,7 +7,7 @@ import triton
 
 from ..core import checks, configs
 from ..core.launch import Launcher, Request
-from ..core.runtime import INTERPRET, cdiv, default_programs, empty, next_pow2
+from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2
 from ..core.tma import choose_tma, forced_flavour, layout_meta
 from .kernels import list_kernel, ragged_kernel
 
@@ -93,7 +93,7 @@ def launch_ragged(
            c_rows is not None, weight is not None, m, N, K, a_k, b_k, layout, tma, checks.dot_precision(a.dtype),
            next_pow2(G + 1), a.get_device(), config)
     args = (
-        a, b, c, bias, offs, a_rows, c_rows, weight,
+        interpretable(a), interpretable(b), c, bias, offs, 0 if offs is None else offs.stride(0), a_rows, c_rows, weight,
         G, M, N, K, *strides_a, *strides_b, *strides_c, *_bias_strides(bias),
     )
 
@@ -239,6 +239,7 @@ def _grouped_list(As, Bs, *, activation=None, out_dtype=None, config=None):
             raise ValueError(f"a[{i}] is [M, K] = {tuple(x.shape)} but b[{i}] is {tuple(w.shape)}: b[{i}] must be [K, N] with K = {x.shape[1]}")
         checks.check_same_device(**{"a[0]": As[0], f"a[{i}]": x, f"b[{i}]": w})
     out_dtype = checks.resolve_out_dtype(out_dtype, As[0].dtype)
+    As, Bs = [interpretable(x) for x in As], [interpretable(w) for w in Bs]
     device = As[0].device
     Cs = [empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=device) for x, w in zip(As, Bs)]
     G = len(As)

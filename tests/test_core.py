@@ -428,3 +428,27 @@ def test_gpu_graph_bench_falls_back_to_eager(capsys, device):
     ms = graph_bench(lambda: x.sum().item(), warmup=1, rep=5)
     assert 0 < ms < float("inf")
     assert "timing eagerly" in capsys.readouterr().out
+
+
+# ---- fp8 values the interpreter cannot load (it gets an fp16 copy; exact) ----
+
+
+@pytest.mark.parametrize("case", ["e4m3 NaN", "e5m2 subnormals"])
+def test_fp8_special_values(case, device):
+    """An e4m3fn NaN in a gives NaN in its output row (not a finite product of +-480), and
+    e5m2 subnormals (below 2^-14) count at their value (not as zero)."""
+    if case == "e4m3 NaN":
+        a = torch.randn(20, 64, device=device).to(torch.float8_e4m3fn)
+        a[7, 5] = float("nan")
+        b = torch.randn(64, 16, device=device).to(torch.float8_e5m2)
+    else:
+        # e5m2's subnormals are the multiples of 2^-16 below 2^-14.
+        sign = torch.randint(0, 2, (20, 64), device=device) * 2 - 1
+        a = (torch.randint(1, 4, (20, 64), device=device) * sign * 2.0**-16).to(torch.float8_e5m2)
+        b = torch.randn(64, 16, device=device).to(torch.float8_e4m3fn)
+        assert (a.float().abs() < 2**-14).all() and (a.float() != 0).all()
+    out = onegemm.matmul(a, b, out_dtype=torch.float32)
+    ref = matmul_ref(a, b)
+    rows = torch.isnan(ref).any(1)
+    assert torch.equal(torch.isnan(out).any(1), rows)
+    assert_close(out[~rows], ref[~rows], FP8_MMA_TOL)

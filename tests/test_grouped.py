@@ -400,3 +400,29 @@ def test_tma_refused_where_group_bases_misalign(device):
     b3 = expert_weights(2, 16, 24, torch.float16, device)
     with pytest.raises(ValueError, match="row-major"):
         onegemm.grouped_matmul(rand(16, 24, dtype=torch.float16, device=device).t(), b3, offs_of([8, 12], device), tma=True)
+
+
+# ---- offs given as a strided view (read in place through its stride) ----
+
+OFFS_VIEW_CASES = ["2d_3d", "2d_2d", "3d_2d"]
+
+
+@pytest.mark.parametrize("mode", OFFS_VIEW_CASES)
+def test_strided_offs_view(mode, device):
+    """offs = base[::2], a valid 1-D int32 view with stride 2: every group must use its own
+    offsets (reading offs_ptr + g would take every other element's neighbour)."""
+    sizes = [3, 0, 17, 5]
+    ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    base = torch.full((2 * len(sizes),), 10**6, dtype=torch.int32)
+    base[::2] = ends
+    offs = base.to(device)[::2]
+    assert offs.stride(0) == 2
+    total, G = int(ends[-1]) + 2, len(sizes)
+    if mode == "2d_3d":
+        a, b = rand(total, 24, device=device), rand(G, 24, 20, device=device)
+    elif mode == "2d_2d":
+        a, b = rand(12, total, device=device), rand(total, 20, device=device)
+    else:
+        a, b = rand(G, 12, 24, device=device), rand(24, total, device=device)
+    out = onegemm.grouped_matmul(a, b, offs)
+    assert_close(out, grouped_mm_ref(a, b, offs.contiguous()), TOL[torch.float32])
