@@ -27,4 +27,8 @@ from .grouped import *  # noqa: E402,F401,F403
 from .persistent import *  # noqa: E402,F401,F403
 from .blockscaled import *  # noqa: E402,F401,F403
 
+from .core.launch import start_prewarm as _start_prewarm  # noqa: E402
+
+_start_prewarm()
+
 __version__ = "0.1.0"

@@ -45,6 +45,32 @@ _INTERPRET_LOCK = threading.Lock()
 
 # ---------------------------------------------------------------------------- specialisation
 
+def _prepare(args) -> tuple:
+    """(``_spec(args)``, args with each tensor replaced by its data pointer) in one pass:
+    Triton's C launcher takes an int as a pointer as it is, where for a tensor it calls
+    data_ptr() and asks the driver about the address (the ops have checked the devices)."""
+    spec, raw = [], []
+    for x in args:
+        if x.__class__ is int:
+            spec.append(-1 if x == 1 else (x & 15 == 0) + (0 if -2147483648 <= x <= 2147483647 else 2))
+            raw.append(x)
+        elif x is None:
+            spec.append(None)
+            raw.append(None)
+        elif isinstance(x, torch.Tensor):
+            p = x.data_ptr()
+            spec.append((x.dtype, p & 15 == 0))
+            raw.append(p)
+        elif x.__class__ is tuple:
+            s, r = _prepare(x)
+            spec.append(s)
+            raw.append(r)
+        else:
+            spec.append(x.__class__)
+            raw.append(x)
+    return tuple(spec), tuple(raw)
+
+
 def _spec(args) -> tuple:
     """What Triton's compiled kernel depends on in the runtime arguments: per int whether it is
     1, a multiple of 16 and within int32; None; per tensor its dtype and 16-byte alignment; the
@@ -177,7 +203,7 @@ class Launcher:
             with _INTERPRET_LOCK:
                 self.fn[grid](*args, **plan.meta, **plan.options)
             return
-        spec = _spec(args)
+        spec, raw = _prepare(args)
         kernel = plan.kernels.get(spec)
         device = plan.device_index
         if kernel is None or torch._C._cuda_getDevice() != device:
@@ -185,9 +211,9 @@ class Launcher:
                 if kernel is None:
                     self._first_launch(plan, spec, grid, args)
                 else:
-                    _direct(kernel, grid, args, plan.tail, device)
+                    _direct(kernel, grid, raw, plan.tail, device)
             return
-        _direct(kernel, grid, args, plan.tail, device)
+        _direct(kernel, grid, raw, plan.tail, device)
 
     def _first_launch(self, plan: Plan, spec: tuple, grid: tuple, args: tuple) -> None:
         if len(args) != self.num_args:
@@ -273,7 +299,8 @@ def _hooked(hook) -> bool:
 
 
 def _direct(c: _Compiled, grid, args, tail, device) -> None:
-    """Start a compiled kernel through Triton's C launcher (what JITFunction.run ends with).
+    """Start a compiled kernel through Triton's C launcher (what JITFunction.run ends with);
+    ``args`` are the runtime arguments as ``_prepare`` returns them (pointers as ints).
 
     Launch hooks (a profiler's) get their metadata; with none registered none is built. A
     kernel that builds TMA descriptors gets its global scratch from core/scratch.py's cache
@@ -316,6 +343,31 @@ def plans(family: str) -> dict:
 def clear_plans() -> None:
     for launcher in _LAUNCHERS.values():
         launcher.clear()
+
+
+# ---------------------------------------------------------------------------- prewarm
+
+
+def _prewarm() -> None:
+    # Before its first compile-cache lookup in a process Triton hashes its own sources and
+    # shared library (triton.runtime.cache.triton_key, ~0.4 s on the H200 host) and imports
+    # gluon (~0.13 s), once, whatever is compiled; measured in bench/results/overhead.md.
+    try:
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+        import triton.experimental.gluon  # noqa: F401
+    except Exception:  # noqa: BLE001 - a head start only: the first launch does it otherwise
+        pass
+
+
+def start_prewarm() -> None:
+    """Do Triton's once-per-process start-up work in a background thread (called at import on
+    a GPU; ONEGEMM_PREWARM=0 turns it off): the first call then waits for its compile-cache
+    lookup alone. hashlib releases the GIL while it hashes, so the thread hardly competes."""
+    if INTERPRET or os.environ.get("ONEGEMM_PREWARM", "1") == "0":
+        return
+    threading.Thread(target=_prewarm, name="onegemm-prewarm", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------- tuned tables

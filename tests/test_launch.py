@@ -49,6 +49,17 @@ def test_spec_key_recurses_into_tuples():
     assert launch._spec(((16, 1), None)) == ((launch._spec((16,))[0], launch._spec((1,))[0]), None)
 
 
+def test_prepare_gives_the_spec_and_pointers():
+    """The launch path's one pass: the same key as _spec, every tensor as its data pointer
+    (what Triton's C launcher takes for a pointer argument), everything else as it was."""
+    args = (*_values(), (3, torch.empty(4)))
+    spec, raw = launch._prepare(args)
+    assert spec == launch._spec(args)
+    for x, r in zip(args[:-1], raw[:-1]):
+        assert r == (x.data_ptr() if isinstance(x, torch.Tensor) else x) or (r is x)
+    assert raw[-1] == (3, args[-1][1].data_ptr())
+
+
 # ---- the plan cache ----
 
 
