@@ -14,7 +14,7 @@ Speed: each ratio is the peer's time / onegemm's time (above 1: onegemm faster);
 the quantisers are outside the GEMM timings (Fp8Linear's column includes its activation one).
 Accuracy: calc_diff and SQNR of each output against the fp32 product of the unquantised bf16
 inputs (first 1024 rows), and calc_diff of onegemm with K up to 16384.
-Targets (issue 5): >= 0.9x cuBLAS-block and >= 1.3x cuBLAS-bf16 at M >= 2048; calc_diff < 1e-3.
+Targets: >= 0.9x cuBLAS-block and >= 1.3x cuBLAS-bf16 at M >= 2048; calc_diff < 1e-3.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _scaled_mm(qa, qb, sa, sb):
 
 def make_gemms(x, w):
     """{name: zero-argument callable returning x @ W.T in bf16}. Quantisation happens here,
-    outside the timed calls. cuBLAS layouts: DESIGN.md (scale_a outer-dim-major, scale_b a
+    outside the timed calls. cuBLAS layouts (scale_a outer-dim-major, scale_b a
     transposed view of a contiguous [N/128, K/128]; row-wise scales contiguous)."""
     qx, sx = onegemm.quantize_fp8(x)  # 1x128, outer-dim-major scale (torch._scaled_mm's layout)
     qw, sw = onegemm.quantize_fp8(w, (128, 128))

@@ -1,4 +1,4 @@
-"""Grouped GEMM and MoE expert FFN: onegemm against torch, on the MoE shapes of DESIGN.md.
+"""Grouped GEMM and MoE expert FFN: onegemm against torch, on real models' MoE shapes.
 
     python bench/bench_grouped.py           # on the H200: tables + bench/results/grouped.{md,png}
     python bench/bench_grouped.py --quick   # CPU interpreter: the same code path on tiny shapes,
@@ -20,7 +20,7 @@
    (onegemm.grouped.moe.moe_ffn_torch with torch._grouped_mm: permuted copy of x, two grouped
    GEMMs, SwiGLU, index_add combine).
 Every ratio is the peer's time / onegemm's time, measured in the same run (above 1: onegemm
-is faster). Targets (issue 3): geomean >= 1.0x torch._grouped_mm on the prefill shapes, decode
+is faster). Targets: geomean >= 1.0x torch._grouped_mm on the prefill shapes, decode
 at >= 3.1 TB/s of weight bandwidth, fp16 >= 2x torch's fp16 path.
 """
 

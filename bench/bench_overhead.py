@@ -233,34 +233,39 @@ def run_quick():
     print(f"quick: {len(tiny_ops('cpu', quick=True))} ops ran under the interpreter; no numbers, no files")
 
 
-def run_full():
+SECTIONS = ("host", "ratios", "buckets", "first")
+
+
+def run_full(sections=SECTIONS, name="overhead"):
     require_gpu()
-    host = host_table()
-    ratios = ratio_table()
-    buckets = new_bucket_table()
-    first = first_call_table()
     text = header("What an eager PyTorch user sees: host time per call, eager and GPU ratios, first calls")
-    text += "## Host time per eager call (tiny shapes; 2000 calls, one sync, best of 5)\n\n"
-    text += markdown_table(host) + "\n"
-    text += ("## Eager (do_bench of Python calls) and GPU time (CUDA-graph replay), ratio = torch time / onegemm time\n\n"
-             "config: what onegemm ran and where it came from (table: the shipped tuned table; heuristic: chosen from "
-             "the shape, no timing).\n\n")
-    text += markdown_table(ratios) + "\n"
-    text += ("## First call at a new shape, fresh process\n\n"
-             "first_call_s: from the call to its synced result. startup_s: import torch + onegemm and CUDA's "
-             "initialisation, before it. cold: Triton's on-disk cache empty (a new machine); warm: filled by the "
-             "process before (the same machine, a second process).\n\n")
-    text += markdown_table(first) + "\n"
-    text += "## First call at each new M bucket, warm process (4096 x 4096 bf16 weight)\n\n"
-    text += markdown_table(buckets) + "\n"
-    write_results("overhead", text)
+    if "host" in sections:
+        text += "## Host time per eager call (tiny shapes; 2000 calls, one sync, best of 5)\n\n"
+        text += markdown_table(host_table()) + "\n"
+    if "ratios" in sections:
+        text += ("## Eager (do_bench of Python calls) and GPU time (CUDA-graph replay), ratio = torch time / onegemm time\n\n"
+                 "config: what onegemm ran and where it came from (table: the shipped tuned table; heuristic: chosen from "
+                 "the shape, no timing).\n\n")
+        text += markdown_table(ratio_table()) + "\n"
+    if "first" in sections:
+        text += ("## First call at a new shape, fresh process\n\n"
+                 "first_call_s: from the call to its synced result. startup_s: import torch + onegemm and CUDA's "
+                 "initialisation, before it. cold: Triton's on-disk cache empty (a new machine); warm: filled by the "
+                 "process before (the same machine, a second process).\n\n")
+        text += markdown_table(first_call_table()) + "\n"
+    if "buckets" in sections:
+        text += "## First call at each new M bucket, warm process (4096 x 4096 bf16 weight)\n\n"
+        text += markdown_table(new_bucket_table()) + "\n"
+    write_results(name, text)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="run every op once under the CPU interpreter, no timing")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--name", default="overhead", help="results file name (bench/results/NAME.md)")
     args = p.parse_args()
     if args.quick:
         run_quick()
     else:
-        run_full()
+        run_full(tuple(args.sections.split(",")), args.name)

@@ -14,7 +14,7 @@ Both schedules are autotuned (onegemm.autotune: every candidate timed in GPU tim
 kept in the user's tuning cache) over the same tiles and run the same tile body, so
 pers_x / lpt_x is the scheduling effect alone (the chosen tile shapes are printed).
 
-Sweep: square 512..8192; small-M LLM linears (M 16..256 with DESIGN.md's (N, K)); K in
+Sweep: square 512..8192; small-M LLM linears (M 16..256, (N, K) of bench_matmul.py); K in
 {512, 1024, 8192} at 4096 x 4096 (4096 is in the square set); and "wave tail" shapes whose
 tile count is just past a multiple of the 132 SMs (133 and 265 tiles of 128 x 256; 136/272 for
 128 x 128) next to one with exactly 132. Then the persistent TMA kernel's options
@@ -180,7 +180,7 @@ def report(dname: str, rows: list[dict], option_rows: list[dict]) -> str:
         "kernel, core's matmul_kernel, with its PERSISTENT switch off or on. tiles and waves "
         "(tiles / SMs) are for pers_tma's chosen tile shape. "
         "B = W.t() of an nn.Linear weight.\n\n"
-        "Targets (issue 4): pers_ptr/lpt_ptr geomean over the sweep >= 1.0; pers_tma/cuBLAS >= 1.0 at "
+        "Targets: pers_ptr/lpt_ptr geomean over the sweep >= 1.0; pers_tma/cuBLAS >= 1.0 at "
         "4096-8192 square.\n\n"
     )
     text += "## Summary (geomean of ratios)\n\n" + markdown_table(summary) + "\n"

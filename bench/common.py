@@ -114,4 +114,4 @@ def plot_ratios(name: str, labels: list[str], series: dict[str, list[float]], yl
 
 def require_gpu():
     if not torch.cuda.is_available():
-        sys.exit("benchmarks need a CUDA GPU (run them on the H200 through the device tool)")
+        sys.exit("benchmarks need a CUDA GPU; run with --quick for the CPU interpreter check of the same code path")

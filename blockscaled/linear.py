@@ -48,24 +48,41 @@ class Fp8Linear(nn.Module):
             self.register_parameter("bias", None)
 
     @torch.no_grad()
-    def set_weight(self, weight: torch.Tensor) -> None:
-        """Quantise a float weight [out_features, in_features] (128x128 blocks) into the buffers."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"weight must be [out_features, in_features] = [{self.out_features}, {self.in_features}], got {tuple(weight.shape)}")
-        self.weight, self.weight_scale = quantize_fp8(weight.detach(), (BLOCK, BLOCK), check_finite=True)
+    def set_weight(self, weight: torch.Tensor, name: str = "weight") -> None:
+        """Quantise a float weight [out_features, in_features] (128x128 blocks) into the buffers.
+        ``name``: what errors call it (from_linear says 'linear.weight')."""
+        checks.check_tensor(name, weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
+        checks.check_shape(name, weight, (self.out_features, self.in_features),
+                           f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
+        q, scale = quantize_fp8(weight.detach(), (BLOCK, BLOCK))
+        if not bool(torch.isfinite(scale).all()):  # once per weight, not per call: the sync is fine
+            raise checks.bad_value(name, "finite", "NaN or inf")
+        self.weight, self.weight_scale = q, scale
+
+    def _apply(self, fn, recurse=True):
+        # .half() / .to(dtype) and the like cast floating tensors; the fp8 weight and its fp32
+        # scales must keep their dtypes (only the bias and the output follow the module's
+        # dtype), so they are moved, never cast.
+        weight, scale = self.weight, self.weight_scale
+        super()._apply(fn, recurse)
+        if self.weight.dtype != weight.dtype:
+            self.weight = weight.to(self.weight.device)
+        if self.weight_scale.dtype != scale.dtype:
+            self.weight_scale = scale.to(self.weight_scale.device)
+        return self
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
         """An Fp8Linear with linear's weight (quantised) and bias (copied), on its device."""
         if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+            raise checks.bad_type("linear", "a torch.nn.Linear", linear)
         w = linear.weight
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.in_features, module.out_features = linear.in_features, linear.out_features
         module.register_buffer("weight", torch.empty(0, device=w.device, dtype=torch.float8_e4m3fn))
         module.register_buffer("weight_scale", torch.empty(0, device=w.device, dtype=torch.float32))
-        module.set_weight(w)
+        module.set_weight(w, "linear.weight")
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone())
         else:
@@ -75,7 +92,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         checks.check_tensor("x", x, dtypes=checks.FLOAT_DTYPES)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"x must be [..., in_features] = [..., {self.in_features}], got {tuple(x.shape)}")
+            raise checks.bad_shape("x", f"[..., in_features] = [..., {self.in_features}]", x.shape)
         self._check_buffers(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         q, scale = quantize_fp8(x2, (1, BLOCK))
@@ -90,12 +107,13 @@ class Fp8Linear(nn.Module):
         w, s, bias = self.weight, self.weight_scale, self.bias
         kb, nb = -(-self.in_features // BLOCK), -(-self.out_features // BLOCK)
         if w.dtype != torch.float8_e4m3fn or w.shape != (self.out_features, self.in_features):
-            raise ValueError(f"Fp8Linear.weight must be float8_e4m3fn [{self.out_features}, {self.in_features}], "
-                             f"got {w.dtype} {tuple(w.shape)}")
+            raise checks.bad_value("Fp8Linear.weight", f"float8_e4m3fn [{self.out_features}, {self.in_features}]",
+                                   f"{w.dtype} {tuple(w.shape)}")
         if s.dtype != torch.float32 or s.shape != (nb, kb):
-            raise ValueError(f"Fp8Linear.weight_scale must be float32 [{nb}, {kb}], got {s.dtype} {tuple(s.shape)}")
+            raise checks.bad_value("Fp8Linear.weight_scale", f"float32 [{nb}, {kb}]", f"{s.dtype} {tuple(s.shape)}")
         if bias is not None and (bias.shape != (self.out_features,) or bias.dtype not in checks.FLOAT_DTYPES):
-            raise ValueError(f"Fp8Linear.bias must be [{self.out_features}] of a float dtype, got {bias.dtype} {tuple(bias.shape)}")
+            raise checks.bad_value("Fp8Linear.bias", f"[{self.out_features}] of dtype in ({checks.dtype_names(checks.FLOAT_DTYPES)})",
+                                   f"{bias.dtype} {tuple(bias.shape)}")
         checks.check_same_device(x=x, weight=w, weight_scale=s, bias=bias)
 
     def extra_repr(self) -> str:

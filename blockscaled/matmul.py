@@ -108,11 +108,10 @@ def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> str:
     for kind, want in (("row", (M, 1)), ("1x128", (M, kb)), ("128x128", (mb, kb))):
         if shape == want:
             return kind
-    raise ValueError(
-        f"scale_a has shape {shape}, which fits no granularity for a [M, K] = [{M}, {K}]: expected "
-        f"a scalar, [M, 1] = [{M}, 1], [M, ceil(K/128)] = [{M}, {kb}] (1x128) or "
-        f"[ceil(M/128), ceil(K/128)] = [{mb}, {kb}] (128x128)"
-    )
+    raise checks.bad_shape(
+        "scale_a", f"a scalar, [M, 1] = [{M}, 1], [M, ceil(K/128)] = [{M}, {kb}] (1x128) or "
+        f"[ceil(M/128), ceil(K/128)] = [{mb}, {kb}] (128x128) for a [M, K] = [{M}, {K}]", shape,
+        "it fits no granularity")
 
 
 def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> str:
@@ -123,17 +122,10 @@ def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> str:
     for kind, want in (("col", (1, N)), ("128x1", (kb, N)), ("128x128", (kb, nb))):
         if shape == want:
             return kind
-    raise ValueError(
-        f"scale_b has shape {shape}, which fits no granularity for b [K, N] = [{K}, {N}]: expected "
-        f"a scalar, [1, N] = [1, {N}], [ceil(K/128), N] = [{kb}, {N}] (128x1) or "
-        f"[ceil(K/128), ceil(N/128)] = [{kb}, {nb}] (128x128)"
-    )
-
-
-def _check_fp8(name: str, t) -> None:
-    checks.check_tensor(name, t, ndim=2)
-    if t.dtype not in checks.FP8_DTYPES:
-        raise ValueError(f"{name} must be float8_e4m3fn or float8_e5m2 (quantize it with onegemm.quantize_fp8), got {t.dtype}")
+    raise checks.bad_shape(
+        "scale_b", f"a scalar, [1, N] = [1, {N}], [ceil(K/128), N] = [{kb}, {N}] (128x1) or "
+        f"[ceil(K/128), ceil(N/128)] = [{kb}, {nb}] (128x128) for b [K, N] = [{K}, {N}]", shape,
+        "it fits no granularity")
 
 
 def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias=None, activation=None,
@@ -151,12 +143,13 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     ``tma``: as in onegemm.matmul (None: tensor-descriptor loads of a and b on Hopper when
     they allow it, pointer loads otherwise; False: pointers; True: TMA or ValueError).
     """
-    _check_fp8("a", a)
-    _check_fp8("b", b)
-    if a.dtype == b.dtype == torch.float8_e5m2:
-        raise ValueError("a and b cannot both be float8_e5m2 (Hopper's fp8 MMA takes e5m2 only against e4m3); make one float8_e4m3fn")
+    checks.check_fp8("a", a)
+    checks.check_fp8("b", b)
+    checks.check_operand_dtypes(a, b)
     if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is {tuple(b.shape)}: b must be [K, N] with K = {a.shape[1]}")
+        raise checks.bad_shape("b", f"[K, N] with K = {a.shape[1]} (a is [M, K] = {tuple(a.shape)})", b.shape)
+    checks.check_config(config)
+    checks.check_tma(tma)
     M, K = a.shape
     N = b.shape[1]
     checks.check_tensor("scale_a", scale_a, dtypes=(torch.float32,))

@@ -185,14 +185,14 @@ def _quantize_torch(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool
     return q, scale.reshape(_scale_shape(block, M, K))
 
 
-def _check_args(x, block, dtype):
-    checks.check_tensor("x", x, ndim=2, dtypes=IN_DTYPES)
+def _check_args(x, block, dtype, pow2_scale, name="x"):
+    checks.check_tensor(name, x, ndim=2, dtypes=IN_DTYPES)
     if not isinstance(block, str):
         block = tuple(block) if isinstance(block, (tuple, list)) else block
-    if block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+    checks.check_choice("block", block, BLOCKS)
     if dtype not in checks.FP8_DTYPES:
-        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+        raise checks.bad_dtype("dtype", "torch.float8_e4m3fn or torch.float8_e5m2", dtype)
+    checks.check_bool("pow2_scale", pow2_scale)
     return block
 
 
@@ -210,9 +210,8 @@ def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=F
     device sync) and raises ValueError for non-finite input instead.
     On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
     """
-    block = _check_args(x, block, dtype)
-    if not isinstance(check_finite, bool):
-        raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+    block = _check_args(x, block, dtype, pow2_scale)
+    checks.check_bool("check_finite", check_finite)
     M, K = x.shape
     if x.numel() == 0:
         return torch.empty((M, K), dtype=dtype, device=x.device), torch.ones(_scale_shape(block, M, K), device=x.device)
@@ -223,5 +222,5 @@ def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=F
     else:
         q, scale = _quantize_triton(x, block, dtype, pow2_scale)
     if check_finite and not bool(torch.isfinite(scale).all()):
-        raise ValueError("x must be finite: it holds NaN or inf (its block's scale would be inf)")
+        raise checks.bad_value("x", "finite with check_finite=True", "NaN or inf (a block's scale would be inf)")
     return q, scale

@@ -1,12 +1,23 @@
-"""Input validation shared by every public op.
+"""Input checks of every public op, and the only place onegemm words an error.
 
-Bad input must raise a ValueError or TypeError that names the argument and says what was
-expected: never a silent wrong answer, never an illegal memory access on the GPU.
+The convention (README "Errors"): bad input raises before any kernel runs,
+* TypeError when an argument has the wrong type: not a tensor, a Python value of the wrong
+  type (a str or bool where an int is needed), or a tensor of the wrong dtype;
+* ValueError when the type is right but the value is not: a shape, rank, size, device or
+  range that does not fit;
+and the message starts with the public argument's name: "<name> must be <what>, got <what>".
+Never a silent wrong answer, never an illegal memory access on the GPU.
+
+Ops raise through the helpers below (``bad_type``, ``bad_value``, ``bad_shape`` build the
+exception; ``check_*`` test and raise), so the whole API speaks one language. Every public
+call runs these checks: a passing check is a few attribute reads, messages are built only on
+failure.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 
 from .runtime import INTERPRET
 
@@ -18,24 +29,50 @@ OUT_DTYPES = FLOAT_DTYPES
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 
 
-def _dtype_names(dtypes) -> str:
+def dtype_names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
-    """TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank or device.
+# ---- the messages ----
 
-    Every public call runs these checks, so they are written for speed: a passing check is a
-    few attribute reads; the messages are built only when one fails.
-    """
+
+def bad_type(name: str, expected: str, value) -> TypeError:
+    """TypeError: '<name> must be <expected>, got <the value's type>'."""
+    return TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+
+
+def bad_dtype(name: str, expected: str, dtype) -> TypeError:
+    """TypeError: '<name> must be <expected>, got <dtype>'."""
+    return TypeError(f"{name} must be {expected}, got {dtype}")
+
+
+def bad_value(name: str, expected: str, got, why: str = "") -> ValueError:
+    """ValueError: '<name> must be <expected>, got <got>[: <why>]'."""
+    return ValueError(f"{name} must be {expected}, got {got}" + (f": {why}" if why else ""))
+
+
+def bad_shape(name: str, expected: str, shape, why: str = "") -> ValueError:
+    """ValueError: '<name> must be <expected>, got shape <shape>[: <why>]'."""
+    return bad_value(name, expected, f"shape {tuple(shape)}", why)
+
+
+def in_file(path, what: str) -> ValueError:
+    """ValueError '<path>: <what>' for a file that cannot be read or whose contents do not fit."""
+    return ValueError(f"{path}: {what}")
+
+
+# ---- tensors ----
+
+
+def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
+    """TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank or device."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise bad_type(name, "a torch.Tensor", t)
     if ndim is not None and (t.dim() != ndim if ndim.__class__ is int else t.dim() not in ndim):
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        want = " or ".join(f"{d}-D" for d in allowed)
-        raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+        raise bad_shape(name, " or ".join(f"{d}-D" for d in allowed), t.shape)
     if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {t.dtype}")
+        raise bad_dtype(name, f"of dtype in ({dtype_names(dtypes)})", t.dtype)
     check_device(name, t)
 
 
@@ -43,15 +80,13 @@ def check_device(name: str, t: torch.Tensor) -> None:
     # Under the interpreter kernels read host memory; on a GPU they read device memory.
     if INTERPRET:
         if not t.is_cpu:
-            raise ValueError(
-                f"{name} must be a CPU tensor under Triton's interpreter (TRITON_INTERPRET=1), "
-                f"got device {t.device}"
-            )
+            raise bad_value(name, "a CPU tensor under Triton's interpreter (TRITON_INTERPRET=1)", f"device {t.device}")
     elif not t.is_cuda:
-        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        raise bad_value(name, "a CUDA tensor", f"device {t.device}")
 
 
 def check_same_device(**tensors) -> None:
+    """Every tensor given (None skipped) on the first one's device."""
     first_name = first = None
     for n, t in tensors.items():
         if t is None:
@@ -59,21 +94,16 @@ def check_same_device(**tensors) -> None:
         if first is None:
             first_name, first, index = n, t, t.get_device()
         elif t.get_device() != index:
-            raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}")
+            raise bad_value(n, f"on {first_name}'s device {first.device}", f"device {t.device}")
 
 
-def check_activation(activation) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+def check_shape(name: str, t: torch.Tensor, shape: tuple, what: str = "") -> None:
+    """t.shape == shape, else ValueError '<name> must be <what or [shape]>, got shape ...'."""
+    if tuple(t.shape) != tuple(shape):
+        raise bad_shape(name, what or str(list(shape)), t.shape)
 
 
-def resolve_out_dtype(out_dtype, in_dtype: torch.dtype) -> torch.dtype:
-    """Default: the input dtype; fp8 inputs default to bfloat16 (fp8 outputs are not offered)."""
-    if out_dtype is None:
-        return torch.bfloat16 if in_dtype in FP8_DTYPES else in_dtype
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of ({_dtype_names(OUT_DTYPES)}), got {out_dtype}")
-    return out_dtype
+# ---- GEMM arguments ----
 
 
 def check_operand_dtypes(a: torch.Tensor, b: torch.Tensor, a_name="a", b_name="b") -> None:
@@ -86,10 +116,17 @@ def check_operand_dtypes(a: torch.Tensor, b: torch.Tensor, a_name="a", b_name="b
         return
     both_fp8 = a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES
     if a.dtype != b.dtype and not both_fp8:
-        raise TypeError(f"{a_name} and {b_name} must have the same dtype, got {a.dtype} and {b.dtype}")
+        raise bad_dtype(f"{a_name} and {b_name}", "of the same dtype", f"{a.dtype} and {b.dtype}")
     if a.dtype == b.dtype == torch.float8_e5m2:
         # Hopper's fp8 MMA (and torch._scaled_mm) take e5m2 only against e4m3.
         raise TypeError(f"{a_name} and {b_name} cannot both be float8_e5m2; make one float8_e4m3fn")
+
+
+def check_fp8(name: str, t) -> None:
+    """A 2-D fp8 tensor (the block-scaled GEMM's operands)."""
+    check_tensor(name, t, ndim=2)
+    if t.dtype not in FP8_DTYPES:
+        raise bad_dtype(name, "float8_e4m3fn or float8_e5m2 (quantize it with onegemm.quantize_fp8)", t.dtype)
 
 
 def check_bias(bias, shape: tuple, out_like: str = "the output") -> None:
@@ -97,7 +134,59 @@ def check_bias(bias, shape: tuple, out_like: str = "the output") -> None:
         return
     check_tensor("bias", bias, dtypes=FLOAT_DTYPES)
     if tuple(bias.shape) != tuple(shape):
-        raise ValueError(f"bias must have shape {tuple(shape)} (one value per column of {out_like}), got {tuple(bias.shape)}")
+        raise bad_shape("bias", f"of shape {tuple(shape)} (one value per column of {out_like})", bias.shape)
+
+
+def check_activation(activation) -> None:
+    if activation is not None and not isinstance(activation, str):
+        raise bad_type("activation", f"one of {ACTIVATIONS}", activation)
+    if activation not in ACTIVATIONS:
+        raise bad_value("activation", f"one of {ACTIVATIONS}", repr(activation))
+
+
+def resolve_out_dtype(out_dtype, in_dtype: torch.dtype) -> torch.dtype:
+    """Default: the input dtype; fp8 inputs default to bfloat16 (fp8 outputs are not offered)."""
+    if out_dtype is None:
+        return torch.bfloat16 if in_dtype in FP8_DTYPES else in_dtype
+    if out_dtype not in OUT_DTYPES:
+        raise bad_dtype("out_dtype", f"one of ({dtype_names(OUT_DTYPES)})", out_dtype)
+    return out_dtype
+
+
+def check_config(config) -> None:
+    """``config=``: None or a triton.Config (what benchmarks and tests force)."""
+    if config is not None and not isinstance(config, triton.Config):
+        raise bad_type("config", "a triton.Config or None", config)
+
+
+def check_tma(tma) -> None:
+    if tma is not None and tma is not True and tma is not False:
+        raise bad_type("tma", "None (automatic), True or False", tma)
+
+
+# ---- plain Python arguments ----
+
+
+def check_bool(name: str, value) -> None:
+    if value is not True and value is not False:
+        raise bad_type(name, "a bool", value)
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None, what: str = "") -> None:
+    """An int (not a bool) in [low, high]: TypeError for another type, ValueError out of range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_type(name, f"an int{' ' + what if what else ''}", value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise bad_value(name, f"an int {bounds}{' ' + what if what else ''}", value)
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise bad_value(name, f"one of {tuple(choices)}", repr(value))
+
+
+# ---- what the kernels are compiled for ----
 
 
 def upcast_flag(dtype: torch.dtype) -> bool:

@@ -121,7 +121,7 @@ def flavour_mode(tma, eligible: bool) -> int:
 
 def schedule_mode(persistent) -> int:
     if persistent not in (None, True, False):
-        raise TypeError(f"persistent must be None (automatic), True or False, got {persistent!r}")
+        raise TypeError(f"persistent must be None (automatic), True or False, got {persistent!r}")  # checks.py words it too
     return ANY_SCHEDULE if persistent is None else (PERSISTENT_ONLY if persistent else PER_TILE)
 
 

@@ -71,6 +71,58 @@ def _prepare(args) -> tuple:
     return tuple(spec), tuple(raw)
 
 
+def _kinds(args) -> tuple | None:
+    """Each argument's kind for a generated preparer ('T' tensor, 'I' int, 'N' None), or None
+    when an argument is of another kind (a tuple, a float): those take ``_prepare``."""
+    kinds = []
+    for x in args:
+        if x.__class__ is int:
+            kinds.append("I")
+        elif x is None:
+            kinds.append("N")
+        elif isinstance(x, torch.Tensor):
+            kinds.append("T")
+        else:
+            return None
+    return tuple(kinds)
+
+
+_PREPARERS: dict = {}
+
+
+def _preparer(kinds: tuple):
+    """``_prepare`` written out for one sequence of argument kinds (no loop, no appends):
+    what a plan uses once its first launch has shown its arguments' kinds, which the plan's
+    key fixes (which optional tensors are present is part of every op's key). An argument of
+    another kind raises TypeError, and the launch falls back to ``_prepare``."""
+    fn = _PREPARERS.get(kinds)
+    if fn is not None:
+        return fn
+    names = [f"a{i}" for i in range(len(kinds))]
+    guard, ptrs, spec, raw = [], [], [], []
+    for name, kind in zip(names, kinds):
+        if kind == "T":
+            ptrs.append(f"    p_{name} = {name}.data_ptr()")
+            spec.append(f"({name}.dtype, p_{name} & 15 == 0)")
+            raw.append(f"p_{name}")
+        elif kind == "I":
+            guard.append(f"{name}.__class__ is not int")
+            spec.append(f"(-1 if {name} == 1 else ({name} & 15 == 0) + (0 if -2147483648 <= {name} <= 2147483647 else 2))")
+            raw.append(name)
+        else:
+            guard.append(f"{name} is not None")
+            spec.append("None")
+            raw.append("None")
+    src = (f"def prepare(args):\n    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n"
+           + (f"    if {' or '.join(guard)}:\n        raise TypeError('argument kinds changed')\n" if guard else "")
+           + "\n".join(ptrs) + ("\n" if ptrs else "")
+           + f"    return ({', '.join(spec)}{',' if len(spec) == 1 else ''}), ({', '.join(raw)}{',' if len(raw) == 1 else ''})\n")
+    namespace: dict = {}
+    exec(src, namespace)  # noqa: S102 - code generated from the kinds above, nothing else
+    fn = _PREPARERS[kinds] = namespace["prepare"]
+    return fn
+
+
 def _spec(args) -> tuple:
     """What Triton's compiled kernel depends on in the runtime arguments: per int whether it is
     1, a multiple of 16 and within int32; None; per tensor its dtype and 16-byte alignment; the
@@ -123,7 +175,7 @@ class Plan:
     what grids read. tail: their values in parameter order.
     """
 
-    __slots__ = ("config", "source", "meta", "tail", "options", "kernels", "device_index")
+    __slots__ = ("config", "source", "meta", "tail", "options", "kernels", "device_index", "prepare")
 
     def __init__(self, params, config: triton.Config, constexprs: dict, device: torch.device, source: str):
         self.config = config
@@ -142,6 +194,7 @@ class Plan:
         self.options = {k: v for k, v in config.all_kwargs().items() if k not in config.kwargs}
         self.kernels = {}
         self.device_index = device.index if device.type == "cuda" else None
+        self.prepare = None
 
 
 class Launcher:
@@ -203,7 +256,11 @@ class Launcher:
             with _INTERPRET_LOCK:
                 self.fn[grid](*args, **plan.meta, **plan.options)
             return
-        spec, raw = _prepare(args)
+        prepare = plan.prepare
+        try:
+            spec, raw = prepare(args) if prepare is not None else _prepare(args)
+        except (TypeError, AttributeError):
+            spec, raw = _prepare(args)
         kernel = plan.kernels.get(spec)
         device = plan.device_index
         if kernel is None or torch._C._cuda_getDevice() != device:
@@ -218,12 +275,16 @@ class Launcher:
     def _first_launch(self, plan: Plan, spec: tuple, grid: tuple, args: tuple) -> None:
         if len(args) != self.num_args:
             raise TypeError(f"the {self.family.name} kernel takes {self.num_args} runtime arguments, got {len(args)}")
+        _join_prewarm()
         ensure_allocator()  # Triton's own launch allocates TMA scratch through it
         if _WARMUP.on:  # autotuning's parallel compile: compile only, launch nothing
             self.fn.run(*args, grid=grid, warmup=True, **plan.meta, **plan.options)
             return
         kernel = self.fn.run(*args, grid=grid, warmup=False, **plan.meta, **plan.options)
         plan.kernels[spec] = _compiled(kernel)
+        kinds = _kinds(args)
+        if plan.prepare is None and kinds is not None:
+            plan.prepare = _preparer(kinds)
 
     # -- autotuning (opt-in) --
 
@@ -361,13 +422,26 @@ def _prewarm() -> None:
         pass
 
 
+_prewarm_thread: threading.Thread | None = None
+
+
 def start_prewarm() -> None:
     """Do Triton's once-per-process start-up work in a background thread (called at import on
     a GPU; ONEGEMM_PREWARM=0 turns it off): the first call then waits for its compile-cache
     lookup alone. hashlib releases the GIL while it hashes, so the thread hardly competes."""
+    global _prewarm_thread
     if INTERPRET or os.environ.get("ONEGEMM_PREWARM", "1") == "0":
         return
-    threading.Thread(target=_prewarm, name="onegemm-prewarm", daemon=True).start()
+    _prewarm_thread = threading.Thread(target=_prewarm, name="onegemm-prewarm", daemon=True)
+    _prewarm_thread.start()
+
+
+def _join_prewarm() -> None:
+    # A first launch while the thread still hashes waits for it rather than hashing again
+    # (triton_key's cache does not hold back a second caller).
+    thread = _prewarm_thread
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join()
 
 
 # ---------------------------------------------------------------------------- tuned tables

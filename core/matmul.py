@@ -76,13 +76,17 @@ def check_matmul_inputs(a, b, bias, activation, out_dtype):
     checks.check_tensor("a", a, ndim=2)
     checks.check_tensor("b", b, ndim=2)
     checks.check_operand_dtypes(a, b)
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is {tuple(b.shape)}: b must be [K, N] with K = {a.shape[1]}")
-    checks.check_activation(activation)
     M, K = a.shape
     N = b.shape[1]
-    checks.check_bias(bias, (N,))
-    checks.check_same_device(a=a, b=b, bias=bias)
+    if K != b.shape[0]:
+        raise checks.bad_shape("b", f"[K, N] with K = {K} (a is [M, K] = {tuple(a.shape)})", b.shape)
+    if activation is not None:
+        checks.check_activation(activation)
+    if bias is not None:
+        checks.check_bias(bias, (N,))
+        checks.check_same_device(a=a, b=b, bias=bias)
+    elif a.get_device() != b.get_device():
+        checks.check_same_device(a=a, b=b)
     return M, N, K, checks.resolve_out_dtype(out_dtype, a.dtype)
 
 
@@ -117,8 +121,7 @@ def run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent, progr
     M, K = a.shape
     N = b.shape[1]
     schedule = configs.schedule_mode(persistent)
-    if config is not None and not isinstance(config, triton.Config):
-        raise TypeError(f"config must be a triton.Config or None, got {type(config).__name__}")
+    checks.check_config(config)
     c = empty((M, N), device=a.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return c
@@ -171,10 +174,10 @@ def linear(x, weight, bias=None, *, activation=None):
     checks.check_tensor("weight", weight, ndim=2)
     checks.check_operand_dtypes(x, weight, "x", "weight")
     if x.dim() == 0:
-        raise ValueError("x must have at least 1 dimension [..., K], got a 0-D tensor")
+        raise checks.bad_shape("x", "[..., K] (at least 1-D)", x.shape)
     K = x.shape[-1]
     if K != weight.shape[1]:
-        raise ValueError(f"x has {K} features (last dim) but weight is {tuple(weight.shape)}: weight must be [out_features, {K}]")
+        raise checks.bad_shape("weight", f"[out_features, {K}] (x has {K} features in its last dim)", weight.shape)
     if activation is not None:
         checks.check_activation(activation)
     checks.check_bias(bias, (weight.shape[0],))

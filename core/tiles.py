@@ -169,7 +169,7 @@ def mma_k_loop(
     K: the reduction length; the last block is masked by ``k_remaining``, so K need not be a
         multiple of BLOCK_K (unmasked, it would read past the row and sum garbage).
     UPCAST: convert tiles to fp32 before tl.dot. Set only for bf16 under the interpreter,
-        which stores bf16 as raw uint16 and computes garbage on it (DESIGN.md).
+        which stores bf16 as raw uint16 and computes garbage on it (docs/interpreter.md).
     PRECISION: tl.dot input_precision for fp32 inputs ("ieee" or "tf32").
 
     Per-K-block scales (blockscaled/): when ``sa_ptr`` is given, K block ``kb`` of the product
@@ -178,7 +178,7 @@ def mma_k_loop(
     sb[kb, sb_idx] per column. The caller must then use BLOCK_K == the scale block (128).
     Each block's dot starts from zero and is promoted to the fp32 ``acc`` after scaling:
     Hopper's fp8 MMA accumulates in reduced precision, so accumulating across blocks inside
-    the tensor core would lose bits (DESIGN.md, Hopper notes).
+    the tensor core would lose bits (docs/hopper.md).
     SA_UNIFORM / SB_UNIFORM: the whole tile shares one scale row / column (a 128x128 scale
     block covers the tile), and ``sa_idx`` / ``sb_idx`` is that one index, a scalar. The
     promotion is then one FMA per element (acc += part * s[:, None]) instead of a multiply

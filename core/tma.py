@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from . import checks
 from .configs import with_meta
 from .runtime import INTERPRET
 
@@ -104,8 +105,7 @@ def choose_tma(tma: bool | None, a, b, c, strides=(None, None, None)) -> TmaLayo
         if INTERPRET or not a.is_cuda or not _hopper(a.get_device()) or a.numel() == 0 or b.numel() == 0:
             return None
         return tma_layout(a, b, c, strides)
-    if tma is not True and tma is not False:
-        raise TypeError(f"tma must be None (automatic), True or False, got {tma!r}")
+    checks.check_tma(tma)
     if tma is False:
         return None
     if a.numel() == 0 or b.numel() == 0:
@@ -114,18 +114,18 @@ def choose_tma(tma: bool | None, a, b, c, strides=(None, None, None)) -> TmaLayo
     if tma is None or layout is not None:
         return layout
     if not tma_hardware(a.device):
-        raise ValueError(f"tma=True needs a Hopper (sm_90) or newer GPU, got {a.device}")
+        raise no_tma(f"TMA needs a Hopper (sm_90) or newer GPU, the operands are on {a.device}")
     for name, t, st in (("a", a, strides[0]), ("b", b, strides[1])):
         if descriptor_orientation(t, st) is None:
-            raise ValueError(
-                f"tma=True but {name} (shape {tuple(t.shape)}, strides {t.stride()}, "
-                f"data_ptr % 16 = {t.data_ptr() % 16}) has no unit stride with 16-byte aligned "
-                f"base and other stride; pass tma=None to fall back to pointer loads"
-            )
-    raise ValueError(
-        f"tma=True but the output [M, N] = {tuple(c.shape)} rows are not a multiple of 16 bytes; "
-        f"pass tma=None to fall back to pointer loads"
-    )
+            raise no_tma(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}) "
+                         f"has no unit stride with a 16-byte aligned base and other stride")
+    raise no_tma(f"the output's rows ([M, N] = {tuple(c.shape)}) are not a multiple of 16 bytes")
+
+
+def no_tma(why: str) -> ValueError:
+    """tma=True on operands TMA cannot read."""
+    return checks.bad_value("tma", "None (automatic) or False for these operands", "True",
+                            why + "; tma=None falls back to pointer loads")
 
 
 def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
@@ -168,6 +168,6 @@ def forced_flavour(config, layout: TmaLayout | None):
     if "USE_TMA" not in config.kwargs:
         return with_meta(config, USE_TMA=layout is not None)
     if config.kwargs["USE_TMA"] and layout is None:
-        raise ValueError("config has USE_TMA=True but these operands cannot use TMA (see core/tma.py), "
-                         "or tma=False was passed")
+        raise checks.bad_value("config", "free of USE_TMA=True where TMA is off (tma=False, or operands "
+                               "TMA cannot read: core/tma.py)", "USE_TMA=True")
     return config

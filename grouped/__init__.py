@@ -13,5 +13,5 @@ from .ops import grouped_matmul
 # A small Mixtral-style layer shipped with the package (8 experts, hidden 256, intermediate 512).
 STORED_LAYER = Path(__file__).resolve().parent / "data" / "mixtral_tiny.safetensors"
 
-# The top-level API (DESIGN.md); sort_by_expert and STORED_LAYER stay under onegemm.grouped.
+# The top-level API; sort_by_expert and STORED_LAYER stay under onegemm.grouped.
 __all__ = ["grouped_matmul", "route", "moe_ffn", "MoEFFN"]

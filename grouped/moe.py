@@ -30,8 +30,8 @@ def route(logits, top_k: int, renormalize: bool = True):
     """
     checks.check_tensor("logits", logits, ndim=2, dtypes=checks.FLOAT_DTYPES)
     E = logits.shape[1]
-    if not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    checks.check_int("top_k", top_k, 1, E, "(at most the number of experts, logits.shape[1])")
+    checks.check_bool("renormalize", renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -80,6 +80,14 @@ def _sort_small(flat, E: int, k: int):
     return pair, token, offs
 
 
+def check_expert_weights(w_gate_up, w_down, H: int) -> None:
+    """w_gate_up [E, 2I, H] (E >= 1, gate rows then up rows) and w_down [E, H, I]."""
+    E, two_i, H1 = w_gate_up.shape
+    if H1 != H or two_i % 2 or E == 0:
+        raise checks.bad_shape("w_gate_up", f"[E, 2I, H] = [E >= 1, 2I, {H}] (gate rows then up rows)", w_gate_up.shape)
+    checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
+
+
 def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, x_dtypes=checks.FLOAT_DTYPES):
     checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
     checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=(x.dtype,))
@@ -87,15 +95,10 @@ def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, x_dtypes=checks.FLO
     checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
     T, H = x.shape
-    E, two_i, H1 = w_gate_up.shape
-    if H1 != H or two_i % 2:
-        raise ValueError(f"w_gate_up must be [E, 2I, H] = [E, 2I, {H}] (gate rows then up rows), got {tuple(w_gate_up.shape)}")
-    if tuple(w_down.shape) != (E, H, two_i // 2):
-        raise ValueError(f"w_down must be [E, H, I] = {(E, H, two_i // 2)}, got {tuple(w_down.shape)}")
-    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(
-            f"topk_weights and topk_ids must both be [T, k] with T = {T}, got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}"
-        )
+    check_expert_weights(w_gate_up, w_down, H)
+    if topk_ids.shape[0] != T:
+        raise checks.bad_shape("topk_ids", f"[T, k] with T = {T} (x's rows)", topk_ids.shape)
+    checks.check_shape("topk_weights", topk_weights, topk_ids.shape, f"[T, k] = {list(topk_ids.shape)} (topk_ids' shape)")
     checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
@@ -152,11 +155,16 @@ class MoEFFN(nn.Module):
 
     def __init__(self, gate_weight, w_gate_up, w_down, top_k: int = 2, renormalize: bool = True):
         super().__init__()
+        checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
+        checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=(gate_weight.dtype,))
+        checks.check_tensor("w_down", w_down, ndim=3, dtypes=(gate_weight.dtype,))
         E, H = gate_weight.shape
-        if w_gate_up.dim() != 3 or w_gate_up.shape[0] != E or w_gate_up.shape[2] != H:
-            raise ValueError(f"w_gate_up must be [{E}, 2I, {H}] to match gate_weight [E, H] = {(E, H)}, got {tuple(w_gate_up.shape)}")
-        if not 1 <= top_k <= E:
-            raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
+        if w_gate_up.shape[0] != E:
+            raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)
+        check_expert_weights(w_gate_up, w_down, H)
+        checks.check_int("top_k", top_k, 1, E, "(at most the number of experts)")
+        checks.check_bool("renormalize", renormalize)
+        checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down)
         self.gate_weight = nn.Parameter(gate_weight, requires_grad=False)
         self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)
         self.w_down = nn.Parameter(w_down, requires_grad=False)
@@ -173,6 +181,8 @@ class MoEFFN(nn.Module):
     def forward(self, x):
         """x [T, H] -> [T, H] in x's dtype."""
         checks.check_tensor("x", x, ndim=2, dtypes=(self.w_gate_up.dtype,))
+        if x.shape[1] != self.gate_weight.shape[1]:
+            raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
         weights, ids = route(self.router_logits(x), self.top_k, self.renormalize)
         return moe_ffn(x, self.w_gate_up, self.w_down, weights, ids)
 
@@ -187,28 +197,41 @@ class MoEFFN(nn.Module):
         """
         if device is None:
             device = "cpu" if INTERPRET else "cuda"
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        checks.check_int("top_k", top_k, 1, what="(the experts per token)")
+        if not isinstance(prefix, str):
+            raise checks.bad_type("prefix", "a str", prefix)
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - missing, a folder, not safetensors, truncated: say which file
+            raise checks.in_file(path, f"cannot be read as a safetensors file ({type(e).__name__}: {e})") from e
+        with f:
             keys = set(f.keys())
 
             def load(name, shape=None, dtype=None):
                 key = prefix + name
                 if key not in keys:
                     near = sorted(k for k in keys if k.endswith(name.split(".")[-2] + ".weight"))[:3]
-                    raise ValueError(f"{path}: missing tensor {key!r} (prefix={prefix!r}; keys like it: {near})")
-                t = f.get_tensor(key)
+                    raise checks.in_file(path, f"missing tensor {key!r} (prefix={prefix!r}; keys like it: {near})")
+                try:
+                    t = f.get_tensor(key)
+                except Exception as e:  # noqa: BLE001 - a truncated or corrupted tensor
+                    raise checks.in_file(path, f"tensor {key!r} cannot be read ({type(e).__name__}: {e})") from e
                 if shape is not None and tuple(t.shape) != tuple(shape):
-                    raise ValueError(f"{path}: {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+                    raise checks.in_file(path, f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
                 if dtype is not None and t.dtype != dtype:
-                    raise ValueError(f"{path}: {key!r} has dtype {t.dtype}, expected {dtype} (the router's)")
+                    raise checks.in_file(path, f"tensor {key!r} has dtype {t.dtype}, expected {dtype} (the router's)")
                 return t
 
             gate = load("gate.weight")
             if gate.dim() != 2:
-                raise ValueError(f"{path}: {prefix}gate.weight must be [E, H], got shape {tuple(gate.shape)}")
+                raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has shape {tuple(gate.shape)}, expected [E, H]")
+            if gate.dtype not in checks.FLOAT_DTYPES:
+                raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has dtype {gate.dtype}, expected one of "
+                                           f"({checks.dtype_names(checks.FLOAT_DTYPES)})")
             E, H = gate.shape
             w1 = load("experts.0.w1.weight", dtype=gate.dtype)
             if w1.dim() != 2 or w1.shape[1] != H:
-                raise ValueError(f"{path}: {prefix}experts.0.w1.weight must be [I, {H}], got shape {tuple(w1.shape)}")
+                raise checks.in_file(path, f"tensor {prefix + 'experts.0.w1.weight'!r} has shape {tuple(w1.shape)}, expected [I, {H}]")
             I = w1.shape[0]
             gate_up, down = [], []
             for e in range(E):

@@ -8,7 +8,7 @@ import triton
 from ..core import checks, configs
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2
-from ..core.tma import choose_tma, forced_flavour, layout_meta
+from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from .kernels import list_kernel, ragged_kernel
 
 RAGGED = Launcher(ragged_kernel, configs.RAGGED)
@@ -23,20 +23,17 @@ def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
     the kernel itself turns bad offs into a NaN output rather than trusting them.
     """
     if offs is None:
-        raise ValueError(f"offs is required for {what}: int32 [{G}] cumulative end offsets")
-    if not isinstance(offs, torch.Tensor):
-        raise TypeError(f"offs must be a torch.Tensor, got {type(offs).__name__}")
-    if offs.dtype != torch.int32:
-        raise TypeError(f"offs must be int32 (torch._grouped_mm convention), got {offs.dtype}")
-    if offs.dim() != 1 or offs.shape[0] != G:
-        raise ValueError(f"offs must be 1-D with {G} entries (one end offset per group) for {what}, got shape {tuple(offs.shape)}")
-    checks.check_device("offs", offs)
-    if validate and G > 0:
+        raise checks.bad_value("offs", f"int32 [G] cumulative end offsets for {what}", None)
+    checks.check_tensor("offs", offs, dtypes=(torch.int32,))
+    if offs.dim() != 1 or (G >= 0 and offs.shape[0] != G):
+        want = "1-D" if G < 0 else f"1-D with {G} entries (one end offset per group)"
+        raise checks.bad_shape("offs", f"{want} for {what}", offs.shape)
+    if validate and offs.shape[0] > 0:
         o = offs.to("cpu", torch.int64)
         if (o[0] < 0) or bool((o[1:] < o[:-1]).any()):
-            raise ValueError(f"offs must be non-decreasing and >= 0 (cumulative end offsets), got {o.tolist()}")
+            raise checks.bad_value("offs", "non-decreasing and >= 0 (cumulative end offsets)", o.tolist())
         if o[-1] > total:
-            raise ValueError(f"offs overrun: offs[-1] = {int(o[-1])} but the grouped dimension of {what} has {total}")
+            raise checks.bad_value("offs", f"at most {total} (the grouped dimension of {what}) at its end", f"offs[-1] = {int(o[-1])}")
 
 
 def _bias_strides(bias):
@@ -71,7 +68,7 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
         else:
             return layout
     if tma:
-        raise ValueError(f"tma=True but {reason}; pass tma=None to fall back to pointer loads")
+        raise no_tma(reason)
     return None
 
 
@@ -145,27 +142,36 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     in onegemm.matmul (None: the tuner picks pointers or TMA where the layout allows TMA;
     False: pointers; True: TMA or ValueError).
     """
+    checks.check_config(config)
+    checks.check_tma(tma)
+    if check_offs is not None:
+        checks.check_bool("check_offs", check_offs)
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        if offs is not None or bias is not None or tma:
-            raise ValueError("list mode takes no offs, bias or tma: pass grouped_matmul([a0, ...], [b0, ...])")
+        for name, value in (("offs", offs), ("bias", bias), ("tma", tma or None)):
+            if value is not None:
+                raise checks.bad_value(name, "None in list mode (grouped_matmul([a0, ...], [b0, ...]))", type(value).__name__)
         return _grouped_list(a, b, activation=activation, out_dtype=out_dtype, config=config)
 
     checks.check_tensor("a", a, ndim=(2, 3))
     checks.check_tensor("b", b, ndim=(2, 3))
     checks.check_operand_dtypes(a, b)
     checks.check_activation(activation)
+    if offs is not None:
+        checks.check_tensor("offs", offs, dtypes=(torch.int32,))
+    if bias is not None:
+        checks.check_tensor("bias", bias, dtypes=checks.FLOAT_DTYPES)
     checks.check_same_device(a=a, b=b, offs=offs, bias=bias)
     out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
-    validate = check_offs if check_offs is not None else (isinstance(offs, torch.Tensor) and offs.is_cpu)
+    validate = check_offs if check_offs is not None else (offs is not None and offs.is_cpu)
     mode = (a.dim(), b.dim())
     if mode != (3, 3) and offs is None:
-        raise ValueError(f"offs is required for {a.dim()}D x {b.dim()}D grouped_matmul (int32 cumulative end offsets)")
+        raise checks.bad_value("offs", f"int32 [G] cumulative end offsets for {a.dim()}D x {b.dim()}D grouped_matmul", None)
 
     if mode == (2, 3):
         G, K, N = b.shape
         M = a.shape[0]
         if a.shape[1] != K:
-            raise ValueError(f"a is [sum_M, K] = {tuple(a.shape)} but b is [G, K, N] = {tuple(b.shape)}: K must match")
+            raise checks.bad_shape("b", f"[G, K, N] with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)})", b.shape)
         validate_offs(offs, G, M, "a's rows (2D x 3D)", validate)
         checks.check_bias(bias, (G, N), "each group's output")
         c = empty((M, N), dtype=out_dtype, device=a.device)
@@ -175,10 +181,10 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         sc = (0, c.stride(0), c.stride(1))
     elif mode == (3, 3):
         if offs is not None:
-            raise ValueError("offs must be None for 3D x 3D (batched) grouped_matmul")
+            raise checks.bad_value("offs", "None for 3D x 3D (batched) grouped_matmul", "a tensor")
         G, M, K = a.shape
         if b.shape[0] != G or b.shape[1] != K:
-            raise ValueError(f"a is [G, M, K] = {tuple(a.shape)} so b must be [{G}, {K}, N], got {tuple(b.shape)}")
+            raise checks.bad_shape("b", f"[{G}, {K}, N] (a is [G, M, K] = {tuple(a.shape)})", b.shape)
         N = b.shape[2]
         checks.check_bias(bias, (G, N), "each group's output")
         c = empty((G, M, N), dtype=out_dtype, device=a.device)
@@ -190,8 +196,8 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         M, K = a.shape
         N = b.shape[1]
         if b.shape[0] != K:
-            raise ValueError(f"a is [M, sum_K] = {tuple(a.shape)} so b must be [{K}, N], got {tuple(b.shape)}")
-        G = offs.shape[0] if isinstance(offs, torch.Tensor) and offs.dim() == 1 else -1
+            raise checks.bad_shape("b", f"[{K}, N] (a is [M, sum_K] = {tuple(a.shape)})", b.shape)
+        G = offs.shape[0] if offs.dim() == 1 else -1
         validate_offs(offs, G, K, "the reduction dimension K (2D x 2D)", validate)
         checks.check_bias(bias, (G, N), "each group's output")
         c = empty((G, M, N), dtype=out_dtype, device=a.device)
@@ -203,7 +209,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         G, M, K = a.shape
         N = b.shape[1]
         if b.shape[0] != K:
-            raise ValueError(f"a is [G, M, K] = {tuple(a.shape)} so b must be [{K}, sum_N], got {tuple(b.shape)}")
+            raise checks.bad_shape("b", f"[{K}, sum_N] (a is [G, M, K] = {tuple(a.shape)})", b.shape)
         validate_offs(offs, G, N, "b's columns (3D x 2D)", validate)
         checks.check_bias(bias, (N,), "the output (one value per column of [M, sum_N])")
         c = empty((M, N), dtype=out_dtype, device=a.device)
@@ -222,10 +228,11 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
 
 def _grouped_list(As, Bs, *, activation=None, out_dtype=None, config=None):
     """List mode (see grouped_matmul): one launch of list_kernel over every pair's tiles."""
-    if not isinstance(As, (list, tuple)) or not isinstance(Bs, (list, tuple)):
-        raise TypeError("list mode needs a list of a's and a list of b's")
+    for name, value in (("a", As), ("b", Bs)):
+        if not isinstance(value, (list, tuple)):
+            raise checks.bad_type(name, "a list of tensors in list mode (a and b both lists)", value)
     if len(As) != len(Bs):
-        raise ValueError(f"list mode needs as many b's as a's, got {len(As)} and {len(Bs)}")
+        raise checks.bad_value("b", f"a list of as many b's as a's ({len(As)})", len(Bs))
     checks.check_activation(activation)
     if len(As) == 0:
         return []
@@ -234,9 +241,10 @@ def _grouped_list(As, Bs, *, activation=None, out_dtype=None, config=None):
         checks.check_tensor(f"b[{i}]", w, ndim=2)
         checks.check_operand_dtypes(x, w, f"a[{i}]", f"b[{i}]")
         if x.dtype != As[0].dtype or w.dtype != Bs[0].dtype:
-            raise TypeError(f"every pair must share one dtype: a[{i}], b[{i}] are {x.dtype}, {w.dtype} but a[0], b[0] are {As[0].dtype}, {Bs[0].dtype}")
+            raise checks.bad_dtype(f"a[{i}] and b[{i}]", f"of a[0] and b[0]'s dtypes ({As[0].dtype}, {Bs[0].dtype}): every "
+                                   "pair must share one dtype", f"{x.dtype} and {w.dtype}")
         if x.shape[1] != w.shape[0]:
-            raise ValueError(f"a[{i}] is [M, K] = {tuple(x.shape)} but b[{i}] is {tuple(w.shape)}: b[{i}] must be [K, N] with K = {x.shape[1]}")
+            raise checks.bad_shape(f"b[{i}]", f"[K, N] with K = {x.shape[1]} (a[{i}] is [M, K] = {tuple(x.shape)})", w.shape)
         checks.check_same_device(**{"a[0]": As[0], f"a[{i}]": x, f"b[{i}]": w})
     out_dtype = checks.resolve_out_dtype(out_dtype, As[0].dtype)
     As, Bs = [interpretable(x) for x in As], [interpretable(w) for w in Bs]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import triton
 
+from ..core import checks
 from ..core.matmul import check_matmul_inputs, run_matmul
 
 
@@ -43,9 +44,6 @@ def persistent_matmul(
         True forces TMA or raises ValueError.
     """
     if num_programs is not None:
-        if isinstance(num_programs, bool) or not isinstance(num_programs, int):
-            raise TypeError(f"num_programs must be an int >= 1 or None, got {type(num_programs).__name__}")
-        if num_programs < 1:
-            raise ValueError(f"num_programs must be >= 1 (the number of programs to launch), got {num_programs}")
+        checks.check_int("num_programs", num_programs, 1, what="(the number of programs to launch) or None")
     M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
     return run_matmul(a, b, bias, activation, out_dtype, config, tma, True, programs=num_programs)

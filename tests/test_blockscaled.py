@@ -196,7 +196,7 @@ def test_quantize_bad_args(kwargs, exc, match, device):
 def test_quantize_bad_x(device):
     with pytest.raises(ValueError, match="x must be 2-D"):
         onegemm.quantize_fp8(torch.randn(2, 4, 8, device=device))
-    with pytest.raises(TypeError, match="x must have dtype"):
+    with pytest.raises(TypeError, match="x must be of dtype"):
         onegemm.quantize_fp8(torch.ones(4, 8, dtype=torch.int32, device=device))
 
 
@@ -370,7 +370,7 @@ def test_ambiguous_small_m_reads_128x128(device):
     assert_close(out, blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (128, 128), (128, 128)), KERNEL_TOL)
     assert_close(as_1x128, out, KERNEL_TOL)
     qa2 = torch.randn(200, K, device=device).to(E4M3)
-    with pytest.raises(ValueError, match="scale_a has shape"):
+    with pytest.raises(ValueError, match="scale_a must be a scalar"):
         onegemm.blockscaled_matmul(qa2, qw.t(), sa, sw.t())
 
 
@@ -422,16 +422,16 @@ def _bad_cases(device):
     one = torch.ones((), device=device)
     M, K, N = 200, 300, 150
     return [
-        ("scale_a has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, 2, device=device), scale_b=one), ValueError),
-        ("scale_a has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, device=device), scale_b=one), ValueError),
-        ("scale_b has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(N, 3, device=device)), ValueError),
-        ("scale_b has shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(3, 3, device=device)), ValueError),
-        ("scale_a must have dtype", dict(a=f8(M, K), b=f8(K, N), scale_a=one.half(), scale_b=one), TypeError),
-        ("a must be float8", dict(a=torch.randn(M, K, device=device), b=f8(K, N), scale_a=one, scale_b=one), ValueError),
-        ("b must be float8", dict(a=f8(M, K), b=torch.randn(K, N, device=device).bfloat16(), scale_a=one, scale_b=one), ValueError),
-        ("both be float8_e5m2", dict(a=f8(M, K).to(E5M2), b=f8(K, N).to(E5M2), scale_a=one, scale_b=one), ValueError),
+        ("scale_a must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, 2, device=device), scale_b=one), ValueError),
+        ("scale_a must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, device=device), scale_b=one), ValueError),
+        ("scale_b must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(N, 3, device=device)), ValueError),
+        ("scale_b must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(3, 3, device=device)), ValueError),
+        ("scale_a must be of dtype", dict(a=f8(M, K), b=f8(K, N), scale_a=one.half(), scale_b=one), TypeError),
+        ("a must be float8", dict(a=torch.randn(M, K, device=device), b=f8(K, N), scale_a=one, scale_b=one), TypeError),
+        ("b must be float8", dict(a=f8(M, K), b=torch.randn(K, N, device=device).bfloat16(), scale_a=one, scale_b=one), TypeError),
+        ("both be float8_e5m2", dict(a=f8(M, K).to(E5M2), b=f8(K, N).to(E5M2), scale_a=one, scale_b=one), TypeError),
         ("b must be \\[K, N\\]", dict(a=f8(M, K), b=f8(K + 1, N), scale_a=one, scale_b=one), ValueError),
-        ("bias must have shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=one, bias=torch.ones(M, device=device)), ValueError),
+        ("bias must be of shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=one, bias=torch.ones(M, device=device)), ValueError),
         ("a must be 2-D", dict(a=f8(2, M, K), b=f8(K, N), scale_a=one, scale_b=one), ValueError),
         ("out_dtype", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=one, out_dtype=E4M3), TypeError),
     ]
@@ -476,7 +476,7 @@ def test_gpu_quantize_kernel_non_finite_and_zero(device):
 
 
 def _scaled_mm_blockwise(qa, sa, qw, sw):
-    """torch._scaled_mm's DeepSeek recipe (DESIGN.md): scale_a [M, kb] outer-dim-major,
+    """torch._scaled_mm's DeepSeek recipe: scale_a [M, kb] outer-dim-major,
     scale_b [kb, nb] a transposed view of a contiguous [nb, kb]. Skips (never passes) if this
     torch refuses the recipe."""
     try:

@@ -131,7 +131,7 @@ def test_matmul_k_zero_gives_act_bias(device):
     assert_close(out, matmul_ref(a, b, bias, "silu"), TOL[torch.float32])
 
 
-# ---- The seed lesson's four pitfalls: each test fails if the mistake comes back. ----
+# ---- Tutorial 03's four classic mistakes: each test fails if the mistake comes back. ----
 
 
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 64), (64, 32)])
@@ -328,10 +328,10 @@ def _bad_cases(device):
         ("a", dict(a=f32(3), b=f32(3, 4)), ValueError),
         ("b", dict(a=f32(3, 4), b=f32(2, 4, 5)), ValueError),
         ("b must be \\[K, N\\]", dict(a=f32(3, 4), b=f32(5, 6)), ValueError),
-        ("a and b must have the same dtype", dict(a=f32(3, 4), b=f32(4, 5).half()), TypeError),
-        ("a must have dtype", dict(a=torch.ones(3, 4, dtype=torch.int32, device=device), b=f32(4, 5)), TypeError),
+        ("a and b must be of the same dtype", dict(a=f32(3, 4), b=f32(4, 5).half()), TypeError),
+        ("a must be of dtype", dict(a=torch.ones(3, 4, dtype=torch.int32, device=device), b=f32(4, 5)), TypeError),
         ("both be float8_e5m2", dict(a=f32(3, 4).to(torch.float8_e5m2), b=f32(4, 5).to(torch.float8_e5m2)), TypeError),
-        ("bias must have shape", dict(a=f32(3, 4), b=f32(4, 5), bias=f32(4)), ValueError),
+        ("bias must be of shape", dict(a=f32(3, 4), b=f32(4, 5), bias=f32(4)), ValueError),
         ("bias must be", dict(a=f32(3, 4), b=f32(4, 5), bias=[1.0] * 5), TypeError),
         ("activation must be one of", dict(a=f32(3, 4), b=f32(4, 5), activation="tanh"), ValueError),
         ("out_dtype", dict(a=f32(3, 4), b=f32(4, 5), out_dtype=torch.int8), TypeError),

@@ -160,7 +160,7 @@ def test_config_block_sizes(device):
 BAD_OFFS = [
     ("decreasing", [10, 5, 20], ValueError, "non-decreasing"),
     ("negative", [-1, 5, 20], ValueError, "non-decreasing"),
-    ("overrun", [10, 20, 31], ValueError, "overrun"),
+    ("overrun", [10, 20, 31], ValueError, "offs must be at most 30"),
 ]
 
 
@@ -187,12 +187,12 @@ BAD_CALLS = [
     ("offs int64", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), torch.tensor([3, 6], device=d)), {}, TypeError, "int32"),
     ("offs too short", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([6], d)), {}, ValueError, "2 entries"),
     ("offs 2-D", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)[None]), {}, ValueError, "1-D"),
-    ("offs missing", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), None), {}, ValueError, "offs is required"),
+    ("offs missing", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), None), {}, ValueError, "offs must be int32 \\[G\\] cumulative end offsets"),
     ("offs given to 3Dx3D", lambda d: (rand(2, 6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {}, ValueError, "None"),
-    ("K mismatch", lambda d: (rand(6, 9, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {}, ValueError, "K must match"),
+    ("K mismatch", lambda d: (rand(6, 9, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {}, ValueError, "b must be \\[G, K, N\\] with K = 9"),
     ("G mismatch 3Dx3D", lambda d: (rand(3, 6, 8, device=d), rand(2, 8, 4, device=d), None), {}, ValueError, r"\[3, 8, N\]"),
     ("dtype mismatch", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, dtype=torch.float16, device=d), offs_of([3, 3], d)), {}, TypeError, "same dtype"),
-    ("bias shape", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {"bias": "bad"}, ValueError, r"bias must have shape \(2, 4\)"),
+    ("bias shape", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {"bias": "bad"}, ValueError, r"bias must be of shape \(2, 4\)"),
     ("1-D a", lambda d: (rand(8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {}, ValueError, "a must be 2-D or 3-D"),
     ("activation", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([3, 3], d)), {"activation": "tanh"}, ValueError, "activation"),
 ]
@@ -250,7 +250,7 @@ def test_list_mode_bad_input(device):
         onegemm.grouped_matmul([a, a], [a.t(), a])
     with pytest.raises(TypeError, match="share one dtype"):
         onegemm.grouped_matmul([a, a.half()], [a.t(), a.t().half()])
-    with pytest.raises(ValueError, match="no offs"):
+    with pytest.raises(ValueError, match="offs must be None in list mode"):
         onegemm.grouped_matmul([a], [a.t()], offs_of([4], device))
     assert onegemm.grouped_matmul([], []) == []
 
@@ -374,7 +374,7 @@ def test_tma_flavour(mode, device):
 
 @pytest.mark.parametrize("use_tma", [False, True])
 def test_config_names_its_flavour(use_tma, device):
-    """A config that carries USE_TMA (as best_config() returns under autotuning) runs that
+    """A config that carries USE_TMA (as tuned table entries do) runs that
     flavour; one asking for TMA where the operands cannot use it is refused, not ignored."""
     G, K, N = 3, 72, 80
     b = expert_weights(G, K, N, torch.float16, device)
@@ -388,14 +388,14 @@ def test_config_names_its_flavour(use_tma, device):
     if use_tma:  # offs over K shift group bases by single elements: TMA is not allowed
         a_k = rand(20, 16, dtype=torch.float16, device=device).t().contiguous().t()
         b_k = rand(16, 24, dtype=torch.float16, device=device)
-        with pytest.raises(ValueError, match="config has USE_TMA=True"):
+        with pytest.raises(ValueError, match="config must be free of USE_TMA=True"):
             onegemm.grouped_matmul(a_k, b_k, offs_of([8, 8], device), config=cfg)
 
 
 def test_tma_refused_where_group_bases_misalign(device):
     a = rand(20, 16, dtype=torch.float16, device=device)
     b = rand(16, 24, dtype=torch.float16, device=device)
-    with pytest.raises(ValueError, match="tma=True but offs over K"):
+    with pytest.raises(ValueError, match="tma must be None .automatic. or False for these operands, got True: offs over K"):
         onegemm.grouped_matmul(a.t().contiguous().t(), b, offs_of([8, 8], device), tma=True)
     b3 = expert_weights(2, 16, 24, torch.float16, device)
     with pytest.raises(ValueError, match="row-major"):

@@ -49,6 +49,23 @@ def test_spec_key_recurses_into_tuples():
     assert launch._spec(((16, 1), None)) == ((launch._spec((16,))[0], launch._spec((1,))[0]), None)
 
 
+@pytest.mark.parametrize("kinds_of", ["matmul", "mixed"])
+def test_generated_preparer_matches_prepare(kinds_of):
+    """The preparer a plan generates for its argument kinds gives what _prepare gives, and
+    refuses (TypeError) arguments of other kinds, so the launch falls back to _prepare."""
+    t = torch.empty(8, 8)
+    if kinds_of == "matmul":
+        args = (t, t.t(), torch.empty(3, 5)[:, 1:], None, 17, 1, 4096, 2**31 + 5, 16, 0, None, torch.empty(2))
+    else:
+        args = (torch.empty(4, dtype=torch.bfloat16)[1:], 1, None)
+    prepare = launch._preparer(launch._kinds(args))
+    assert prepare(args) == launch._prepare(args)
+    other = tuple(torch.empty(2) if x.__class__ is int else x for x in args)
+    with pytest.raises((TypeError, AttributeError)):
+        prepare(other)
+    assert launch._kinds((1, (2, 3))) is None
+
+
 def test_prepare_gives_the_spec_and_pointers():
     """The launch path's one pass: the same key as _spec, every tensor as its data pointer
     (what Triton's C launcher takes for a pointer argument), everything else as it was."""

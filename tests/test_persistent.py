@@ -200,7 +200,7 @@ SCHEDULE_CASES = [
     (None, None, False),
     (None, False, False),
     (None, True, True),
-    (True, None, True),   # a best_config() that was tuned persistent keeps its schedule
+    (True, None, True),   # a config tuned persistent (a table entry) keeps its schedule
     (True, False, False),
     (False, True, True),
 ]
@@ -344,19 +344,19 @@ def test_tma_eligibility_and_automatic_fallback(case, op, device):
     if eligible:
         assert_close(fn(a, b, tma=True), matmul_ref(a, b), TOL[torch.bfloat16], name)
     else:
-        with pytest.raises(ValueError, match="tma=True but"):
+        with pytest.raises(ValueError, match="tma must be None .automatic. or False for these operands"):
             fn(a, b, tma=True)
 
 
 def test_matmul_config_names_its_flavour(device):
-    """matmul with a config that carries USE_TMA (as best_config() returns): True runs the TMA
+    """matmul with a config that carries USE_TMA (as table entries do): True runs the TMA
     flavour, and is refused on a view TMA cannot read (an odd column offset)."""
     a = make((40, 64), torch.bfloat16, device)
     b = make((64, 48), torch.bfloat16, device)
     cfg = with_meta(INTERPRET_CONFIG, USE_TMA=True)
     assert_close(onegemm.matmul(a, b, config=cfg, tma=True), matmul_ref(a, b), TOL[torch.bfloat16])
     odd = make((40, 65), torch.bfloat16, device)[:, 1:]
-    with pytest.raises(ValueError, match="config has USE_TMA=True"):
+    with pytest.raises(ValueError, match="config must be free of USE_TMA=True"):
         onegemm.matmul(odd, b, config=cfg)
 
 
@@ -395,8 +395,8 @@ def test_persistent_bad_input_like_matmul(case, device):
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
-        (dict(num_programs=0), ValueError, "num_programs must be >= 1"),
-        (dict(num_programs=-3), ValueError, "num_programs must be >= 1"),
+        (dict(num_programs=0), ValueError, "num_programs must be an int >= 1"),
+        (dict(num_programs=-3), ValueError, "num_programs must be an int >= 1"),
         (dict(num_programs=2.5), TypeError, "num_programs must be an int"),
         (dict(num_programs=True), TypeError, "num_programs must be an int"),
         (dict(tma="yes"), TypeError, "tma must be None"),
