@@ -18,7 +18,7 @@ compiler rejects is reported as such and the sweep goes on.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
@@ -101,8 +101,10 @@ def sweep_bf16():
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweeps", nargs="*", default=["fp8", "bf16"], help="fp8 and/or bf16 (default: both)")
+    which = p.parse_args().sweeps
     require_gpu()
-    which = sys.argv[1:] or ["fp8", "bf16"]  # e.g. `python bench/diagnose_blockscaled.py fp8`
     if "fp8" in which:
         sweep_fp8()
     if "bf16" in which:

@@ -246,3 +246,19 @@ def test_moe_ffn_torch_peer_matches_reference(use_grouped_mm, device):
     ids[0, 1] = 6  # an id outside [0, E): contributes nothing
     y = moe_ffn_torch(x, w_gate_up, w_down, weights, ids, use_grouped_mm=use_grouped_mm)
     assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 1e-12 if dtype == torch.float64 else 2e-2)
+
+
+@pytest.mark.parametrize("bad_id", [2**32 + 1, 2**40, -(2**33), -1])
+def test_int64_ids_outside_the_experts_contribute_nothing(bad_id, device):
+    """An int64 id outside [0, E) contributes nothing, however large: it must be range-checked
+    in its own width (narrowed to int32 first, 2**32 + 1 would become expert 1)."""
+    T, H, I, E, k = 9, 32, 16, 4, 2
+    x = torch.randn(T, H, device=device)
+    w_gate_up = torch.randn(E, 2 * I, H, device=device) * H**-0.5
+    w_down = torch.randn(E, H, I, device=device) * I**-0.5
+    ids = torch.randint(0, E, (T, k), device=device, dtype=torch.int64)
+    ids[2, 0] = bad_id
+    ids[5, 1] = bad_id
+    weights = torch.rand(T, k, device=device)
+    out = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
+    assert_close(out, moe_ref(x, w_gate_up, w_down, weights, ids), TOL[torch.float32])
