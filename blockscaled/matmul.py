@@ -205,13 +205,9 @@ def _launch(plan, a, b, c, bias, scales):
     """One launch of blockscaled_matmul_kernel with ``plan``."""
     M, K = a.shape
     N = b.shape[1]
-    meta = plan.meta
-    split = meta.get("SPLIT_K", 1)
-    ws = locks = None
-    if split > 1:
-        ws, locks = splitk.buffers(a.device, split * M * N, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))
+    ws, locks = splitk.for_plan(plan.meta, a.device, M, N)
     a, b = interpretable(a), interpretable(b)
-    BLOCKSCALED.launch(plan, tile_grid(M, N, meta, plan.device_index), (
+    BLOCKSCALED.launch(plan, tile_grid(M, N, plan.meta, plan.device_index), (
         a, b, c, bias, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         0 if bias is None else bias.stride(0), *scales, ws, locks,

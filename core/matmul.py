@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from . import checks, configs, splitk
 from .launch import Launcher, Request
-from .runtime import cdiv, empty, interpretable, tile_grid
+from .runtime import empty, interpretable, tile_grid
 from .tiles import gemm_tile, grouped_tile, make_operands, program_units
 from .tma import choose_tma, forced_flavour, layout_meta
 
@@ -151,14 +150,10 @@ def _launch(plan, a, b, c, bias, programs):
     """One launch of matmul_kernel with ``plan``: C = act(A @ B + bias)."""
     M, K = a.shape
     N = b.shape[1]
-    meta = plan.meta
-    split = meta.get("SPLIT_K", 1)
-    ws = locks = None
-    if split > 1:
-        ws, locks = splitk.buffers(a.device, split * M * N, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))
+    ws, locks = splitk.for_plan(plan.meta, a.device, M, N)
     a, b = interpretable(a), interpretable(b)
     sa, sb, sc = a.stride(), b.stride(), c.stride()
-    MATMUL.launch(plan, tile_grid(M, N, meta, plan.device_index, programs), (
+    MATMUL.launch(plan, tile_grid(M, N, plan.meta, plan.device_index, programs), (
         a, b, c, bias, M, N, K, sa[0], sa[1], sb[0], sb[1], sc[0], sc[1],
         0 if bias is None else bias.stride(0), ws, locks,
     ))

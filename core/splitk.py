@@ -24,6 +24,15 @@ def buffers(device: torch.device, workspace: int, counters: int):
             scratch.get(device, "split_k_counters", counters, torch.int32, zeroed=True))
 
 
+def for_plan(meta: dict, device: torch.device, M: int, N: int):
+    """(workspace, counters) for a launch of an [M, N] output with a plan's constexprs ``meta``,
+    or (None, None) when its config does not split."""
+    split = meta.get("SPLIT_K", 1)
+    if split == 1:
+        return None, None
+    return buffers(device, split * M * N, -(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]))
+
+
 def clear() -> None:
     """Drop the cached buffers (tests; to give the memory back)."""
     scratch.clear()

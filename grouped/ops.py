@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..core import checks, configs
 from ..core.launch import Launcher, Request

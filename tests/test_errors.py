@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import onegemm
 from onegemm.grouped import STORED_LAYER
-from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, moe_ref, quantize_fp8_ref
+from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, quantize_fp8_ref
 
 
 def _f(*shape, device, dtype=torch.float32):
