@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from . import checks
 from .runtime import cdiv, next_pow2
 
 # ---------------------------------------------------------------------------- helpers
@@ -121,7 +122,7 @@ def flavour_mode(tma, eligible: bool) -> int:
 
 def schedule_mode(persistent) -> int:
     if persistent not in (None, True, False):
-        raise TypeError(f"persistent must be None (automatic), True or False, got {persistent!r}")  # checks.py words it too
+        raise checks.bad_type("persistent", "None (automatic), True or False", persistent)
     return ANY_SCHEDULE if persistent is None else (PERSISTENT_ONLY if persistent else PER_TILE)
 
 

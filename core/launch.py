@@ -36,7 +36,7 @@ import torch
 import triton
 from triton import knobs
 
-from . import configs, runtime, scratch
+from . import checks, configs, runtime, scratch
 from .runtime import INTERPRET, sm_count
 from .tma import ensure_allocator
 
@@ -547,8 +547,7 @@ class autotune:
 
     def __init__(self, enabled: bool = True):
         global _autotune
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        checks.check_bool("enabled", enabled)
         self._previous = _autotune
         _autotune = enabled
         if enabled and not self._previous:
