@@ -1,7 +1,8 @@
 """onegemm.testing: what the tests, the benchmarks and users checking onegemm share.
 
-* float64 torch references of every op and the error measures (``rel_err``, ``calc_diff``,
-  ``sqnr_db``) with the tolerances the tests hold onegemm to;
+* float64 torch references of every op, their gradients (``ref_grads``) and the error
+  measures (``rel_err``, ``calc_diff``, ``sqnr_db``) with the tolerances the tests hold
+  onegemm to;
 * ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
 * timing on a GPU: ``gpu_ms`` (CUDA-graph replays), ``eager_ms`` (calls as a user makes them)
   and ``host_us`` (the host's time per call).
@@ -70,6 +71,16 @@ def matmul_ref(a, b, bias=None, activation=None):
 # ---- FP8 (blockscaled/) ----
 
 SCALE_BLOCK = 128
+
+
+def ref_grads(ref_fn, inputs, grad_out) -> list:
+    """float64 gradients of ``ref_fn(*inputs)`` against ``grad_out``: each floating-point input
+    is copied to float64 (a leaf that requires grad), integer inputs pass as they are. Returns
+    one gradient per input (None for the integer ones)."""
+    leaves = [x.detach().double().requires_grad_() if x is not None and x.is_floating_point() else x for x in inputs]
+    out = ref_fn(*leaves)
+    out.backward(grad_out.double())
+    return [x.grad if x is not None and x.is_floating_point() else None for x in leaves]
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -17,8 +17,7 @@ pers_x / lpt_x is the scheduling effect alone (the chosen tile shapes are printe
 Sweep: square 512..8192; small-M LLM linears (M 16..256, (N, K) of bench_matmul.py); K in
 {512, 1024, 8192} at 4096 x 4096 (4096 is in the square set); and "wave tail" shapes whose
 tile count is just past a multiple of the 132 SMs (133 and 265 tiles of 128 x 256; 136/272 for
-128 x 128) next to one with exactly 132. Then the persistent TMA kernel's options
-(EPI_SPLIT, FLATTEN) at its tuned tile shape on a few shapes.
+128 x 128) next to one with exactly 132.
 """
 
 from __future__ import annotations
@@ -49,17 +48,6 @@ SHAPES = (
     ]
 )
 QUICK_SHAPES = [("square", 64, 64, 64), ("small-M", 16, 96, 80), ("wave tail", 96, 160, 48)]
-# The persistent TMA kernel's options, swept at its tuned tile shape (default: 1, False).
-OPTION_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (896, 4864, 4096)]
-# (config kwargs, extra pipeline stages). 128x256x64 bf16 with 3 stages and a whole-tile TMA
-# store needs 213 KB of shared memory (compiled for sm_90); split in two, the store buffer
-# shrinks by 32 KB, which is what a 4th stage needs (229 KB of the 227 KiB = 232 KB limit).
-OPTIONS = [
-    (dict(EPI_SPLIT=2), 0),
-    (dict(EPI_SPLIT=2), 1),
-    (dict(FLATTEN=True), 0),
-    (dict(EPI_SPLIT=2, FLATTEN=True), 0),
-]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 VARIANTS = {
@@ -125,32 +113,6 @@ def measure(kind, M, N, K, dtype, device, timer) -> dict:
     return row
 
 
-def measure_options(M, N, K, dtype, device, timer) -> list[dict]:
-    """The persistent TMA kernel at its tuned tile shape, with each option switched on."""
-    a, b = operands(M, N, K, dtype, device)
-    ref = torch.matmul(a, b) if device == "cuda" else matmul_ref(a, b)
-    with onegemm.autotune(device == "cuda"):
-        (ran,) = testing.launched(lambda: onegemm.persistent_matmul(a, b, tma=True))
-    best = ran["triton_config"]
-    base_ms = timer(lambda: onegemm.persistent_matmul(a, b, tma=True, config=best))
-    rows = []
-    for opt, extra_stages in OPTIONS:
-        cfg = triton.Config({**best.kwargs, **opt}, num_warps=best.num_warps, num_stages=best.num_stages + extra_stages)
-        option = ", ".join(f"{k}={v}" for k, v in opt.items()) + (f", num_stages+{extra_stages}" if extra_stages else "")
-        row = dict(M=M, N=N, K=K, config=cfg_name(best), option=option)
-        try:
-            out = onegemm.persistent_matmul(a, b, tma=True, config=cfg)
-            assert_close(out, ref, TOL[dtype], f"pers_tma {opt} {M}x{N}x{K}")
-            row["speedup_vs_default"] = base_ms / timer(lambda: onegemm.persistent_matmul(a, b, tma=True, config=cfg))
-            row["status"] = "ok"
-        except Exception as e:  # an option that does not compile on this GPU is a result too
-            row["speedup_vs_default"] = math.nan
-            row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
-        rows.append(row)
-        print(row, flush=True)
-    return rows
-
-
 def sm_count() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else SM_COUNT
 
@@ -169,7 +131,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def report(dname: str, rows: list[dict], option_rows: list[dict]) -> str:
+def report(dname: str, rows: list[dict]) -> str:
     summary = summarize(rows)
     text = header(f"Persistent vs launch-per-tile GEMM ({dname}), pointer and TMA loads, vs cuBLAS")
     text += (
@@ -190,14 +152,6 @@ def report(dname: str, rows: list[dict], option_rows: list[dict]) -> str:
         "loses, and why). bench/bench_persistent.py regenerates everything else in this file. -->\n\n"
     )
     text += "## Every shape\n\n" + markdown_table(rows) + "\n"
-    text += (
-        "## Persistent TMA kernel options (its tuned tile shape, each option switched on)\n\n"
-        "EPI_SPLIT=2: the output tile is stored as two halves (half the shared-memory staging buffer). "
-        "num_stages+1: one more K-loop stage, which only fits in shared memory with the split store. "
-        "FLATTEN=True: tl.range(flatten=True) pipelines the tile loop and the K loop as one. "
-        "speedup_vs_default = default time / time with the option.\n\n"
-    )
-    text += markdown_table(option_rows) + "\n"
     return text
 
 
@@ -215,14 +169,7 @@ def run(quick: bool, dname: str):
     for kind, M, N, K in QUICK_SHAPES if quick else SHAPES:
         rows.append(measure(kind, M, N, K, dtype, device, timer))
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
-    option_rows = []
-    for M, N, K in [(96, 160, 48)] if quick else OPTION_SHAPES:
-        option_rows += measure_options(M, N, K, dtype, device, timer)
-    failed = [r for r in option_rows if r["status"] != "ok"]
-    if quick and failed:
-        raise SystemExit(f"options failed under the interpreter: {failed}")
-
-    text = report(dname, rows, option_rows)
+    text = report(dname, rows)
     labels = [f"{r['kind']} {r['M']}x{r['N']}x{r['K']}" for r in rows]
     plotted = ("pers_ptr/lpt_ptr", "pers_tma/lpt_tma", "lpt_tma/cuBLAS", "pers_tma/cuBLAS")
     series = {k: [r[k] for r in rows] for k in plotted}
@@ -230,7 +177,7 @@ def run(quick: bool, dname: str):
     print(markdown_table(summarize(rows)))
     if quick:
         assert "## Every shape" in text and len(labels) == len(series["pers_tma/cuBLAS"])
-        print(f"quick: every variant and option ran and matched the reference ({len(rows)} shapes); no files written")
+        print(f"quick: every variant ran and matched the reference ({len(rows)} shapes); no files written")
         return
     name = "persistent" if dname == "bf16" else f"persistent_{dname}"
     write_results(name, text)

@@ -97,7 +97,38 @@ def ragged_cases():
             yield f"moe_ffn {name} T={T}", run
 
 
-FAMILIES = {"matmul": matmul_cases, "blockscaled": blockscaled_cases, "ragged": ragged_cases}
+def training_cases():
+    """Forward + backward of the training benchmark's calls (bench/bench_autograd.py): their
+    backward GEMMs read transposed operands and use grouped_matmul's weight-gradient mode,
+    keys the inference matrix above never meets."""
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).to(BF16).requires_grad_()
+
+    for m in (4096, 8192):
+        for n, k in LINEAR_NK[:3]:
+            def run(m=m, n=n, k=k):
+                onegemm.linear(leaf(m, k), leaf(n, k, scale=k**-0.5), leaf(n)).sum().backward()
+            yield f"training linear {m}x{n}x{k}", run
+    for name, T in (("Qwen3-30B-A3B", 8192), ("Mixtral-8x7B", 4096)):
+        E, H, I, k = MOE_MODELS[name]
+
+        def run(E=E, H=H, I=I, k=k, T=T):
+            weights, ids = onegemm.route(torch.randn(T, E, device="cuda"), k)
+            y = onegemm.moe_ffn(leaf(T, H), leaf(E, 2 * I, H, scale=H**-0.5), leaf(E, H, I, scale=I**-0.5),
+                                weights.requires_grad_(), ids)
+            y.float().sum().backward()
+            P = T * k
+            offs = (torch.arange(1, E + 1, device="cuda") * (P // E)).to(torch.int32)
+            onegemm.grouped_matmul(leaf(P, H), leaf(E, 2 * I, H).transpose(1, 2), offs).sum().backward()
+        yield f"training moe_ffn {name} T={T}", run
+    for d_in, d_out in ((4096, 16384), (16384, 4096)):
+        def run(d_in=d_in, d_out=d_out):
+            layer = onegemm.Fp8Linear(d_in, d_out, device="cuda", dtype=BF16, trainable=True)
+            layer(leaf(8192, d_in)).float().sum().backward()
+        yield f"training Fp8Linear 8192x{d_out}x{d_in}", run
+
+
+FAMILIES = {"matmul": matmul_cases, "blockscaled": blockscaled_cases, "ragged": ragged_cases, "training": training_cases}
 
 
 def merge(cache_file: Path, table_file: Path) -> int:

@@ -1,7 +1,7 @@
 """onegemm.blockscaled: FP8 quantisation, the block-scaled GEMM and Fp8Linear (see README.md)."""
 
-from .linear import Fp8Linear
+from .linear import Fp8Linear, fp8_training
 from .matmul import blockscaled_matmul
 from .quantize import quantize_fp8
 
-__all__ = ["quantize_fp8", "blockscaled_matmul", "Fp8Linear"]
+__all__ = ["quantize_fp8", "blockscaled_matmul", "Fp8Linear", "fp8_training"]

@@ -1,26 +1,100 @@
-"""onegemm.Fp8Linear: an nn.Linear with an fp8 weight, for prototyping FP8 inference."""
+"""onegemm.Fp8Linear: an nn.Linear whose GEMMs run in FP8 (inference, and training with
+trainable=True), and onegemm.fp8_training, which swaps a model's nn.Linear layers for it."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from ..core import checks
+from ..core.dispatch import Op
 from .matmul import run_blockscaled
-from .quantize import BLOCK, quantize_fp8
+from .quantize import _BLOCKS_BY_NAME, BLOCK, QUANTIZE_OP, _scale_view, quantize_fp8
+
+
+def _quantize(x, block):
+    """quantize_fp8 for the layer's own tensors (which may require grad: the layer's GEMMs
+    are where their gradient comes from, not the quantiser)."""
+    q, scale = QUANTIZE_OP.impl(x, block, torch.float8_e4m3fn, False, False)
+    return q, _scale_view(scale, _BLOCKS_BY_NAME[block])
+
+
+def _fp8_linear_impl(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y = x @ W.T + bias in FP8: x [M, K] quantised 1x128; W [N, K] either fp8 with its
+    128x128 ``weight_scale`` or high precision (quantised 128x128 here, trainable layers)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        weight, weight_scale = _quantize(weight, "128x128")
+    q, scale = _quantize(x, "1x128")
+    # b = W.t(): K-major, the fast layout for Hopper's fp8 MMA; its 128x128 scale [kb, nb]
+    # is then weight_scale.t(), torch._scaled_mm's layout too.
+    return run_blockscaled(q, weight.t(), scale, weight_scale.t(), "1x128", "128x128", x.dtype, bias)
+
+
+def _fp8_linear_fake(x, weight, weight_scale, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _fp8_linear_setup(ctx, inputs, output):
+    x, weight, weight_scale, bias = inputs
+    ctx.save_for_backward(x, weight, weight_scale)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _fp8_linear_backward(ctx, dy):
+    x, weight, weight_scale = ctx.saved_tensors
+    dx, dw = FP8_LINEAR_BACKWARD(dy, x, weight, weight_scale, ctx.needs_input_grad[1])
+    dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[3] else None
+    return dx, (dw if ctx.needs_input_grad[1] else None), None, dbias
+
+
+def _fp8_linear_backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                              weight_scale: Optional[torch.Tensor], need_weight: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dW) in FP8, the DeepSeek-V3 recipe: each GEMM's operands quantised along its own
+    reduction dim. dgrad dx = dy @ W: dy 1x128 along N, W 128x128. wgrad dW = dy^T @ x: both
+    1x128 along the tokens M (dy^T and x^T quantised per row); an empty dW when not needed.
+    A registered op of its own, so torch.compile traces the backward as one call."""
+    dy = dy.contiguous()
+    q_w, s_w = (weight, weight_scale) if weight.dtype == torch.float8_e4m3fn else _quantize(weight, "128x128")
+    q_dy, s_dy = _quantize(dy, "1x128")
+    # b = W [N, K] as [reduction N, output K]: its scale [nb, kb] is 128x128 as stored.
+    dx = run_blockscaled(q_dy, q_w, s_dy, s_w, "1x128", "128x128", x.dtype)
+    if not need_weight:
+        return dx, x.new_empty(0)
+    q_dyt, s_dyt = _quantize(dy.t(), "1x128")  # [N, M], scales along M
+    q_xt, s_xt = _quantize(x.t(), "1x128")  # [K, M], scales along M
+    # b = (x^T)^T = x [M, K], read K-major; its scale [K, mb] transposed is 128x1.
+    return dx, run_blockscaled(q_dyt, q_xt.t(), s_dyt, s_xt.t(), "1x128", "128x1", weight.dtype)
+
+
+def _fp8_linear_backward_fake(dy, x, weight, weight_scale, need_weight):
+    return torch.empty_like(x), (torch.empty_like(weight) if need_weight else x.new_empty(0))
+
+
+FP8_LINEAR_BACKWARD = Op("fp8_linear_backward", _fp8_linear_backward_impl, _fp8_linear_backward_fake)
+FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup, _fp8_linear_backward)
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ W.T + bias with the DeepSeek-V3 recipe: W quantised once in 128x128 blocks,
-    x quantised per call in 1x128 blocks (the fused quantiser), both fp8 e4m3 with fp32
-    scales, multiplied by blockscaled_matmul with the bias fused in its epilogue.
+    """y = x @ W.T + bias with the DeepSeek-V3 recipe: W quantised in 128x128 blocks, x
+    quantised per call in 1x128 blocks (the fused quantiser), both fp8 e4m3 with fp32 scales,
+    multiplied by blockscaled_matmul with the bias fused in its epilogue.
 
-    Buffers (saved in the state_dict, so it round-trips through safetensors):
+    Frozen (the default): W is quantised once. Buffers (saved in the state_dict, so it
+    round-trips through safetensors):
       weight        float8_e4m3fn [out_features, in_features]
       weight_scale  float32 [ceil(out_features/128), ceil(in_features/128)]
-    and ``bias`` [out_features] (a Parameter in ``dtype``, or None).
+    Gradients flow to x and the bias (dx by an FP8 GEMM).
+
+    trainable=True: ``weight`` is a high-precision Parameter (``dtype``), quantised 128x128 in
+    every forward; the forward, dgrad and wgrad GEMMs all run in FP8 (docs/autograd.md), as
+    torchao's Float8Linear does with tensor-wise scales. ``weight_scale`` is then None.
+
+    ``bias`` [out_features] is a Parameter in ``dtype``, or None.
 
     x [..., in_features] of float32 / bfloat16 / float16 -> y [..., out_features], x's dtype.
     ``dtype`` is the dtype of the bias and of the random initial weight before quantisation
@@ -30,30 +104,45 @@ class Fp8Linear(nn.Module):
     non-finite activation gives a non-finite output, as nn.Linear would.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None,
+                 trainable: bool = False):
         super().__init__()
+        checks.check_bool("trainable", trainable)
         self.in_features = in_features
         self.out_features = out_features
+        self.trainable = trainable
         dtype = dtype or torch.get_default_dtype()
         # nn.Linear's initialisation, then quantised: a fresh Fp8Linear behaves like a fresh Linear.
         w = torch.empty(out_features, in_features, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        self.register_buffer("weight", torch.empty(0, device=device, dtype=torch.float8_e4m3fn))
-        self.register_buffer("weight_scale", torch.empty(0, device=device, dtype=torch.float32))
-        self.set_weight(w)
+        self._init_weight(w, "weight", device)
         if bias:
             bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound))
         else:
             self.register_parameter("bias", None)
 
+    def _init_weight(self, w: torch.Tensor, name: str, device) -> None:
+        if self.trainable:
+            checks.check_tensor(name, w, ndim=2, dtypes=checks.FLOAT_DTYPES)
+            self.weight = nn.Parameter(w.detach().clone())
+            self.register_buffer("weight_scale", None)
+        else:
+            self.register_buffer("weight", torch.empty(0, device=device, dtype=torch.float8_e4m3fn))
+            self.register_buffer("weight_scale", torch.empty(0, device=device, dtype=torch.float32))
+            self.set_weight(w, name)
+
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor, name: str = "weight") -> None:
-        """Quantise a float weight [out_features, in_features] (128x128 blocks) into the buffers.
-        ``name``: what errors call it (from_linear says 'linear.weight')."""
+        """Set the weight from a float [out_features, in_features]: quantised (128x128 blocks)
+        into the buffers, or copied into the Parameter of a trainable layer. ``name``: what
+        errors call it (from_linear says 'linear.weight')."""
         checks.check_tensor(name, weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
         checks.check_shape(name, weight, (self.out_features, self.in_features),
                            f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
+        if self.trainable:
+            self.weight.copy_(weight)
+            return
         q, scale = quantize_fp8(weight.detach(), (BLOCK, BLOCK))
         if not bool(torch.isfinite(scale).all()):  # once per weight, not per call: the sync is fine
             raise checks.bad_value(name, "finite", "NaN or inf")
@@ -63,6 +152,8 @@ class Fp8Linear(nn.Module):
         # .half() / .to(dtype) and the like cast floating tensors; the fp8 weight and its fp32
         # scales must keep their dtypes (only the bias and the output follow the module's
         # dtype), so they are moved, never cast.
+        if self.trainable:
+            return super()._apply(fn, recurse)
         weight, scale = self.weight, self.weight_scale
         super()._apply(fn, recurse)
         if self.weight.dtype != weight.dtype:
@@ -72,17 +163,18 @@ class Fp8Linear(nn.Module):
         return self
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        """An Fp8Linear with linear's weight (quantised) and bias (copied), on its device."""
+    def from_linear(cls, linear: nn.Linear, *, trainable: bool = False) -> "Fp8Linear":
+        """An Fp8Linear with linear's weight (quantised, or copied if ``trainable``) and bias
+        (copied), on its device."""
         if not isinstance(linear, nn.Linear):
             raise checks.bad_type("linear", "a torch.nn.Linear", linear)
+        checks.check_bool("trainable", trainable)
         w = linear.weight
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.in_features, module.out_features = linear.in_features, linear.out_features
-        module.register_buffer("weight", torch.empty(0, device=w.device, dtype=torch.float8_e4m3fn))
-        module.register_buffer("weight_scale", torch.empty(0, device=w.device, dtype=torch.float32))
-        module.set_weight(w, "linear.weight")
+        module.trainable = trainable
+        module._init_weight(w, "linear.weight", w.device)
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone())
         else:
@@ -95,10 +187,7 @@ class Fp8Linear(nn.Module):
             raise checks.bad_shape("x", f"[..., in_features] = [..., {self.in_features}]", x.shape)
         self._check_buffers(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        q, scale = quantize_fp8(x2, (1, BLOCK))
-        # b = W.t(): K-major, the fast layout for Hopper's fp8 MMA; its 128x128 scale
-        # [kb, nb] is then weight_scale.t(), torch._scaled_mm's layout too.
-        y = run_blockscaled(q, self.weight.t(), scale, self.weight_scale.t(), "1x128", "128x128", x.dtype, self.bias)
+        y = FP8_LINEAR(x2, self.weight, self.weight_scale, self.bias, grad_inputs=(x2, self.weight, self.bias))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _check_buffers(self, x) -> None:
@@ -106,10 +195,11 @@ class Fp8Linear(nn.Module):
         replaced since construction, e.g. by load_state_dict or assignment)."""
         w, s, bias = self.weight, self.weight_scale, self.bias
         kb, nb = -(-self.in_features // BLOCK), -(-self.out_features // BLOCK)
-        if w.dtype != torch.float8_e4m3fn or w.shape != (self.out_features, self.in_features):
-            raise checks.bad_value("Fp8Linear.weight", f"float8_e4m3fn [{self.out_features}, {self.in_features}]",
+        want = checks.FLOAT_DTYPES if self.trainable else (torch.float8_e4m3fn,)
+        if w.dtype not in want or w.shape != (self.out_features, self.in_features):
+            raise checks.bad_value("Fp8Linear.weight", f"{checks.dtype_names(want)} [{self.out_features}, {self.in_features}]",
                                    f"{w.dtype} {tuple(w.shape)}")
-        if s.dtype != torch.float32 or s.shape != (nb, kb):
+        if not self.trainable and (s.dtype != torch.float32 or s.shape != (nb, kb)):
             raise checks.bad_value("Fp8Linear.weight_scale", f"float32 [{nb}, {kb}]", f"{s.dtype} {tuple(s.shape)}")
         if bias is not None and (bias.shape != (self.out_features,) or bias.dtype not in checks.FLOAT_DTYPES):
             raise checks.bad_value("Fp8Linear.bias", f"[{self.out_features}] of dtype in ({checks.dtype_names(checks.FLOAT_DTYPES)})",
@@ -117,4 +207,31 @@ class Fp8Linear(nn.Module):
         checks.check_same_device(x=x, weight=w, weight_scale=s, bias=bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, weight=float8_e4m3fn 128x128, activations=1x128"
+        weight = f"{self.weight.dtype} quantised 128x128 per call" if self.trainable else "float8_e4m3fn 128x128"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight={weight}, activations=1x128")
+
+
+def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Swap every nn.Linear in ``module`` (itself included) for a trainable Fp8Linear, in place
+    where it sits, and return the module: forward, dgrad and wgrad then run in FP8.
+
+    module_filter_fn(linear, fully_qualified_name) -> bool picks the layers to swap (default:
+    all), as torchao's convert_to_float8_training takes it: keep a model's output head in high
+    precision, for instance.
+    """
+    if not isinstance(module, nn.Module):
+        raise checks.bad_type("module", "a torch.nn.Module", module)
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise checks.bad_type("module_filter_fn", "a callable (module, fqn) -> bool, or None", module_filter_fn)
+
+    def swap(m: nn.Module, fqn: str) -> nn.Module:
+        if type(m) is nn.Linear and (module_filter_fn is None or module_filter_fn(m, fqn)):
+            return Fp8Linear.from_linear(m, trainable=True)
+        for name, child in m.named_children():
+            new = swap(child, f"{fqn}.{name}" if fqn else name)
+            if new is not child:
+                setattr(m, name, new)
+        return m
+
+    return swap(module, "")

@@ -1,6 +1,7 @@
 """onegemm.blockscaled_matmul: fp8 GEMM with torch._scaled_mm's scale conventions.
 
-It is core's tile body (core/tiles.py gemm_tile) with its scale switches on:
+It is core's dense kernel (core/matmul.py matmul_kernel, core/tiles.py gemm_tile) with its
+scales switched on:
 - block scales (1x128 / 128x1 / 128x128) go to the K loop, which multiplies each K block's
   partial product by its scales and promotes it to the fp32 accumulator
   (acc += dot(a, b) * sa[:, None] * sb[None, :]); so BLOCK_K = 128 in every config;
@@ -20,80 +21,23 @@ element the same multiplier, so the rule only picks the cheaper code path, never
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
-import triton.language as tl
 
-from ..core import checks, configs, splitk
+from ..core import checks, configs
+from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
-from ..core.runtime import cdiv, empty, interpretable, tile_grid
-from ..core.tiles import gemm_tile, grouped_tile, make_operands, program_units
+from ..core.matmul import launch_dense, matmul_kernel
+from ..core.runtime import cdiv, empty
+from ..core.tiles import Operand, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta
 from .quantize import BLOCK
 
 
-@triton.jit
-def blockscaled_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    sa_ptr, stride_sa_m, stride_sa_k,
-    sb_ptr, stride_sb_k, stride_sb_n,
-    scale_m_ptr, stride_scale_m,
-    scale_n_ptr, stride_scale_n,
-    ws_ptr, lock_ptr,
-    ACTIVATION: tl.constexpr,
-    SA_ROWS_PER_SCALE: tl.constexpr, SB_COLS_PER_SCALE: tl.constexpr,
-    USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False, PERSISTENT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
-):
-    """C = act((A * scale_a) @ (B * scale_b) + bias), one output tile per program, or (PERSISTENT)
-    one program per SM looping over the tiles.
-
-    a_ptr [M, K], b_ptr [K, N] fp8; c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
-    sa_ptr: block scales of A, sa[i // SA_ROWS_PER_SCALE, k // 128] at
-        sa_ptr + (i // SA_ROWS_PER_SCALE)*stride_sa_m + (k // 128)*stride_sa_k; or None.
-    sb_ptr: block scales of B, sb[k // 128, j // SB_COLS_PER_SCALE] at
-        sb_ptr + (k // 128)*stride_sb_k + (j // SB_COLS_PER_SCALE)*stride_sb_n; or None.
-    scale_m_ptr / scale_n_ptr: row-wise scale of A / column-wise scale of B, element i at
-        ptr + i*stride; stride 0 for a tensor-wise scalar; or None.
-    bias_ptr [N] (stride_bias) or None.
-    USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour (tiles.make_operands, core/tma.py);
-        the scales are always read through pointers (one small vector per K block).
-    WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop).
-    PERSISTENT: persistent/matmul.py's schedule (tiles.program_units): P programs, each
-        taking tiles pid, pid + P, ..., so the TMA descriptors are built once per program and
-        no SM waits for a new program between tiles. Off: one program per tile.
-    SPLIT_K, ws_ptr, lock_ptr: split-K (core/splitk.py), as in core/matmul.py: work unit u is
-        split u % SPLIT_K of tile u // SPLIT_K; the split ranges are whole K blocks, so every
-        block keeps its one scale.
-    Grid: runtime.tile_grid: (P,) with P = min(SM count, units) when PERSISTENT, else P = units
-        = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K; tiles in grouped (GROUP_M) order.
-    """
-    a, b, c = make_operands(
-        a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-    )
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for i in tl.range(0, program_units(num_pid_m * num_pid_n * SPLIT_K, PERSISTENT)):
-        unit = tl.program_id(0) + i * tl.num_programs(0)
-        pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
-        gemm_tile(
-            pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
-            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-            # UPCAST off (fp8 tiles are right in the interpreter), PRECISION unused for fp8.
-            ACTIVATION, False, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
-            sa_ptr, stride_sa_m, stride_sa_k, SA_ROWS_PER_SCALE,
-            sb_ptr, stride_sb_k, stride_sb_n, SB_COLS_PER_SCALE,
-            scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-            USE_TMA, A_K_CONTIG, B_K_CONTIG, WARP_SPECIALIZE=WARP_SPECIALIZE,
-            split=unit % SPLIT_K, SPLIT_K=SPLIT_K, ws_ptr=ws_ptr, lock_ptr=lock_ptr,
-        )
-
-
-BLOCKSCALED = Launcher(blockscaled_matmul_kernel, configs.BLOCKSCALED)
+# core's dense kernel; this launcher's family (core/configs.py) tunes it for fp8 operands.
+BLOCKSCALED = Launcher(matmul_kernel, configs.BLOCKSCALED)
 
 A_KINDS = ("tensor", "row", "1x128", "128x128")
 B_KINDS = ("tensor", "col", "128x1", "128x128")
@@ -142,7 +86,19 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     ``config`` forces one triton.Config instead of autotuning (tests and benchmarks).
     ``tma``: as in onegemm.matmul (None: tensor-descriptor loads of a and b on Hopper when
     they allow it, pointer loads otherwise; False: pointers; True: TMA or ValueError).
+    Traceable by torch.compile. Not differentiable (its operands are quantised values): an
+    input that requires grad is an error; Fp8Linear(trainable=True) trains through FP8 GEMMs.
     """
+    checks.check_not_differentiable("blockscaled_matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    if config is not None:
+        if torch.compiler.is_compiling():
+            raise checks.bad_value("config", "None under torch.compile (a forced config is a benchmarking knob)", config)
+        return _blockscaled(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma)
+    return BLOCKSCALED_OP(a, b, scale_a, scale_b, out_dtype, bias, activation, tma)
+
+
+def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
+    """blockscaled_matmul's checks; returns (scale kinds, out_dtype)."""
     checks.check_fp8("a", a)
     checks.check_fp8("b", b)
     checks.check_operand_dtypes(a, b)
@@ -154,12 +110,30 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     N = b.shape[1]
     checks.check_tensor("scale_a", scale_a, dtypes=(torch.float32,))
     checks.check_tensor("scale_b", scale_b, dtypes=(torch.float32,))
-    kind_a, kind_b = scale_kind_a(scale_a, M, K), scale_kind_b(scale_b, K, N)
+    kinds = scale_kind_a(scale_a, M, K), scale_kind_b(scale_b, K, N)
     checks.check_activation(activation)
     checks.check_bias(bias, (N,))
     checks.check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
-    out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
+    return kinds, checks.resolve_out_dtype(out_dtype, a.dtype)
+
+
+def _blockscaled(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
+    (kind_a, kind_b), out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma)
     return run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)
+
+
+def _blockscaled_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      out_dtype: Optional[torch.dtype], bias: Optional[torch.Tensor], activation: Optional[str],
+                      tma: Optional[bool]) -> torch.Tensor:
+    return _blockscaled(a, b, scale_a, scale_b, out_dtype, bias, activation, None, tma)
+
+
+def _blockscaled_fake(a, b, scale_a, scale_b, out_dtype, bias, activation, tma):
+    _, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, None, tma)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake)
 
 
 def run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None, activation=None, config=None, tma=None):
@@ -170,45 +144,34 @@ def run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None
     if M == 0 or N == 0:
         return c
 
-    # Block scales -> the K loop (pointer, 2 strides, rows/cols per scale); the others ->
-    # the epilogue (pointer, 1 stride; 0 broadcasts the scalar).
-    sa, sa_strides, sa_rows, scale_m, scale_m_stride = None, (0, 0), 1, None, 0
+    # Block scales -> the K loop (rows / columns per scale: 1 or 128); the others -> the
+    # epilogue (stride 0 broadcasts the scalar).
+    parts = {}
+    sa_rows = sb_cols = 1
     if kind_a in ("1x128", "128x128"):
-        sa, sa_strides, sa_rows = scale_a, scale_a.stride(), (1 if kind_a == "1x128" else BLOCK)
+        parts["a"], sa_rows = Operand(scale_a, *scale_a.stride()), (1 if kind_a == "1x128" else BLOCK)
     else:
-        scale_m, scale_m_stride = scale_a, (0 if kind_a == "tensor" else scale_a.stride(0))
-    sb, sb_strides, sb_cols, scale_n, scale_n_stride = None, (0, 0), 1, None, 0
+        parts["m"] = Vector(scale_a, 0 if kind_a == "tensor" else scale_a.stride(0))
     if kind_b in ("128x1", "128x128"):
-        sb, sb_strides, sb_cols = scale_b, scale_b.stride(), (1 if kind_b == "128x1" else BLOCK)
+        parts["b"], sb_cols = Operand(scale_b, *scale_b.stride()), (1 if kind_b == "128x1" else BLOCK)
     else:
-        scale_n, scale_n_stride = scale_b, (0 if kind_b == "tensor" else scale_b.stride(1))
+        parts["n"] = Vector(scale_b, 0 if kind_b == "tensor" else scale_b.stride(1))
+    scales = Scales(**parts)
 
     layout = choose_tma(tma, a, b, c)
     scaling = f"{kind_a},{kind_b}"
     key = (a.dtype, b.dtype, out_dtype, bias is None or bias.dtype, activation, configs.m_bucket(M), N, K,
            a.stride(1) == 1, b.stride(0) == 1, layout, tma, scaling, a.get_device(), config)
-    scales = (sa, *sa_strides, sb, *sb_strides, scale_m, scale_m_stride, scale_n, scale_n_stride)
 
     def request():
         return Request(
             configs.BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
                                    configs.flavour_mode(tma, layout is not None), scaling),
-            dict(ACTIVATION=activation, SA_ROWS_PER_SCALE=sa_rows, SB_COLS_PER_SCALE=sb_cols, **layout_meta(layout)),
-            a.device, forced_flavour(config, layout), lambda plan: _launch(plan, a, b, c, bias, scales),
+            # UPCAST off: the interpreter computes fp8 tiles right; PRECISION is unused for fp8.
+            dict(ACTIVATION=activation, UPCAST=False, PRECISION="ieee", SA_ROWS=sa_rows, SB_COLS=sb_cols,
+                 **layout_meta(layout)),
+            a.device, forced_flavour(config, layout), lambda plan: launch_dense(BLOCKSCALED, plan, a, b, c, bias, scales),
         )
 
-    _launch(BLOCKSCALED.plan(key, request), a, b, c, bias, scales)
+    launch_dense(BLOCKSCALED, BLOCKSCALED.plan(key, request), a, b, c, bias, scales)
     return c
-
-
-def _launch(plan, a, b, c, bias, scales):
-    """One launch of blockscaled_matmul_kernel with ``plan``."""
-    M, K = a.shape
-    N = b.shape[1]
-    ws, locks = splitk.for_plan(plan.meta, a.device, M, N)
-    a, b = interpretable(a), interpretable(b)
-    BLOCKSCALED.launch(plan, tile_grid(M, N, plan.meta, plan.device_index), (
-        a, b, c, bias, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        0 if bias is None else bias.stride(0), *scales, ws, locks,
-    ))

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..core import checks, configs
+from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty
 
@@ -209,12 +210,34 @@ def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=F
     the call can be captured in a CUDA graph. check_finite=True reads the scales back (a
     device sync) and raises ValueError for non-finite input instead.
     On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
+    Traceable by torch.compile. Not differentiable: an x that requires grad is an error.
     """
     block = _check_args(x, block, dtype, pow2_scale)
     checks.check_bool("check_finite", check_finite)
+    checks.check_not_differentiable("quantize_fp8", x=x)
+    q, scale = QUANTIZE_OP(x, _BLOCK_NAMES[block], dtype, pow2_scale, check_finite)
+    return q, _scale_view(scale, block)
+
+
+def _scale_view(scale, block):
+    # The registered op returns fresh contiguous tensors (not views); 1x128 scales are stored
+    # [kb, M] and handed out as their transpose [M, kb] (outer-dim-major).
+    return scale.t() if block == (1, BLOCK) else scale
+
+
+_BLOCK_NAMES = {(1, BLOCK): "1x128", (BLOCK, BLOCK): "128x128", "row": "row", "tensor": "tensor"}
+_BLOCKS_BY_NAME = {v: k for k, v in _BLOCK_NAMES.items()}
+
+
+def _quantize_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: bool,
+                   check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8 on checked arguments, the block by name; 1x128 scales come back as their
+    [ceil(K/128), M] storage (``_scale_view`` gives the [M, ceil(K/128)] view)."""
+    block = _BLOCKS_BY_NAME[block]
     M, K = x.shape
     if x.numel() == 0:
-        return torch.empty((M, K), dtype=dtype, device=x.device), torch.ones(_scale_shape(block, M, K), device=x.device)
+        ones = torch.ones(_scale_shape(block, M, K), device=x.device)
+        return torch.empty((M, K), dtype=dtype, device=x.device), _scale_view(ones, block).contiguous()
     if INTERPRET or block == "tensor":
         # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
         # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it.
@@ -223,4 +246,13 @@ def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=F
         q, scale = _quantize_triton(x, block, dtype, pow2_scale)
     if check_finite and not bool(torch.isfinite(scale).all()):
         raise checks.bad_value("x", "finite with check_finite=True", "NaN or inf (a block's scale would be inf)")
-    return q, scale
+    return q, _scale_view(scale, block).contiguous()
+
+
+def _quantize_fake(x, block, dtype, pow2_scale, check_finite):
+    M, K = x.shape
+    shape = _scale_shape(_BLOCKS_BY_NAME[block], M, K)
+    return x.new_empty((M, K), dtype=dtype), x.new_empty(shape[::-1] if block == "1x128" else shape, dtype=torch.float32)
+
+
+QUANTIZE_OP = Op("quantize_fp8", _quantize_impl, _quantize_fake)

@@ -68,7 +68,7 @@ def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
     """TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank or device."""
     if not isinstance(t, torch.Tensor):
         raise bad_type(name, "a torch.Tensor", t)
-    if ndim is not None and (t.dim() != ndim if ndim.__class__ is int else t.dim() not in ndim):
+    if ndim is not None and (t.dim() != ndim if isinstance(ndim, int) else t.dim() not in ndim):
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         raise bad_shape(name, " or ".join(f"{d}-D" for d in allowed), t.shape)
     if dtypes is not None and t.dtype not in dtypes:
@@ -200,3 +200,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
+
+
+def check_differentiable(**tensors) -> None:
+    """Gradients are not offered through fp8 operands (they are quantised values): an fp8 input
+    that requires grad is an error, never a silently dropped gradient."""
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad and t.dtype in FP8_DTYPES:
+            raise bad_value(name, "free of requires_grad for a float8 tensor (onegemm differentiates 16- and 32-bit "
+                            "operands; Fp8Linear(trainable=True) trains through FP8 GEMMs)", f"{t.dtype} with requires_grad")
+
+
+def check_not_differentiable(op: str, **tensors) -> None:
+    """An op without a gradient refuses inputs that require one (never a silently dropped
+    gradient); detach them or call under torch.no_grad()."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise bad_value(name, f"free of requires_grad: {op} has no gradient (detach it, or call under torch.no_grad())",
+                            "a tensor that requires grad")

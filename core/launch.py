@@ -48,7 +48,9 @@ _INTERPRET_LOCK = threading.Lock()
 def _prepare(args) -> tuple:
     """(``_spec(args)``, args with each tensor replaced by its data pointer) in one pass:
     Triton's C launcher takes an int as a pointer as it is, where for a tensor it calls
-    data_ptr() and asks the driver about the address (the ops have checked the devices)."""
+    data_ptr() and asks the driver about the address (the ops have checked the devices).
+    Tuples (the tile body's NamedTuples) are prepared element by element, as Triton
+    specialises them."""
     spec, raw = [], []
     for x in args:
         if x.__class__ is int:
@@ -61,7 +63,7 @@ def _prepare(args) -> tuple:
             p = x.data_ptr()
             spec.append((x.dtype, p & 15 == 0))
             raw.append(p)
-        elif x.__class__ is tuple:
+        elif isinstance(x, tuple):
             s, r = _prepare(x)
             spec.append(s)
             raw.append(r)
@@ -72,8 +74,9 @@ def _prepare(args) -> tuple:
 
 
 def _kinds(args) -> tuple | None:
-    """Each argument's kind for a generated preparer ('T' tensor, 'I' int, 'N' None), or None
-    when an argument is of another kind (a tuple, a float): those take ``_prepare``."""
+    """Each argument's kind for a generated preparer ('T' tensor, 'I' int, 'N' None, a tuple
+    of kinds for a tuple), or None when an argument is of another kind (a float): those take
+    ``_prepare``."""
     kinds = []
     for x in args:
         if x.__class__ is int:
@@ -82,6 +85,11 @@ def _kinds(args) -> tuple | None:
             kinds.append("N")
         elif isinstance(x, torch.Tensor):
             kinds.append("T")
+        elif isinstance(x, tuple):
+            inner = _kinds(x)
+            if inner is None:
+                return None
+            kinds.append(inner)
         else:
             return None
     return tuple(kinds)
@@ -90,18 +98,23 @@ def _kinds(args) -> tuple | None:
 _PREPARERS: dict = {}
 
 
-def _preparer(kinds: tuple):
-    """``_prepare`` written out for one sequence of argument kinds (no loop, no appends):
-    what a plan uses once its first launch has shown its arguments' kinds, which the plan's
-    key fixes (which optional tensors are present is part of every op's key). An argument of
-    another kind raises TypeError, and the launch falls back to ``_prepare``."""
-    fn = _PREPARERS.get(kinds)
-    if fn is not None:
-        return fn
-    names = [f"a{i}" for i in range(len(kinds))]
-    guard, ptrs, spec, raw = [], [], [], []
+def _tuple_src(items: list) -> str:
+    return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+
+
+def _prepare_src(kinds: tuple, names: list, unpack: list, guard: list, ptrs: list) -> tuple[list, list]:
+    """The spec and raw expressions of arguments ``names`` of ``kinds``, with the statements
+    they need: tuple unpacking (a tuple of another length raises ValueError), kind guards and
+    data_ptr() reads."""
+    spec, raw = [], []
     for name, kind in zip(names, kinds):
-        if kind == "T":
+        if isinstance(kind, tuple):
+            inner = [f"{name}_{i}" for i in range(len(kind))]
+            unpack.append(f"    {', '.join(inner)}{',' if len(inner) == 1 else ''} = {name}")
+            s, r = _prepare_src(kind, inner, unpack, guard, ptrs)
+            spec.append(_tuple_src(s))
+            raw.append(_tuple_src(r))
+        elif kind == "T":
             ptrs.append(f"    p_{name} = {name}.data_ptr()")
             spec.append(f"({name}.dtype, p_{name} & 15 == 0)")
             raw.append(f"p_{name}")
@@ -113,10 +126,23 @@ def _preparer(kinds: tuple):
             guard.append(f"{name} is not None")
             spec.append("None")
             raw.append("None")
-    src = (f"def prepare(args):\n    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n"
-           + (f"    if {' or '.join(guard)}:\n        raise TypeError('argument kinds changed')\n" if guard else "")
-           + "\n".join(ptrs) + ("\n" if ptrs else "")
-           + f"    return ({', '.join(spec)}{',' if len(spec) == 1 else ''}), ({', '.join(raw)}{',' if len(raw) == 1 else ''})\n")
+    return spec, raw
+
+
+def _preparer(kinds: tuple):
+    """``_prepare`` written out for one nesting of argument kinds (no loop, no appends): what
+    a plan uses once its first launch has shown its arguments' kinds, which the plan's key
+    fixes (which optional tensors are present is part of every op's key). An argument of
+    another kind raises TypeError or ValueError, and the launch falls back to ``_prepare``."""
+    fn = _PREPARERS.get(kinds)
+    if fn is not None:
+        return fn
+    names = [f"a{i}" for i in range(len(kinds))]
+    unpack, guard, ptrs = [f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args"], [], []
+    spec, raw = _prepare_src(kinds, names, unpack, guard, ptrs)
+    check = [f"    if {' or '.join(guard)}:", "        raise TypeError('argument kinds changed')"] if guard else []
+    src = "\n".join(["def prepare(args):", *unpack, *check, *ptrs,
+                     f"    return {_tuple_src(spec)}, {_tuple_src(raw)}"]) + "\n"
     namespace: dict = {}
     exec(src, namespace)  # noqa: S102 - code generated from the kinds above, nothing else
     fn = _PREPARERS[kinds] = namespace["prepare"]
@@ -125,13 +151,14 @@ def _preparer(kinds: tuple):
 
 def _spec(args) -> tuple:
     """What Triton's compiled kernel depends on in the runtime arguments: per int whether it is
-    1, a multiple of 16 and within int32; None; per tensor its dtype and 16-byte alignment; the
-    type of anything else (bools and floats are not specialised on their value)."""
+    1, a multiple of 16 and within int32; None; per tensor its dtype and 16-byte alignment; a
+    tuple element by element; the type of anything else (bools and floats are not specialised
+    on their value)."""
     return tuple([
         (-1 if x == 1 else (x & 15 == 0) + (0 if -2147483648 <= x <= 2147483647 else 2)) if x.__class__ is int
         else x if x is None
         else (x.dtype, x.data_ptr() & 15 == 0) if isinstance(x, torch.Tensor)
-        else _spec(x) if x.__class__ is tuple
+        else _spec(x) if isinstance(x, tuple)
         else x.__class__
         for x in args
     ])
@@ -259,7 +286,7 @@ class Launcher:
         prepare = plan.prepare
         try:
             spec, raw = prepare(args) if prepare is not None else _prepare(args)
-        except (TypeError, AttributeError):
+        except (TypeError, ValueError, AttributeError):
             spec, raw = _prepare(args)
         kernel = plan.kernels.get(spec)
         device = plan.device_index

@@ -2,35 +2,41 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import triton
 import triton.language as tl
 
 from . import checks, configs, splitk
+from .dispatch import Op, begin, fused
 from .launch import Launcher, Request
 from .runtime import empty, interpretable, tile_grid
-from .tiles import gemm_tile, grouped_tile, make_operands, program_units
+from .tiles import NO_SCALES, NO_VECTOR, Operand, Routing, SplitK, TileSpec, Vector, gemm_tile, make_operands, program_units, swizzle_tile
 from .tma import choose_tma, forced_flavour, layout_meta
 
 
 @triton.jit
 def matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    ws_ptr, lock_ptr,
+    A, B, C, bias, scales, M, N, K, ws_ptr, lock_ptr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
-    PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False, PROGRAMS_PER_SM: tl.constexpr = 1,
+    WARP_SPECIALIZE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    PERSISTENT: tl.constexpr = False, PROGRAMS_PER_SM: tl.constexpr = 1,
+    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1,
 ):
-    """C = act(A @ B + bias), one program per work unit, or (PERSISTENT) each program looping
-    over units pid, pid + P, ... (P programs). A unit is one output tile, or with SPLIT_K one
-    K split of one.
+    """C = act(A @ B + bias), with optional dequantisation scales: every dense GEMM in onegemm
+    (matmul, linear, persistent_matmul, blockscaled_matmul). One program per work unit, or
+    (PERSISTENT) each program looping over units pid, pid + P, ... (P programs). A unit is one
+    output tile, or with SPLIT_K one K split of one.
 
-    a_ptr [M, K], b_ptr [K, N], c_ptr [M, N]: element [i, j] at ptr + i*stride_x0 + j*stride_x1.
-    bias_ptr [N] (stride_bias) or None.
-    USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT: the TMA flavour and its operand layout
+    A [M, K], B [K, N], C [M, N]: tiles.Operand (pointer, stride of dim 0, stride of dim 1).
+    bias: tiles.Vector over [N] (tiles.NO_VECTOR: none).
+    scales: tiles.Scales (blockscaled/matmul.py; all None for matmul): per-K-block scales of A
+        (sa[i // SA_ROWS, k // BLOCK_K]) and of B (sb[k // BLOCK_K, j // SB_COLS]), row-wise
+        and column-wise (or tensor-wise, stride 0) scales applied in the epilogue.
+    USE_TMA, A_K_CONTIG, B_K_CONTIG: the TMA flavour and its operand layout
         (tiles.make_operands; core/tma.py says which calls may use it, the config picks). Its
         descriptors are built once per program, before the unit loop.
     WARP_SPECIALIZE: core's warp-specialised K loop (tiles.mma_k_loop; TMA flavour only).
@@ -40,53 +46,21 @@ def matmul_kernel(
         consecutive units, so under PERSISTENT they run on neighbouring programs of one pass;
         the last to finish sums the partials, and no program ever waits for another.
     PERSISTENT: the persistent schedule (tiles.program_units; persistent/matmul.py says why).
-    FLATTEN: tl.range(flatten=True) merges the unit loop and the K loop into one software
-        pipeline, so the next tile's loads overlap this tile's epilogue (PERSISTENT only).
-        Measured on the H200 (bench/results/persistent.md): +3% at 4096^3, -9% at 8192^3,
-        -21% on a 266-tile shape, so no tuned config sets it (``config=`` can).
     PROGRAMS_PER_SM: read by the host only (runtime.tile_grid): the default persistent grid is
         the SM count times this, so two programs of a small tile can share an SM.
     Grid: runtime.tile_grid: units = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K programs,
         or min(P, units) with PERSISTENT; the loop stride is the launched grid size, so it can
         never disagree with the grid. Tiles in grouped (GROUP_M) order either way.
     """
-    a, b, c = make_operands(
-        a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG, EPI_SPLIT,
-    )
+    spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
+                    WARP_SPECIALIZE, SPLIT_K, SA_ROWS, SB_COLS)
+    a, b, c = make_operands(A, B, C, M, N, K, spec)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    for i in tl.range(0, program_units(num_pid_m * num_pid_n * SPLIT_K, PERSISTENT), flatten=FLATTEN):
+    for i in tl.range(0, program_units(num_pid_m * num_pid_n * SPLIT_K, PERSISTENT)):
         unit = tl.program_id(0) + i * tl.num_programs(0)
-        pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
-        gemm_tile(
-            pid_m, pid_n, a, b, c, bias_ptr, M, N, K,
-            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-            ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            USE_TMA=USE_TMA, A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG, EPI_SPLIT=EPI_SPLIT,
-            WARP_SPECIALIZE=WARP_SPECIALIZE,
-            split=unit % SPLIT_K, SPLIT_K=SPLIT_K, ws_ptr=ws_ptr, lock_ptr=lock_ptr,
-        )
-
-
-def check_matmul_inputs(a, b, bias, activation, out_dtype):
-    """The checks of the matmul contract, shared by every op that offers it (matmul,
-    persistent_matmul). Returns (M, N, K, out_dtype)."""
-    checks.check_tensor("a", a, ndim=2)
-    checks.check_tensor("b", b, ndim=2)
-    checks.check_operand_dtypes(a, b)
-    M, K = a.shape
-    N = b.shape[1]
-    if K != b.shape[0]:
-        raise checks.bad_shape("b", f"[K, N] with K = {K} (a is [M, K] = {tuple(a.shape)})", b.shape)
-    if activation is not None:
-        checks.check_activation(activation)
-    if bias is not None:
-        checks.check_bias(bias, (N,))
-        checks.check_same_device(a=a, b=b, bias=bias)
-    elif a.get_device() != b.get_device():
-        checks.check_same_device(a=a, b=b)
-    return M, N, K, checks.resolve_out_dtype(out_dtype, a.dtype)
+        pid_m, pid_n = swizzle_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
+        gemm_tile(pid_m, pid_n, a, b, c, M, N, K, spec, scales, Routing(), bias, SplitK(unit % SPLIT_K, ws_ptr, lock_ptr))
 
 
 MATMUL = Launcher(matmul_kernel, configs.MATMUL)
@@ -108,9 +82,73 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
     heuristic take the persistent one for large outputs); False keeps one program per tile;
     True runs only the persistent schedule, as onegemm.persistent_matmul does. The
     interpreter runs one program per tile unless True.
+    Differentiable in a, b and bias (docs/autograd.md), and traceable by torch.compile.
     """
+    return dense(a, b, bias, activation, out_dtype, config, tma, persistent, None)
+
+
+def dense(a, b, bias, activation, out_dtype, config, tma, persistent, programs):
+    """The entry of every dense op (matmul, persistent_matmul, linear): the kernel directly,
+    through autograd, or as the registered op under torch.compile (core/dispatch.py)."""
+    grad = begin(config, a, b, bias)
+    if config is not None:
+        M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
+        return run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent, programs)
+    return fused(DENSE, lambda act: (a, b, bias, act, out_dtype, tma, persistent, programs), activation, grad)
+
+
+def _dense_impl(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+                out_dtype: Optional[torch.dtype], tma: Optional[bool], persistent: Optional[bool],
+                programs: Optional[int]) -> torch.Tensor:
     M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
-    return run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent)
+    return run_matmul(a, b, bias, activation, out_dtype, None, tma, persistent, programs)
+
+
+def _dense_fake(a, b, bias, activation, out_dtype, tma, persistent, programs):
+    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
+    return a.new_empty((M, N), dtype=out_dtype)
+
+
+def _dense_setup(ctx, inputs, output):
+    a, b, bias = inputs[:3]
+    ctx.save_for_backward(a, b)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _dense_backward(ctx, grad):
+    """z = a @ b + bias: da = dz @ b^T, db = a^T @ dz (onegemm's GEMMs), dbias = sum of dz's rows."""
+    a, b = ctx.saved_tensors
+    da = db = dbias = None
+    if ctx.needs_input_grad[0]:
+        da = matmul(grad.to(b.dtype), b.t(), out_dtype=a.dtype)
+    if ctx.needs_input_grad[1]:
+        db = matmul(a.t(), grad.to(a.dtype), out_dtype=b.dtype)
+    if ctx.needs_input_grad[2]:
+        dbias = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+    return da, db, dbias, None, None, None, None, None
+
+
+DENSE = Op("matmul", _dense_impl, _dense_fake, _dense_setup, _dense_backward)
+
+
+def check_matmul_inputs(a, b, bias, activation, out_dtype):
+    """The checks of the matmul contract, shared by every op that offers it (matmul,
+    persistent_matmul). Returns (M, N, K, out_dtype)."""
+    checks.check_tensor("a", a, ndim=2)
+    checks.check_tensor("b", b, ndim=2)
+    checks.check_operand_dtypes(a, b)
+    M, K = a.shape
+    N = b.shape[1]
+    if K != b.shape[0]:
+        raise checks.bad_shape("b", f"[K, N] with K = {K} (a is [M, K] = {tuple(a.shape)})", b.shape)
+    if activation is not None:
+        checks.check_activation(activation)
+    if bias is not None:
+        checks.check_bias(bias, (N,))
+        checks.check_same_device(a=a, b=b, bias=bias)
+    elif a.get_device() != b.get_device():
+        checks.check_same_device(a=a, b=b)
+    return M, N, K, checks.resolve_out_dtype(out_dtype, a.dtype)
 
 
 def run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent, programs=None):
@@ -139,23 +177,24 @@ def run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent, progr
                               configs.flavour_mode(tma, layout is not None), schedule, programs or 0),
             dict(ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype), PRECISION=precision,
                  PERSISTENT=persistent is True, **layout_meta(layout)),
-            a.device, forced_flavour(forced, layout), lambda plan: _launch(plan, a, b, c, bias, programs),
+            a.device, forced_flavour(forced, layout), lambda plan: launch_dense(MATMUL, plan, a, b, c, bias, programs=programs),
         )
 
-    _launch(MATMUL.plan(key, request), a, b, c, bias, programs)
+    launch_dense(MATMUL, MATMUL.plan(key, request), a, b, c, bias, programs=programs)
     return c
 
 
-def _launch(plan, a, b, c, bias, programs):
-    """One launch of matmul_kernel with ``plan``: C = act(A @ B + bias)."""
+def launch_dense(launcher, plan, a, b, c, bias, scales=NO_SCALES, programs=None):
+    """One launch of matmul_kernel with ``plan``: C = act(A @ B + bias), scaled by ``scales``
+    (a tiles.Scales; blockscaled/ passes its own launcher, whose family tunes fp8 configs)."""
     M, K = a.shape
     N = b.shape[1]
     ws, locks = splitk.for_plan(plan.meta, a.device, M, N)
     a, b = interpretable(a), interpretable(b)
     sa, sb, sc = a.stride(), b.stride(), c.stride()
-    MATMUL.launch(plan, tile_grid(M, N, plan.meta, plan.device_index, programs), (
-        a, b, c, bias, M, N, K, sa[0], sa[1], sb[0], sb[1], sc[0], sc[1],
-        0 if bias is None else bias.stride(0), ws, locks,
+    launcher.launch(plan, tile_grid(M, N, plan.meta, plan.device_index, programs), (
+        Operand(a, sa[0], sa[1]), Operand(b, sb[0], sb[1]), Operand(c, sc[0], sc[1]),
+        NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), scales, M, N, K, ws, locks,
     ))
 
 
@@ -163,7 +202,8 @@ def linear(x, weight, bias=None, *, activation=None):
     """F.linear semantics with an optional fused activation: act(x @ weight.T + bias).
 
     x [..., K], weight [N, K] (nn.Linear layout; read through ``weight.t()``, no copy),
-    bias [N]. The output has x's leading dims and x's dtype.
+    bias [N]. The output has x's leading dims and x's dtype. Differentiable in x, weight and
+    bias.
     """
     checks.check_tensor("x", x)
     checks.check_tensor("weight", weight, ndim=2)
@@ -177,8 +217,7 @@ def linear(x, weight, bias=None, *, activation=None):
         checks.check_activation(activation)
     checks.check_bias(bias, (weight.shape[0],))
     checks.check_same_device(x=x, weight=weight, bias=bias)
-    out_dtype = checks.resolve_out_dtype(None, x.dtype)
     if x.dim() == 2:
-        return run_matmul(x, weight.t(), bias, activation, out_dtype, None, None, None)
-    y = run_matmul(x.reshape(-1, K), weight.t(), bias, activation, out_dtype, None, None, None)
+        return dense(x, weight.t(), bias, activation, None, None, None, None, None)
+    y = dense(x.reshape(-1, K), weight.t(), bias, activation, None, None, None, None, None)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,43 +1,148 @@
 """The shared tile body of every onegemm kernel, as ``@triton.jit`` helpers.
 
-A GEMM kernel in this project is three steps, each one helper here:
+A GEMM kernel in this project picks a tile and calls ``gemm_tile``, the one composition of
+the tile body:
 
-1. ``grouped_tile``: program id -> (pid_m, pid_n) in grouped (GROUP_M) order, so that
+1. ``swizzle_tile``: program id -> (pid_m, pid_n) in grouped (GROUP_M) order, so that
    consecutive programs share A row-blocks and B column-blocks in L2.
-2. ``mma_k_loop``: the K loop over broadcast 2-D pointer blocks, the ``k_remaining`` mask, fp32
-   accumulation, and two switches other packages need: per-K-block dequantisation scales
-   (blockscaled/) and arbitrary row/column index vectors, which give a row gather for free
-   (grouped/ MoE).
-3. ``epilogue`` + ``store_tile``: dequant scales, bias, activation, routing weight, cast, masked
-   store.
+2. ``mma_k_loop``: the K loop over broadcast 2-D pointer blocks, the ``k_remaining`` mask and
+   fp32 accumulation, with per-K-block dequantisation scales (blockscaled/) and arbitrary row
+   index vectors, which give the MoE row gather for free (grouped/).
+3. ``split_k_combine`` (SPLIT_K > 1): the last of a tile's K splits sums their partials.
+4. ``epilogue`` + ``store_tile``: dequant scales, bias, activation, routing weight, cast,
+   masked (or TMA) store.
 
-``gemm_tile`` chains 2 and 3 for one output tile of a plain GEMM; a kernel calls it once per
-work unit, one unit per program (launch-per-tile) or a loop of them (``program_units``, the
-persistent schedule). With
-SPLIT_K it computes one K range of the tile, and the last range to finish sums them
-(``split_k_range``, ``split_k_combine``; core/splitk.py is the host side).
-Kernels never copy these bodies: a new need is a new constexpr or argument here.
+``gemm_tile`` chains 2-4 for one output tile; its options (block scales, split-K, the MoE
+gather/scatter/SwiGLU, a constant fill) are arguments, so kernels never copy the body: the
+dense kernel (core/matmul.py, plain, persistent, split-K and block-scaled), the ragged and the
+list kernels (grouped/kernels.py) all call it. A new need is a new option here.
+
+Arguments travel in NamedTuples (Triton passes them to kernels and helpers as tuples, each
+element specialised on its own: a None element is a compile-time None):
+``Operand`` (a matrix and its strides), ``Vector``, ``Scales``, ``SplitK``, ``Routing``, ``Fill``
+and ``TileSpec``, the constexprs of the body, which a kernel builds from its own.
 
 Two flavours of loads and stores, one contract. The pointer flavour (the default) reads
 through broadcast pointer blocks and works for any strides. The TMA flavour (``USE_TMA``, for
-Hopper) reads and writes through tensor descriptors that ``make_operands`` builds once per
-program: the TMA unit copies whole boxes into shared memory asynchronously, zero-filling
-what lies outside the matrix (so no masks), and frees the warps from address arithmetic.
-It needs a unit last stride and 16-byte aligned base and strides (core/tma.py decides, and
-the host falls back to pointers otherwise), and it cannot gather rows: ``rows``/``cols`` are
-then only used by the optional scale loads, the tile's origin comes from ``off_m``/``off_n``.
+Hopper) reads and writes through tensor descriptors that ``make_operands`` builds: the TMA
+unit copies whole boxes into shared memory asynchronously, zero-filling what lies outside the
+matrix (so no masks), and frees the warps from address arithmetic. It needs a unit last
+stride and 16-byte aligned base and strides (core/tma.py decides, and the host falls back to
+pointers otherwise), and it cannot gather rows (docs/hopper.md).
 
-Conventions: ``rows``/``cols`` are int32/int64 index vectors into A's rows and B's columns.
-They must be valid indices even where the tile overhangs the matrix (callers wrap them with
-``% M`` or gather them from an index array), so loads need no M/N mask; only the store masks.
+Conventions: row/column index vectors must be valid indices even where the tile overhangs
+the matrix (``tile_range`` wraps them with ``% size``; a gather reads them from an index
+array), so loads need no M/N mask; only the store masks.
 """
+
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
 
+class Operand(NamedTuple):
+    """A matrix: element [i, j] at ``ptr + i * stride0 + j * stride1`` (any strides; a
+    transposed view swaps them). In the TMA flavour ``make_operands`` puts a tensor descriptor
+    in ``ptr``."""
+
+    ptr: Any
+    stride0: Any
+    stride1: Any
+
+
+class Vector(NamedTuple):
+    """A vector: element [i] at ``ptr + i * stride``; stride 0 broadcasts element 0."""
+
+    ptr: Any
+    stride: Any
+
+
+# What an absent optional operand or vector is: its ``ptr`` is None. Kernels test ``x.ptr is
+# None``, never ``x is None``: Triton 3.6 fails to compare a tuple holding constexpr elements
+# (a None, or a stride specialised to 1) with None.
+NO_OPERAND = Operand(None, 0, 0)
+NO_VECTOR = Vector(None, 0)
+
+
+class Scales(NamedTuple):
+    """A block-scaled GEMM's fp32 dequantisation multipliers (``ptr`` None when absent).
+
+    a: Operand over sa [ceil(M / SA_ROWS), ceil(K / BLOCK_K)]: A's scale per K block, for rows
+       i // SA_ROWS (1x128: SA_ROWS = 1; 128x128: 128). Read by the K loop.
+    b: Operand over sb [ceil(K / BLOCK_K), ceil(N / SB_COLS)]: B's, likewise per column block.
+    m: Vector over C's rows (row-wise or, with stride 0, tensor-wise scale of A). Epilogue.
+    n: Vector over C's columns (column-wise or tensor-wise scale of B). Epilogue.
+    """
+
+    a: Any = NO_OPERAND
+    b: Any = NO_OPERAND
+    m: Any = NO_VECTOR
+    n: Any = NO_VECTOR
+
+
+NO_SCALES = Scales()  # what an unscaled GEMM passes
+
+
+class SplitK(NamedTuple):
+    """Split ``index`` of a split-K tile and the buffers of ``split_k_combine``."""
+
+    index: Any
+    ws: Any
+    locks: Any
+
+
+class Routing(NamedTuple):
+    """The MoE rows of a ragged tile (each None when absent), indexed by the grouped row.
+
+    gather: int32; A row of grouped row r is gather[r] (GEMM1 reads token rows of x in place).
+    scatter: int32; C row of grouped row r is scatter[r] (GEMM2 writes each (token, slot) row).
+    weight: the C row's multiplier, weight[C row] (the routing weight), after the activation.
+    """
+
+    gather: Any = None
+    scatter: Any = None
+    weight: Any = None
+
+
+class Fill(NamedTuple):
+    """Write ``value`` instead of a product when ``on`` (grouped/: rows past the last offset
+    are 0, every element is NaN for bad offsets)."""
+
+    on: Any
+    value: Any
+
+
+class TileSpec(NamedTuple):
+    """The tile body's constexprs (a kernel builds one from its own).
+
+    ACTIVATION: None, "relu", "gelu", "gelu_tanh", "silu" (``activate``).
+    UPCAST: convert tiles to fp32 before tl.dot (bf16 under the interpreter, which computes
+        garbage on bf16: docs/interpreter.md). PRECISION: tl.dot's input_precision for fp32.
+    USE_TMA, A_K_CONTIG, B_K_CONTIG: the TMA flavour and its operand orientation
+        (``make_operands``). WARP_SPECIALIZE: the warp-specialised K loop (``mma_k_loop``).
+    SPLIT_K: K splits per tile. SA_ROWS, SB_COLS: rows / columns per block scale (``Scales``).
+    SWIGLU: B holds gate then up columns; the tile writes silu(gate) * up (``gemm_tile``).
+    """
+
+    BLOCK_M: Any
+    BLOCK_N: Any
+    BLOCK_K: Any
+    ACTIVATION: Any = None
+    UPCAST: Any = False
+    PRECISION: Any = "ieee"
+    USE_TMA: Any = False
+    A_K_CONTIG: Any = True
+    B_K_CONTIG: Any = True
+    WARP_SPECIALIZE: Any = False
+    SPLIT_K: Any = 1
+    SA_ROWS: Any = 1
+    SB_COLS: Any = 1
+    SWIGLU: Any = False
+
+
 @triton.jit
-def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def swizzle_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Map a linear tile id to (pid_m, pid_n), walking GROUP_M row-blocks column by column.
 
     The last group is shorter when num_pid_m % GROUP_M != 0; ``group_size_m`` shrinks to what
@@ -63,9 +168,8 @@ def program_units(units, PERSISTENT: tl.constexpr):
             unit = tl.program_id(0) + i * tl.num_programs(0)
 
     Launch-per-tile, the loop's bounds are then the constants (0, 1) and the compiler removes
-    it: the sm_90 PTX has the loop-free kernel's instruction counts. A loop from pid to pid + 1
-    is not removed, and it cost 64x128 and warp-specialised fp8 configs 4-6% on the H200 and
-    broke 256x128 with TMA (bench/results/blockscaled.md).
+    it; a loop from pid to pid + 1 is not removed, and it slowed small and warp-specialised
+    tiles (docs/performance.md).
     """
     if PERSISTENT:
         return tl.cdiv(units - tl.program_id(0), tl.num_programs(0))
@@ -81,190 +185,167 @@ def tile_range(pid, size, BLOCK: tl.constexpr):
     through it needs no mask (the overhanging rows re-read real data and are never stored).
 
     The block origin goes through int64 so that it is not the same value as the TMA
-    coordinate ``pid * BLOCK`` the caller computes. Triton 3.6's Hopper warp specialisation
-    (WARP_SPECIALIZE) gives the second consumer warpgroup rows [BLOCK/2, BLOCK) by shifting
-    both ``tl.arange`` and every use of the TMA coordinate; a shared value was shifted twice,
-    so that warpgroup read its 1x128 scales 64 rows too far (relative error 0.22 on the H200,
-    tests/test_blockscaled.py test_warp_specialize_switch).
+    coordinate ``pid * BLOCK`` the caller computes: Triton 3.6's Hopper warp specialisation
+    shifts both ``tl.arange`` and the TMA coordinate for its second consumer warpgroup, and a
+    shared value was shifted twice (docs/hopper.md; tests/test_blockscaled.py
+    test_warp_specialize_switch).
     """
     offs = (pid.to(tl.int64) * BLOCK).to(tl.int32) + tl.arange(0, BLOCK)
     return offs, offs % size, offs < size
 
 
 @triton.jit
-def make_operands(
-    a_ptr, b_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_TMA: tl.constexpr = False,
-    A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
-    EPI_SPLIT: tl.constexpr = 1,
-):
-    """What the K loop and the store read and write: (a, b, c).
+def make_operands(A, B, C, M, N, K, spec):
+    """What the K loop and the store read and write: Operands (A, B, C).
 
-    Pointer flavour: the three pointers, unchanged. TMA flavour: tensor descriptors, built once
-    per program (a persistent kernel reuses them for all its tiles):
-      a: over A [M, K] with [BLOCK_M, BLOCK_K] boxes if A_K_CONTIG (stride_ak == 1), else over
-         A's transpose [K, M] (stride_am == 1) with [BLOCK_K, BLOCK_M] boxes;
-      b: over B [K, N] with [BLOCK_K, BLOCK_N] boxes, or, if B_K_CONTIG (stride_bk == 1, i.e.
+    Pointer flavour: A, B, C unchanged. TMA flavour (spec.USE_TMA): their ``ptr`` becomes a
+    tensor descriptor (a persistent kernel builds them once for all its tiles):
+      A: over A [M, K] with [BLOCK_M, BLOCK_K] boxes if A_K_CONTIG (stride1 == 1), else over
+         A's transpose [K, M] (stride0 == 1) with [BLOCK_K, BLOCK_M] boxes;
+      B: over B [K, N] with [BLOCK_K, BLOCK_N] boxes, or, if B_K_CONTIG (stride0 == 1, i.e.
          B = W.t()), over W [N, K] with [BLOCK_N, BLOCK_K] boxes;
-      c: over C [M, N] (stride_cn == 1) with [BLOCK_M, BLOCK_N // EPI_SPLIT] boxes.
+      C: over C [M, N] (stride1 == 1) with [BLOCK_M, BLOCK_N] boxes.
     The host (core/tma.py) has checked the unit strides and the 16-byte alignment TMA needs.
     """
-    a = a_ptr
-    b = b_ptr
-    c = c_ptr
-    if USE_TMA:
-        if A_K_CONTIG:
-            a = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+    if spec.USE_TMA:
+        BM: tl.constexpr = spec.BLOCK_M
+        BN: tl.constexpr = spec.BLOCK_N
+        BK: tl.constexpr = spec.BLOCK_K
+        if spec.A_K_CONTIG:
+            a = tl.make_tensor_descriptor(A.ptr, [M, K], [A.stride0, 1], [BM, BK])
         else:
-            a = tl.make_tensor_descriptor(a_ptr, [K, M], [stride_ak, 1], [BLOCK_K, BLOCK_M])
-        if B_K_CONTIG:
-            b = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+            a = tl.make_tensor_descriptor(A.ptr, [K, M], [A.stride1, 1], [BK, BM])
+        if spec.B_K_CONTIG:
+            b = tl.make_tensor_descriptor(B.ptr, [N, K], [B.stride1, 1], [BN, BK])
         else:
-            b = tl.make_tensor_descriptor(b_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
-        c = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N // EPI_SPLIT])
-    return a, b, c
+            b = tl.make_tensor_descriptor(B.ptr, [K, N], [B.stride0, 1], [BK, BN])
+        c = tl.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [BM, BN])
+        return Operand(a, A.stride0, A.stride1), Operand(b, B.stride0, B.stride1), Operand(c, C.stride0, C.stride1)
+    else:
+        return A, B, C
 
 
 @triton.jit
-def _block_scale(kb, sa_ptr, sa_idx, stride_sa_idx, stride_sa_k, sb_ptr, sb_idx, stride_sb_idx, stride_sb_k,
-                 SA_UNIFORM: tl.constexpr, SB_UNIFORM: tl.constexpr, valid=None):
+def _block_scale(kb, scales, sa_idx, sb_idx, SA_UNIFORM: tl.constexpr, SB_UNIFORM: tl.constexpr, valid=None):
     """K block ``kb``'s multiplier (mma_k_loop's per-K-block scales): [BLOCK_M, 1], [1, BLOCK_N],
     their product, or a scalar; folding the scalars first leaves one multiply-add per element.
     ``valid`` False (K == 0: there is no block) reads nothing."""
     scale = 1.0
-    if sa_ptr is not None:
-        sa = tl.load(sa_ptr + sa_idx.to(tl.int64) * stride_sa_idx + kb * stride_sa_k, mask=valid)
+    if scales.a.ptr is not None:
+        sa = tl.load(scales.a.ptr + sa_idx.to(tl.int64) * scales.a.stride0 + kb * scales.a.stride1, mask=valid)
         scale = sa if SA_UNIFORM else sa[:, None]
-    if sb_ptr is not None:
-        sb = tl.load(sb_ptr + kb * stride_sb_k + sb_idx.to(tl.int64) * stride_sb_idx, mask=valid)
+    if scales.b.ptr is not None:
+        sb = tl.load(scales.b.ptr + kb * scales.b.stride0 + sb_idx.to(tl.int64) * scales.b.stride1, mask=valid)
         scale = scale * (sb if SB_UNIFORM else sb[None, :])
     return scale
 
 
 @triton.jit
-def mma_k_loop(
-    acc,
-    a_ptr, b_ptr, rows, cols, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-    sa_ptr=None, sa_idx=None, stride_sa_idx=0, stride_sa_k=0,
-    sb_ptr=None, sb_idx=None, stride_sb_idx=0, stride_sb_k=0,
-    USE_TMA: tl.constexpr = False, off_m=0, off_n=0,
-    A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
-    SA_UNIFORM: tl.constexpr = False, SB_UNIFORM: tl.constexpr = False,
-    WARP_SPECIALIZE: tl.constexpr = False,
-    kb_lo=0, kb_hi=None,
-):
+def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
-    a_ptr: A's element [0, 0]; A[r, k] is at a_ptr + r*stride_am + k*stride_ak (any strides:
-        a transposed view just swaps them, no copy).
-    b_ptr: B's element [0, 0]; B[k, c] is at b_ptr + k*stride_bk + c*stride_bn (W.t() of an
-        nn.Linear weight has stride_bk == 1, the K-major layout Hopper's fp8 MMA wants).
-    rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (see module docstring).
+    A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
+        likewise; W.t() of an nn.Linear weight has B.stride0 == 1, the K-major layout Hopper's
+        fp8 MMA wants), or ``make_operands``' descriptors (TMA flavour).
+    rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (see module docstring). In the
+        TMA flavour the tile starts at row ``off_m`` and column ``off_n`` instead, and rows/cols
+        only index the scales. Boxes past M, N or K arrive zero-filled.
     K: the reduction length; the last block is masked by ``k_remaining``, so K need not be a
         multiple of BLOCK_K (unmasked, it would read past the row and sum garbage).
-    UPCAST: convert tiles to fp32 before tl.dot. Set only for bf16 under the interpreter,
-        which stores bf16 as raw uint16 and computes garbage on it (docs/interpreter.md).
-    PRECISION: tl.dot input_precision for fp32 inputs ("ieee" or "tf32").
+    spec: the TileSpec (BLOCK_K, UPCAST, PRECISION, the TMA flags, WARP_SPECIALIZE, SA_ROWS,
+        SB_COLS).
 
-    Per-K-block scales (blockscaled/): when ``sa_ptr`` is given, K block ``kb`` of the product
-    is multiplied by sa[sa_idx, kb] per row (sa_idx [BLOCK_M]: the scale row of each A row,
-    i.e. rows for 1x128 scales or rows // 128 for 128x128); likewise ``sb_ptr`` with
-    sb[kb, sb_idx] per column. The caller must then use BLOCK_K == the scale block (128).
-    Each block's dot starts from zero and is promoted to the fp32 ``acc`` after scaling:
-    Hopper's fp8 MMA accumulates in reduced precision, so accumulating across blocks inside
-    the tensor core would lose bits (docs/hopper.md).
-    SA_UNIFORM / SB_UNIFORM: the whole tile shares one scale row / column (a 128x128 scale
-    block covers the tile), and ``sa_idx`` / ``sb_idx`` is that one index, a scalar. The
-    promotion is then one FMA per element (acc += part * s[:, None]) instead of a multiply
-    and an FMA: the promotion runs on the CUDA cores while the tensor core waits, so its cost
-    per element matters (a 128x128x128 fp8 block is ~512 tensor-core cycles per SM, and its
-    16384 promotions ~128 FP32 cycles per op). Each block's scales are loaded one block
-    ahead, before its MMA is issued, so their global-load latency is hidden behind the MMA.
-
-    TMA flavour (USE_TMA): a_ptr / b_ptr are ``make_operands``' descriptors (A_K_CONTIG and
-    B_K_CONTIG must be the ones they were built with) and the tile starts at row ``off_m`` and
-    column ``off_n``; rows/cols only index the scales. Boxes past M, N or K arrive zero-filled,
-    which is what the masks give the pointer flavour.
+    Per-K-block scales (``scales.a`` / ``scales.b``, blockscaled/): K block ``kb`` of the
+    product is multiplied by sa[rows // SA_ROWS, kb] per row and sb[kb, cols // SB_COLS] per
+    column; BLOCK_K is then the scale block (128). Each block's dot starts from zero and is
+    promoted to the fp32 ``acc`` after scaling: Hopper's fp8 MMA accumulates in reduced
+    precision (docs/hopper.md). When one scale row covers the whole tile (SA_ROWS a multiple
+    of BLOCK_M, and the tile starts at row ``off_m``), one scalar per K block is read and the
+    promotion is a single FMA per element; likewise for columns. Each block's scales are
+    loaded one block ahead, before its MMA is issued, so their global-load latency hides
+    behind the MMA.
 
     kb_lo, kb_hi: only K blocks [kb_lo, kb_hi) of the ceil(K / BLOCK_K) (default: all), what
         one split of a split-K tile sums (``split_k_range``); masks and scales stay indexed by
         the absolute K block, so a range ends at K exactly like the whole loop does.
 
-    WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only.
-    Compiled for sm_90 (Triton 3.6) with 4 warps, the loop becomes a TMA producer and two
-    consumer warpgroups of BLOCK_M/2 rows each, synchronised by mbarriers instead of the
-    CTA-wide barrier of a plain pipelined loop. With pointer loads Triton 3.6's Hopper pass
-    fails an assertion (WSLowerToken.cpp; triton-lang/triton#9728), so the switch is ignored
-    there, as it is for fp8 operands that are not both K-major. Tuned configs use it where
-    the H200 measured a gain (core/matmul.py, bf16; blockscaled/matmul.py);
-    bench/diagnose_blockscaled.py sweeps it.
+    WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only: on
+    sm_90 (Triton 3.6) the loop becomes a TMA producer and two consumer warpgroups of
+    BLOCK_M/2 rows each. With pointer loads Triton 3.6's Hopper pass fails an assertion
+    (triton-lang/triton#9728), so the switch is ignored there, as it is for fp8 operands that
+    are not both K-major (docs/hopper.md).
     """
+    BLOCK_K: tl.constexpr = spec.BLOCK_K
+    SCALED: tl.constexpr = scales.a.ptr is not None or scales.b.ptr is not None
+    SA_UNIFORM: tl.constexpr = spec.SA_ROWS % spec.BLOCK_M == 0
+    # SwiGLU's interleaved gate and up columns are never one scale block.
+    SB_UNIFORM: tl.constexpr = spec.SB_COLS % spec.BLOCK_N == 0 and not spec.SWIGLU
+    if SA_UNIFORM:
+        sa_idx = off_m // spec.SA_ROWS
+    else:
+        sa_idx = rows // spec.SA_ROWS
+    if SB_UNIFORM:
+        sb_idx = off_n // spec.SB_COLS
+    else:
+        sb_idx = cols // spec.SB_COLS
     offs_k = tl.arange(0, BLOCK_K)
-    if not USE_TMA:
-        # int64: rows * stride_am passes 2^31 elements for tall or widely strided operands.
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+    if not spec.USE_TMA:
+        # int64: rows * stride passes 2^31 elements for tall or widely strided operands.
+        a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
+        b_ptrs = B.ptr + offs_k[:, None] * B.stride0 + cols.to(tl.int64)[None, :] * B.stride1
         if kb_hi is not None:
             # A split starts at block kb_lo (int64: that column times a transposed A's K
             # stride can pass 2^31). Without a range the code is the plain loop's, unchanged.
             k_first = kb_lo.to(tl.int64) * BLOCK_K
-            a_ptrs += k_first * stride_ak
-            b_ptrs += k_first * stride_bk
+            a_ptrs += k_first * A.stride1
+            b_ptrs += k_first * B.stride0
     if kb_hi is None:
         kb_hi = tl.cdiv(K, BLOCK_K)
-    if sa_ptr is not None or sb_ptr is not None:
-        scale = _block_scale(kb_lo, sa_ptr, sa_idx, stride_sa_idx, stride_sa_k, sb_ptr, sb_idx, stride_sb_idx, stride_sb_k,
-                             SA_UNIFORM, SB_UNIFORM, valid=kb_hi > kb_lo)
+    if SCALED:
+        scale = _block_scale(kb_lo, scales, sa_idx, sb_idx, SA_UNIFORM, SB_UNIFORM, valid=kb_hi > kb_lo)
     # Triton 3.6 cannot warp-specialise fp8 tiles that must be transposed in shared memory
     # (an MN-major A or B): the sm_90 compile fails or aborts. Those run unspecialised.
-    WS: tl.constexpr = WARP_SPECIALIZE and USE_TMA and ((A_K_CONTIG and B_K_CONTIG) or not a_ptr.dtype.is_fp8())
+    WS: tl.constexpr = spec.WARP_SPECIALIZE and spec.USE_TMA and (
+        (spec.A_K_CONTIG and spec.B_K_CONTIG) or not A.ptr.dtype.is_fp8())
     for kb in tl.range(kb_lo, kb_hi, warp_specialize=WS):
-        if USE_TMA:
+        if spec.USE_TMA:
             k0 = kb * BLOCK_K
             # A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
             # stored and transposed in shared memory, which wgmma reads either way for 16-bit
             # types (Triton converts for fp8, which wants K-major operands).
-            if A_K_CONTIG:
-                a = a_ptr.load([off_m, k0])
+            if spec.A_K_CONTIG:
+                a = A.ptr.load([off_m, k0])
             else:
-                a = a_ptr.load([k0, off_m]).T
-            if B_K_CONTIG:
-                b = b_ptr.load([off_n, k0]).T
+                a = A.ptr.load([k0, off_m]).T
+            if spec.B_K_CONTIG:
+                b = B.ptr.load([off_n, k0]).T
             else:
-                b = b_ptr.load([k0, off_n])
+                b = B.ptr.load([k0, off_n])
         else:
             k_remaining = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
-        if UPCAST:
+        if spec.UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if sa_ptr is None and sb_ptr is None:
+        if not SCALED:
             if a.dtype.is_fp8():
                 # Promote fp8 partial sums to fp32 once per K block rather than accumulating
                 # the whole K loop inside the tensor core (about 14 bits there on Hopper).
                 acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                acc = tl.dot(a, b, acc, input_precision=spec.PRECISION)
         else:
             # The next block's scales are loaded before this block's MMA, so their global
-            # load latency hides behind it: the MMA must finish before the promotion
-            # (Triton waits for it), and loaded after that wait they stalled every K block.
+            # load latency hides behind it (the promotion must wait for the MMA anyway).
             # The last block re-reads its own scales (an index past them is out of bounds).
-            next_scale = _block_scale(tl.minimum(kb + 1, kb_hi - 1), sa_ptr, sa_idx, stride_sa_idx, stride_sa_k,
-                                      sb_ptr, sb_idx, stride_sb_idx, stride_sb_k, SA_UNIFORM, SB_UNIFORM)
-            part = tl.dot(a, b, input_precision=PRECISION)
+            next_scale = _block_scale(tl.minimum(kb + 1, kb_hi - 1), scales, sa_idx, sb_idx, SA_UNIFORM, SB_UNIFORM)
+            part = tl.dot(a, b, input_precision=spec.PRECISION)
             acc += part * scale
             scale = next_scale
-        if not USE_TMA:
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        if not spec.USE_TMA:
+            a_ptrs += BLOCK_K * A.stride1
+            b_ptrs += BLOCK_K * B.stride0
     return acc
 
 
@@ -284,68 +365,44 @@ def activate(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def epilogue(
-    acc, offs_m, offs_n, mask_m, mask_n,
-    ACTIVATION: tl.constexpr,
-    bias_ptr=None, stride_bias=1,
-    scale_m_ptr=None, stride_scale_m=0,
-    scale_n_ptr=None, stride_scale_n=0,
-    weight_ptr=None, weight_idx=None,
-):
-    """out = weight[:, None] * act(acc * scale_m[:, None] * scale_n[None, :] + bias[None, :]).
+def epilogue(acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION: tl.constexpr, scales, bias, weight=None,
+             weight_idx=None):
+    """out = weight[:, None] * act(acc * scales.m[:, None] * scales.n[None, :] + bias[None, :]).
 
-    Each term is optional (a None pointer switches it off at compile time).
-    scale_m_ptr / scale_n_ptr: dequantisation multipliers indexed by output row / column;
-        stride 0 broadcasts one scalar (tensor-wise scale).
-    bias_ptr: bias[offs_n * stride_bias], loaded in its own dtype and used in fp32.
-    weight_ptr: a per-row multiplier applied after the activation, e.g. the MoE routing
-        weight; ``weight_idx`` [BLOCK_M] says which element belongs to each row.
+    Each term is optional (a None ``ptr`` or weight switches it off at compile time).
+    ``scales.m`` / ``.n``: Vectors of dequantisation multipliers by output row / column
+    (stride 0: one scalar). bias: a Vector, loaded in its own dtype and used in fp32. weight: a per-row multiplier
+    applied after the activation (the MoE routing weight); ``weight_idx`` [BLOCK_M] says which
+    element belongs to each row.
     """
-    if scale_m_ptr is not None:
-        sm = tl.load(scale_m_ptr + offs_m.to(tl.int64) * stride_scale_m, mask=mask_m, other=0.0)
+    if scales.m.ptr is not None:
+        sm = tl.load(scales.m.ptr + offs_m.to(tl.int64) * scales.m.stride, mask=mask_m, other=0.0)
         acc = acc * sm.to(tl.float32)[:, None]
-    if scale_n_ptr is not None:
-        sn = tl.load(scale_n_ptr + offs_n.to(tl.int64) * stride_scale_n, mask=mask_n, other=0.0)
+    if scales.n.ptr is not None:
+        sn = tl.load(scales.n.ptr + offs_n.to(tl.int64) * scales.n.stride, mask=mask_n, other=0.0)
         acc = acc * sn.to(tl.float32)[None, :]
-    if bias_ptr is not None:
-        bias = tl.load(bias_ptr + offs_n.to(tl.int64) * stride_bias, mask=mask_n, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
+    if bias.ptr is not None:
+        b = tl.load(bias.ptr + offs_n.to(tl.int64) * bias.stride, mask=mask_n, other=0.0)
+        acc = acc + b.to(tl.float32)[None, :]
     acc = activate(acc, ACTIVATION)
-    if weight_ptr is not None:
-        w = tl.load(weight_ptr + weight_idx, mask=mask_m, other=0.0)
+    if weight is not None:
+        w = tl.load(weight + weight_idx, mask=mask_m, other=0.0)
         acc = acc * w.to(tl.float32)[:, None]
     return acc
 
 
 @triton.jit
-def store_tile(
-    c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn,
-    USE_TMA: tl.constexpr = False, off_m=0, off_n=0, EPI_SPLIT: tl.constexpr = 1,
-):
+def store_tile(C, acc, offs_m, offs_n, mask_m, mask_n, USE_TMA: tl.constexpr = False, off_m=0, off_n=0):
     """C[offs_m, offs_n] = acc cast to C's dtype, masked to the rows and columns that exist.
 
-    TMA flavour (USE_TMA): c_ptr is ``make_operands``' descriptor and the tile starts at
+    TMA flavour (USE_TMA): C.ptr is ``make_operands``' descriptor and the tile starts at
     (off_m, off_n); the TMA unit clips the box at the matrix edge, so no mask is needed.
-    EPI_SPLIT = 2 stores the tile as two [BLOCK_M, BLOCK_N / 2] halves: the shared-memory
-    staging buffer a TMA store goes through is halved. Compiled for sm_90, the persistent
-    128x256x64 bf16 kernel with 3 stages needs 213 KB whole and 180 KB split, and a 4th stage
-    fits only split (229 KB of 232 KB). Measured on the H200 (bench/results/persistent.md),
-    the split bought +1% at 4096^3, -7% at 8192^3 and -24% on a 266-tile shape, and the 4th
-    stage it makes room for +3%, -7% and -29%: no consistent gain, so autotuned configs keep 1.
     """
     if USE_TMA:
-        if EPI_SPLIT == 1:
-            c_ptr.store([off_m, off_n], acc.to(c_ptr.dtype))
-        else:
-            BLOCK_M: tl.constexpr = acc.shape[0]
-            HALF_N: tl.constexpr = acc.shape[1] // 2
-            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1))
-            left, right = tl.split(halves)
-            c_ptr.store([off_m, off_n], left.to(c_ptr.dtype))
-            c_ptr.store([off_m, off_n + HALF_N], right.to(c_ptr.dtype))
+        C.ptr.store([off_m, off_n], acc.to(C.ptr.dtype))
     else:
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        c_ptrs = C.ptr + offs_m.to(tl.int64)[:, None] * C.stride0 + offs_n.to(tl.int64)[None, :] * C.stride1
+        tl.store(c_ptrs, acc.to(C.ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -360,8 +417,7 @@ def split_k_range(split, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def split_k_combine(acc, split, tile_id, ws_ptr, lock_ptr, M, N, offs_m, offs_n, mask_m, mask_n,
-                    SPLIT_K: tl.constexpr):
+def split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, SPLIT_K: tl.constexpr):
     """Split-K's reduction: returns (sum of the tile's SPLIT_K partials, is_last).
 
     Every split stores its fp32 partial ``acc`` into the workspace and then takes a ticket on
@@ -371,93 +427,89 @@ def split_k_combine(acc, split, tile_id, ws_ptr, lock_ptr, M, N, offs_m, offs_n,
     schedule of the programs can deadlock. The last split puts the counter back to 0: the
     buffers then serve the next launch as they are (autotune repetitions, CUDA-graph replays).
 
-    ws_ptr: fp32 [SPLIT_K * M, N] contiguous; split s of C[i, j] at ws_ptr + (s*M + i)*N + j.
-    lock_ptr: int32 [number of tiles], zero before the first launch; ``tile_id`` indexes it.
+    split: SplitK. split.ws: fp32 [SPLIT_K * M, N] contiguous; split s of C[i, j] at
+    ws + (s*M + i)*N + j. split.locks: int32 [number of tiles], zero before the first launch;
+    ``tile_id`` indexes it.
     """
     mask = mask_m[:, None] & mask_n[None, :]
     cols = offs_n.to(tl.int64)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
-    tl.store(ws_ptr + (split * M + rows) * N + cols, acc, mask=mask)
+    tl.store(split.ws + (split.index * M + rows) * N + cols, acc, mask=mask)
     # Every thread's partial is stored before the ticket is taken; the ticket's release and
     # acquire (acq_rel, GPU scope) order those stores before the last split's loads.
     tl.debug_barrier()
-    ticket = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(split.locks + tile_id, 1, sem="acq_rel", scope="gpu")
     is_last = ticket == SPLIT_K - 1
     if is_last:
         acc = tl.zeros_like(acc)
         for s in tl.static_range(SPLIT_K):
             # .cg: read from L2, where the other SMs' partials are (not a stale L1 line).
-            acc += tl.load(ws_ptr + (s * M + rows) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(lock_ptr + tile_id, 0)
+            acc += tl.load(split.ws + (s * M + rows) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(split.locks + tile_id, 0)
     return acc, is_last
 
 
 @triton.jit
-def gemm_tile(
-    pid_m, pid_n,
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    sa_ptr=None, stride_sa_m=0, stride_sa_k=0, SA_ROWS_PER_SCALE: tl.constexpr = 1,
-    sb_ptr=None, stride_sb_k=0, stride_sb_n=0, SB_COLS_PER_SCALE: tl.constexpr = 1,
-    scale_m_ptr=None, stride_scale_m=0, scale_n_ptr=None, stride_scale_n=0,
-    USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
-    EPI_SPLIT: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False,
-    split=0, SPLIT_K: tl.constexpr = 1, ws_ptr=None, lock_ptr=None,
-):
+def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
 
-    The optional scale arguments are blockscaled/'s: ``sa_ptr``/``sb_ptr`` are per-K-block
-    scales (SA_ROWS_PER_SCALE = 1 for 1x128, 128 for 128x128; SB_COLS_PER_SCALE likewise),
-    ``scale_m_ptr``/``scale_n_ptr`` row-wise / column-wise / scalar scales for the epilogue.
-    USE_TMA: a_ptr, b_ptr and c_ptr are the descriptors ``make_operands`` returned (built with
-    the same A_K_CONTIG, B_K_CONTIG and EPI_SPLIT); the strides are then unused.
-    SPLIT_K > 1: this program is split ``split`` of SPLIT_K over the tile's K blocks
-    (``split_k_range``); the last split to finish sums the partials through ``ws_ptr`` and
-    ``lock_ptr`` (``split_k_combine``, which gives their layout) and alone runs the epilogue
-    and the store. core/splitk.py is the host side.
+    A [M, K], B [K, N], C [M, N]: Operands, or ``make_operands``' descriptors (spec.USE_TMA).
+    spec: TileSpec. scales: Scales (NO_SCALES for an unscaled GEMM). bias: Vector (NO_VECTOR
+    without one).
+    routing: Routing (grouped/ MoE; all None elsewhere): the tile's rows are grouped rows
+        row0 + [0, M), by which the gather/scatter arrays and the routing weight are indexed.
+        A scattered C is stored through pointers (C.ptr must then be a pointer, also in the
+        TMA flavour).
+    split: SplitK when spec.SPLIT_K > 1: this program sums split ``split.index`` of the tile's
+        K blocks (``split_k_range``); the last split to finish sums the partials
+        (``split_k_combine``) and alone runs the epilogue and the store (core/splitk.py is the
+        host side).
+    spec.SWIGLU: B has 2N columns, gate then up. The tile's BLOCK_N B columns are gate and up
+        columns interleaved (j, N + j, j + 1, ...) so ONE dot computes both; the accumulator
+        splits into [BLOCK_M, BLOCK_N/2] gate and up halves and the tile writes silu(gate) *
+        up, BLOCK_N/2 columns of C. The [rows, 2N] product is never stored.
+    fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
     """
-    offs_m, rows, mask_m = tile_range(pid_m, M, BLOCK_M)
-    offs_n, cols, mask_n = tile_range(pid_n, N, BLOCK_N)
-    # A tile inside one scale block (BLOCK_M divides 128 for 128x128 scales) reads one scale
-    # per K block: the scalar index of its first row (rows past M wrap, but are never stored).
-    SA_UNIFORM: tl.constexpr = SA_ROWS_PER_SCALE % BLOCK_M == 0
-    SB_UNIFORM: tl.constexpr = SB_COLS_PER_SCALE % BLOCK_N == 0
-    if SA_UNIFORM:
-        sa_idx = (pid_m * BLOCK_M) // SA_ROWS_PER_SCALE
-    else:
-        sa_idx = rows // SA_ROWS_PER_SCALE
-    if SB_UNIFORM:
-        sb_idx = (pid_n * BLOCK_N) // SB_COLS_PER_SCALE
-    else:
-        sb_idx = cols // SB_COLS_PER_SCALE
+    BLOCK_M: tl.constexpr = spec.BLOCK_M
+    BLOCK_N: tl.constexpr = spec.BLOCK_N
+    BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if spec.SWIGLU else BLOCK_N
+    offs_m, wrapped_m, mask_m = tile_range(pid_m, M, BLOCK_M)
+    offs_n, cols, mask_n = tile_range(pid_n, N, BLOCK_N_OUT)
+    rows = wrapped_m
+    out_rows = offs_m
+    # Fields, not the Routing itself, are compared with None: Triton 3.6 cannot compare a
+    # tuple holding None elements.
+    if routing.gather is not None:
+        rows = tl.load(routing.gather + row0 + wrapped_m)
+    if routing.scatter is not None:
+        out_rows = tl.load(routing.scatter + row0 + wrapped_m)
+    if spec.SWIGLU:
+        cols = tl.reshape(tl.join(cols, cols + N), (BLOCK_N,))
     kb_lo = 0
     kb_hi = None
-    if SPLIT_K > 1:
-        kb_lo, kb_hi = split_k_range(split, K, BLOCK_K, SPLIT_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = mma_k_loop(
-        acc, a_ptr, b_ptr, rows, cols, K,
-        stride_am, stride_ak, stride_bk, stride_bn,
-        BLOCK_K, UPCAST, PRECISION,
-        sa_ptr, sa_idx, stride_sa_m, stride_sa_k,
-        sb_ptr, sb_idx, stride_sb_n, stride_sb_k,
-        USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, A_K_CONTIG, B_K_CONTIG,
-        SA_UNIFORM, SB_UNIFORM, WARP_SPECIALIZE, kb_lo, kb_hi,
-    )
+    if spec.SPLIT_K > 1:
+        kb_lo, kb_hi = split_k_range(split.index, K, spec.BLOCK_K, spec.SPLIT_K)
+    # Without a Fill, ``filled`` is a constant false and the compiler drops the branch.
+    filled = False
+    fill_value = 0.0
+    if fill is not None:
+        filled = fill.on
+        fill_value = fill.value
     finish = True
-    if SPLIT_K > 1:
-        tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-        acc, finish = split_k_combine(acc, split, tile_id, ws_ptr, lock_ptr, M, N, offs_m, offs_n, mask_m, mask_n, SPLIT_K)
+    if filled:
+        acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi)
+        if spec.SWIGLU:
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N_OUT, 2)))
+            acc = activate(gate, "silu") * up
+        if spec.SPLIT_K > 1:
+            tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+            acc, finish = split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, spec.SPLIT_K)
+        if finish:
+            acc = epilogue(acc, offs_m, offs_n, mask_m, mask_n, spec.ACTIVATION, scales, bias, routing.weight, out_rows)
     if finish:
-        acc = epilogue(
-            acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
-            bias_ptr, stride_bias,
-            scale_m_ptr, stride_scale_m, scale_n_ptr, stride_scale_n,
-        )
-        store_tile(
-            c_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_cm, stride_cn,
-            USE_TMA, pid_m * BLOCK_M, pid_n * BLOCK_N, EPI_SPLIT,
-        )
+        # A scattered C is written row by row through pointers.
+        TMA_STORE: tl.constexpr = spec.USE_TMA and routing.scatter is None
+        store_tile(C, acc, out_rows, offs_n, mask_m, mask_n, TMA_STORE, pid_m * BLOCK_M, pid_n * BLOCK_N)

@@ -1,7 +1,6 @@
-"""The grouped kernels: core's tile body with per-group base pointers and sizes.
+"""The grouped kernels: core's tile body (core/tiles.py gemm_tile) on per-group operands.
 
-Two kernels, both built from core/tiles.py (grouped_tile, tile_range, mma_k_loop, epilogue,
-store_tile, gemm_tile); nothing here re-implements a K loop, an epilogue or a store.
+Two kernels; nothing here re-implements a K loop, an epilogue or a store.
 
 * ``ragged_kernel``: torch._grouped_mm's four modes and the two MoE expert GEMMs. One dimension
   (M, N or K) is cut into G groups by ``offs`` (int32 cumulative END offsets), or none is
@@ -13,23 +12,37 @@ store_tile, gemm_tile); nothing here re-implements a K loop, an epilogue or a st
   pointers, sizes and strides; a persistent walk over all tiles of all groups.
 
 Where the operands allow it (row-major, 16-byte aligned group bases), the ragged kernel takes
-core's TMA flavour with one descriptor per group: its shape is the group's, so the TMA unit
+core's TMA flavour with descriptors per group: their shape is the group's, so the TMA unit
 zero-fills and clips at group edges exactly where the pointer flavour masks.
 """
+
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
 from ..core.tiles import (
-    activate,
-    epilogue,
+    Fill,
+    Operand,
+    Routing,
+    Scales,
+    TileSpec,
+    Vector,
     gemm_tile,
-    grouped_tile,
     make_operands,
-    mma_k_loop,
-    store_tile,
-    tile_range,
+    program_units,
+    swizzle_tile,
 )
+
+
+class Stacked(NamedTuple):
+    """G matrices in one tensor: element [g, i, j] at ptr + g*stride_g + i*stride0 + j*stride1
+    (stride_g 0: one 2-D operand, which ``offs`` cuts into groups)."""
+
+    ptr: Any
+    stride_g: Any
+    stride0: Any
+    stride1: Any
 
 
 @triton.jit
@@ -47,19 +60,19 @@ def find_group(tile, tiles, idx):
 
 
 @triton.jit
-def group_spans(offs_ptr, stride_offs, G, total, G_BLOCK: tl.constexpr):
+def group_spans(offs, G, total, G_BLOCK: tl.constexpr):
     """(idx, starts, sizes, bad) of the G groups of ``offs`` plus the TAIL group G.
 
-    offs[g] is at offs_ptr + g * stride_offs (a strided view of offsets is read in place).
+    offs: a Vector; offs[g] is at offs.ptr + g * offs.stride (a strided view is read in place).
     Group g spans [offs[g-1], offs[g]) (offs[-1] := 0); the tail group G spans
     [offs[G-1], total): the rows (or columns) past the last offset, whose output is zero.
     Entries past G are empty. ``bad``: offs decrease, start below 0 or pass ``total``: the host
     does not check offs values without a sync, so the kernel must never trust them.
     """
     idx = tl.arange(0, G_BLOCK)
-    ends = tl.load(offs_ptr + idx * stride_offs, mask=idx < G, other=0)
+    ends = tl.load(offs.ptr + idx * offs.stride, mask=idx < G, other=0)
     ends = tl.where(idx < G, ends, total)
-    starts = tl.load(offs_ptr + (idx - 1) * stride_offs, mask=(idx >= 1) & (idx <= G), other=0)
+    starts = tl.load(offs.ptr + (idx - 1) * offs.stride, mask=(idx >= 1) & (idx <= G), other=0)
     starts = tl.where(idx <= G, starts, total)
     sizes = ends - starts
     bad = tl.sum((sizes < 0).to(tl.int32)) > 0
@@ -67,13 +80,13 @@ def group_spans(offs_ptr, stride_offs, G, total, G_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def locate_tile(tile, offs_ptr, stride_offs, G, total, BLOCK: tl.constexpr, G_BLOCK: tl.constexpr):
+def locate_tile(tile, offs, G, total, BLOCK: tl.constexpr, G_BLOCK: tl.constexpr):
     """Block ``tile`` of the ragged dimension -> (g, start, size, local block, valid, bad).
 
     Blocks are numbered group after group, cdiv(size_g, BLOCK) per group, tail group last.
     With bad offs the whole dimension becomes one tail group (filled with NaN by the caller).
     """
-    idx, starts, sizes, bad = group_spans(offs_ptr, stride_offs, G, total, G_BLOCK)
+    idx, starts, sizes, bad = group_spans(offs, G, total, G_BLOCK)
     starts = tl.where(bad, 0, starts)
     sizes = tl.where(bad, tl.where(idx == G, total, 0), sizes)
     tiles = (sizes + BLOCK - 1) // BLOCK
@@ -84,80 +97,8 @@ def locate_tile(tile, offs_ptr, stride_offs, G, total, BLOCK: tl.constexpr, G_BL
 
 
 @triton.jit
-def group_tile(
-    pid_m, pid_n, a_g, b_g, c_g, bias_g, M_g, N_g, K_g,
-    row0, a_rows_ptr, c_rows_ptr, weight_ptr, fill, fill_value,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias_n,
-    SWIGLU: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
-):
-    """One output tile of one group: core's K loop, epilogue and store on the group's operands.
-
-    a_g, b_g, c_g, bias_g: the group's A [M_g, K_g], B [K_g, *], C [M_g, N_g] and bias [N_g].
-    a_rows_ptr (MoE GEMM1): A row of grouped row r is a_rows[row0 + r] (a gather of token
-        rows through core's row index vector: no permuted copy of x exists).
-    c_rows_ptr (MoE GEMM2): output row of grouped row r is c_rows[row0 + r] (a scatter).
-    weight_ptr: per-output-row multiplier weight[output row] (the routing weight).
-    SWIGLU: B has 2*N_g columns, gate then up. The tile's BLOCK_N B columns are gate and up
-        columns interleaved (j, N_g + j, j+1, ...) so ONE dot computes both and the
-        accumulator splits into [BLOCK_M, BLOCK_N/2] gate and up halves; the tile writes
-        silu(gate) * up, BLOCK_N/2 columns wide. The [rows, 2I] product is never stored.
-    fill: store ``fill_value`` (0 for rows past offs[-1], NaN for bad offs) instead of a product.
-    USE_TMA: core's TMA flavour (not with a gather or SWIGLU; the host decides): descriptors
-        over the GROUP's A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips
-        at the group's edges, which is what the masks do for pointers. A scattered C
-        (c_rows_ptr) is still stored through pointers.
-    """
-    BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
-    offs_m, wrapped_m, mask_m = tile_range(pid_m, M_g, BLOCK_M)
-    offs_n, wrapped_n, mask_n = tile_range(pid_n, N_g, BLOCK_N_OUT)
-    rows = wrapped_m
-    out_rows = offs_m
-    if a_rows_ptr is not None:
-        rows = tl.load(a_rows_ptr + row0 + wrapped_m)
-    if c_rows_ptr is not None:
-        out_rows = tl.load(c_rows_ptr + row0 + wrapped_m)
-    a, b, c = make_operands(
-        a_g, b_g, c_g, M_g, N_g, K_g, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-    )
-    if fill:
-        acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
-    else:
-        cols = wrapped_n
-        if SWIGLU:
-            cols = tl.reshape(tl.join(wrapped_n, wrapped_n + N_g), (BLOCK_N,))
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = mma_k_loop(
-            acc, a, b, rows, cols, K_g,
-            stride_am, stride_ak, stride_bk, stride_bn,
-            BLOCK_K, UPCAST, PRECISION,
-            USE_TMA=USE_TMA, off_m=pid_m * BLOCK_M, off_n=pid_n * BLOCK_N,
-            A_K_CONTIG=A_K_CONTIG, B_K_CONTIG=B_K_CONTIG,
-        )
-        if SWIGLU:
-            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N_OUT, 2)))
-            acc = activate(gate, "silu") * up
-        acc = epilogue(
-            acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION,
-            bias_g, stride_bias_n, weight_ptr=weight_ptr, weight_idx=out_rows,
-        )
-    if USE_TMA and c_rows_ptr is None:
-        store_tile(c, acc, out_rows, offs_n, mask_m, mask_n, stride_cm, stride_cn, True, pid_m * BLOCK_M, pid_n * BLOCK_N)
-    else:
-        store_tile(c_g, acc, out_rows, offs_n, mask_m, mask_n, stride_cm, stride_cn)
-
-
-@triton.jit
 def ragged_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, stride_offs,
-    a_rows_ptr, c_rows_ptr, weight_ptr,
-    G, M, N, K,
-    stride_ag, stride_am, stride_ak,
-    stride_bg, stride_bk, stride_bn,
-    stride_cg, stride_cm, stride_cn,
-    stride_bias_g, stride_bias_n,
+    A, B, C, bias, offs, routing, G, M, N, K,
     RAGGED: tl.constexpr, SWIGLU: tl.constexpr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -166,22 +107,22 @@ def ragged_kernel(
 ):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
-    Element [i, j] of group g of X is at x_ptr + g*stride_xg + i*stride_x0 + j*stride_x1; a 2-D
-    operand has stride_xg = 0 and is cut by offs instead. Shapes by RAGGED:
-      "M": a [M, K], b [G, K, N] (*), c [M, N];   group g = rows [offs[g-1], offs[g]).
-      "N": a [G, M, K], b [K, N], c [M, N];       group g = columns of b and c.
-      "K": a [M, K], b [K, N], c [G, M, N];       group g = a slice of the reduction.
-      "":  a [G, M, K], b [G, K, N] (*), c [G, M, N]; no offs (batched).
-    (*) with SWIGLU, b has 2N columns (gate then up) and c has N.
-    M, N, K: the sizes; the ragged one is the total over groups. offs_ptr [G] int32, element g
-        at offs_ptr + g * stride_offs.
-    bias_ptr: bias_g[j] at bias_ptr + g*stride_bias_g + j*stride_bias_n ([G, N]; for "N" a
-        [total N] vector with stride_bias_g = 0), or None.
-    a_rows_ptr, c_rows_ptr [M] int32, weight_ptr: the MoE gather / scatter / routing weight
-        ("M" only; see group_tile).
+    A, B, C: Stacked (a 2-D operand has stride_g = 0 and is cut by offs instead). By RAGGED:
+      "M": A [M, K], B [G, K, N] (*), C [M, N];   group g = rows [offs[g-1], offs[g]).
+      "N": A [G, M, K], B [K, N], C [M, N];       group g = columns of B and C.
+      "K": A [M, K], B [K, N], C [G, M, N];       group g = a slice of the reduction.
+      "":  A [G, M, K], B [G, K, N] (*), C [G, M, N]; no offs (batched).
+    (*) with SWIGLU, B has 2N columns (gate then up) and C has N (tiles.gemm_tile).
+    M, N, K: the sizes; the ragged one is the total over groups.
+    offs: Vector over int32 [G] (None for ""). bias: Operand over [G, N] (element [g, j]; for
+        "N" a [total N] vector with stride0 = 0); NO_OPERAND without one.
+    routing: tiles.Routing ("M" only: the MoE gather of x's rows, scatter of output rows and
+        routing weight, indexed by the grouped row; all None otherwise).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
-    USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, per group (see group_tile); USE_TMA
-        comes from the config.
+    USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
+        A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
+        edges, which is what the masks do for pointers (not with a gather or SWIGLU; the host
+        decides). A scattered C is still stored through pointers.
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values:
       "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT); "N": cdiv(M, BLOCK_M) *
       (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
@@ -189,72 +130,74 @@ def ragged_kernel(
     Rows (columns) past offs[-1] are written as zero; with bad offs (decreasing, negative,
     past the total) every element of C is written as NaN: never a silent wrong answer.
     """
+    spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
+                    SWIGLU=SWIGLU)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     pid = tl.program_id(0)
     start = 0
     size = 0
     valid = True
-    fill = False
-    fill_value = 0.0
+    fill = None
     if RAGGED == "M":
-        pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M) + G + 1, tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
-        g, start, size, pid_m, valid, bad = locate_tile(pid_m, offs_ptr, stride_offs, G, M, BLOCK_M, G_BLOCK)
+        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M) + G + 1, tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
+        g, start, size, pid_m, valid, bad = locate_tile(pid_m, offs, G, M, BLOCK_M, G_BLOCK)
         M_g = size
         N_g = N
         K_g = K
     elif RAGGED == "N":
-        pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N) + G + 1, GROUP_M)
-        g, start, size, pid_n, valid, bad = locate_tile(pid_n, offs_ptr, stride_offs, G, N, BLOCK_N, G_BLOCK)
+        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N) + G + 1, GROUP_M)
+        g, start, size, pid_n, valid, bad = locate_tile(pid_n, offs, G, N, BLOCK_N, G_BLOCK)
         M_g = M
         N_g = size
         K_g = K
     else:
         tiles_per_group = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N_OUT)
         g = pid // tiles_per_group
-        pid_m, pid_n = grouped_tile(pid % tiles_per_group, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
+        pid_m, pid_n = swizzle_tile(pid % tiles_per_group, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
         M_g = M
         N_g = N
         K_g = K
         bad = False
         if RAGGED == "K":
-            idx, starts, sizes, bad = group_spans(offs_ptr, stride_offs, G, K, G_BLOCK)
+            idx, starts, sizes, bad = group_spans(offs, G, K, G_BLOCK)
             start = tl.sum(tl.where(idx == g, starts, 0))
             K_g = tl.sum(tl.where(idx == g, sizes, 0))
     if RAGGED != "":
         # The tail group (past offs[-1]) is zeros; bad offs make everything one NaN group.
-        fill = (g == G) | bad
-        fill_value = tl.where(bad, float("nan"), 0.0)
+        fill = Fill((g == G) | bad, tl.where(bad, float("nan"), 0.0))
+    HAS_BIAS: tl.constexpr = bias.ptr is not None
+    GATHER: tl.constexpr = routing.gather is not None
+    SCATTER: tl.constexpr = routing.scatter is not None
     if valid:
         # int64: group offsets times strides pass 2^31 elements on large MoE batches.
         g64 = g.to(tl.int64)
-        a_g = a_ptr + g64 * stride_ag
-        b_g = b_ptr + g64 * stride_bg
-        c_g = c_ptr + g64 * stride_cg
-        bias_g = bias_ptr
-        if bias_ptr is not None:
-            bias_g = bias_ptr + g64 * stride_bias_g
+        a_g = A.ptr + g64 * A.stride_g
+        b_g = B.ptr + g64 * B.stride_g
+        c_g = C.ptr + g64 * C.stride_g
+        if HAS_BIAS:
+            bias_g = Vector(bias.ptr + g64 * bias.stride0, bias.stride1)
+        else:
+            bias_g = Vector(None, 0)
         row0 = 0
         if RAGGED == "M":
             row0 = start
-            if a_rows_ptr is None:
-                a_g += start.to(tl.int64) * stride_am
-            if c_rows_ptr is None:
-                c_g += start.to(tl.int64) * stride_cm
+            if not GATHER:
+                a_g += start.to(tl.int64) * A.stride0
+            if not SCATTER:
+                c_g += start.to(tl.int64) * C.stride0
         if RAGGED == "N":
-            b_g += start.to(tl.int64) * stride_bn
-            c_g += start.to(tl.int64) * stride_cn
-            if bias_ptr is not None:
-                bias_g += start.to(tl.int64) * stride_bias_n
+            b_g += start.to(tl.int64) * B.stride1
+            c_g += start.to(tl.int64) * C.stride1
+            if HAS_BIAS:
+                bias_g = Vector(bias_g.ptr + start.to(tl.int64) * bias.stride1, bias.stride1)
         if RAGGED == "K":
-            a_g += start.to(tl.int64) * stride_ak
-            b_g += start.to(tl.int64) * stride_bk
-        group_tile(
-            pid_m, pid_n, a_g, b_g, c_g, bias_g, M_g, N_g, K_g,
-            row0, a_rows_ptr, c_rows_ptr, weight_ptr, fill, fill_value,
-            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias_n,
-            SWIGLU, ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            USE_TMA, A_K_CONTIG, B_K_CONTIG,
-        )
+            a_g += start.to(tl.int64) * A.stride1
+            b_g += start.to(tl.int64) * B.stride0
+        a, b, c = make_operands(Operand(a_g, A.stride0, A.stride1), Operand(b_g, B.stride0, B.stride1),
+                                Operand(c_g, C.stride0, C.stride1), M_g, N_g, K_g, spec)
+        if SCATTER:
+            c = Operand(c_g, C.stride0, C.stride1)  # scattered rows are stored through pointers
+        gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(), routing, bias_g, None, row0, fill)
 
 
 @triton.jit
@@ -276,26 +219,23 @@ def list_kernel(
     groups' tiles laid out group after group (GROUP_M order inside a group); every tile is
     core's gemm_tile, masked on M, N and K, so no size needs to be a multiple of a block.
     """
+    spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION)
     idx = tl.arange(0, G_BLOCK)
     Ms = tl.load(sizes_ptr + idx * 3 + 0, mask=idx < G, other=0)
     Ns = tl.load(sizes_ptr + idx * 3 + 1, mask=idx < G, other=0)
     tiles = tl.cdiv(Ms, BLOCK_M) * tl.cdiv(Ns, BLOCK_N)
-    for tile in range(tl.program_id(0), tl.sum(tiles), tl.num_programs(0)):
+    for i in tl.range(0, program_units(tl.sum(tiles), True)):
+        tile = tl.program_id(0) + i * tl.num_programs(0)
         g, first = find_group(tile, tiles, idx)
         M = tl.load(sizes_ptr + g * 3 + 0)
         N = tl.load(sizes_ptr + g * 3 + 1)
         K = tl.load(sizes_ptr + g * 3 + 2)
-        pid_m, pid_n = grouped_tile(tile - first, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-        a = tl.load(a_ptrs + g).to(tl.pointer_type(a_like.dtype.element_ty))
-        b = tl.load(b_ptrs + g).to(tl.pointer_type(b_like.dtype.element_ty))
-        c = tl.load(c_ptrs + g).to(tl.pointer_type(c_like.dtype.element_ty))
+        pid_m, pid_n = swizzle_tile(tile - first, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         st = strides_ptr + g * 6
-        gemm_tile(
-            pid_m, pid_n, a, b, c, None, M, N, K,
-            tl.load(st + 0), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3),
-            tl.load(st + 4), tl.load(st + 5), 0,
-            ACTIVATION, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-        )
+        A = Operand(tl.load(a_ptrs + g).to(tl.pointer_type(a_like.dtype.element_ty)), tl.load(st + 0), tl.load(st + 1))
+        B = Operand(tl.load(b_ptrs + g).to(tl.pointer_type(b_like.dtype.element_ty)), tl.load(st + 2), tl.load(st + 3))
+        C = Operand(tl.load(c_ptrs + g).to(tl.pointer_type(c_like.dtype.element_ty)), tl.load(st + 4), tl.load(st + 5))
+        gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, Scales(), Routing(), Vector(None, 0))
 
 
 @triton.jit

@@ -16,11 +16,12 @@ from safetensors import safe_open
 from torch import nn
 
 from ..core import checks, configs
+from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
 from ..core.matmul import matmul
 from ..core.runtime import INTERPRET, empty, next_pow2
 from .kernels import sort_by_expert_kernel
-from .ops import launch_ragged
+from .ops import grouped_matmul, launch_ragged
 
 
 def route(logits, top_k: int, renormalize: bool = True):
@@ -108,13 +109,16 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
     x [T, H] (fp16, bf16, fp32); w_gate_up [E, 2I, H] (gate rows W1 then up rows W3);
     w_down [E, H, I]; topk_weights [T, k]; topk_ids [T, k] int32/int64 (ids outside [0, E)
     contribute nothing). Returns [T, H] in x's dtype. Deterministic: bitwise the same on a rerun.
+    Differentiable in x, w_gate_up, w_down and topk_weights (docs/autograd.md); traceable by
+    torch.compile.
     """
+    return MOE(x, w_gate_up, w_down, topk_weights, topk_ids, grad_inputs=(x, w_gate_up, w_down, topk_weights))
+
+
+def _moe_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
     _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
-    T, H = x.shape
-    E, two_i, _ = w_gate_up.shape
-    I = two_i // 2
-    k = topk_ids.shape[1]
-    P = T * k
+    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
     if P == 0:
         return torch.zeros_like(x)
     pair, token, offs = sort_by_expert(topk_ids, E)
@@ -122,28 +126,96 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
     # GEMM1: h[r] = silu(x[token[r]] @ W1_e^T) * (x[token[r]] @ W3_e^T), rows sorted by expert.
     # B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
     h = empty((P, I), dtype=x.dtype, device=x.device)
-    w1 = w_gate_up.transpose(1, 2)  # [E, H, 2I]
-    launch_ragged(
-        x, w1, h, offs, ragged="M", G=E, M=P, N=I, K=H,
-        strides_a=(0, x.stride(0), x.stride(1)),
-        strides_b=tuple(w1.stride()),
-        strides_c=(0, h.stride(0), h.stride(1)),
-        a_rows=token, swiglu=True, rows_per_group=P // E,
-    )
+    _expert_gemm(x, w_gate_up, h, offs, a_rows=token, swiglu=True)
     # GEMM2: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T), fp32 so the combine rounds once.
     y_pairs = empty((P, H), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    w2 = w_down.transpose(1, 2)  # [E, I, H]
-    launch_ragged(
-        h, w2, y_pairs, offs, ragged="M", G=E, M=P, N=H, K=I,
-        strides_a=(0, h.stride(0), h.stride(1)),
-        strides_b=tuple(w2.stride()),
-        strides_c=(0, y_pairs.stride(0), y_pairs.stride(1)),
-        c_rows=pair, weight=weights, rows_per_group=P // E,
-    )
+    _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights)
     # Combine: a plain sum over the k slots of each token, in slot order (no atomics), hence
     # the same bits on every run.
     return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def _moe_sizes(x, w_gate_up, topk_ids):
+    """(T, H, E, I, k, P): tokens, hidden size, experts, intermediate size, top-k, pairs."""
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    k = topk_ids.shape[1]
+    return T, H, E, two_i // 2, k, T * k
+
+
+def _expert_gemm(a, w, c, offs, **kwargs):
+    """c[r] = a[r] @ w[e].T for the rows r of expert e (2D x 3D, offs over rows; ``kwargs``:
+    launch_ragged's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
+    wt = w.transpose(1, 2)
+    N = c.shape[1]
+    launch_ragged(a, wt, c, offs, ragged="M", G=w.shape[0], M=c.shape[0], N=N, K=a.shape[1],
+                  strides_a=(0, a.stride(0), a.stride(1)), strides_b=tuple(wt.stride()),
+                  strides_c=(0, c.stride(0), c.stride(1)), rows_per_group=c.shape[0] // w.shape[0], **kwargs)
+
+
+def _moe_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
+    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return torch.empty_like(x)
+
+
+def _moe_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _moe_backward(ctx, dy):
+    dx, dw13, dw2, dweights = MOE_BACKWARD(dy, *ctx.saved_tensors)
+    return dx, dw13, dw2, dweights, None
+
+
+def _moe_backward_impl(dy: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_ffn's gradients (dx, dw_gate_up, dw_down, dtopk_weights) in the same sorted order
+    as the forward, with onegemm's grouped GEMMs; every sum runs in a fixed order, so two
+    backward passes give the same bits. A registered op of its own: under torch.compile the
+    backward is traced as one call, like the forward.
+
+    The forward keeps nothing but its inputs: the routing sort and GEMM1's pre-activation
+    [P, 2I] are recomputed (one extra grouped GEMM) rather than stored by every forward call.
+    Rows r are (token, slot) pairs sorted by expert e, g/u the gate/up halves of GEMM1:
+      dh_u = dy[token] @ W2_e;  dw[pair] = <dh_u, h>;  dh = w * dh_u
+      dg = dh * u * silu'(g);  du = dh * silu(g);  dx[token] += [dg, du] @ W13_e
+      dW13_e = [dg, du]_e^T @ x[token]_e;  dW2_e = (w * dy[token])_e^T @ h_e
+    """
+    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
+    if P == 0:
+        return torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down), torch.zeros_like(topk_weights)
+    pair, token, offs = sort_by_expert(topk_ids, E)
+    pair = pair.long()
+    h_pre = empty((P, 2 * I), dtype=x.dtype, device=x.device)
+    _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
+    g, u = h_pre[:, :I].float(), h_pre[:, I:].float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    h = silu * u
+    dy_s = dy.to(x.dtype)[token]
+    w_s = topk_weights.reshape(-1)[pair].float()
+    dh_u = grouped_matmul(dy_s, w_down, offs, out_dtype=torch.float32)  # [P, I]: b = W2_e [H, I]
+    dweights = torch.empty(P, device=x.device, dtype=torch.float32)
+    dweights[pair] = (dh_u * h).sum(1)
+    dh = dh_u * w_s[:, None]
+    dh_pre = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], dim=1).to(x.dtype)
+    dx_s = grouped_matmul(dh_pre, w_gate_up, offs, out_dtype=torch.float32)  # [P, H]: b = W13_e [2I, H]
+    dx_pairs = torch.empty_like(dx_s)
+    dx_pairs[pair] = dx_s
+    dx = dx_pairs.view(T, k, H).sum(1).to(x.dtype)
+    dw13 = grouped_matmul(dh_pre.t(), x[token], offs, out_dtype=w_gate_up.dtype)  # 2D x 2D over the rows
+    dw2 = grouped_matmul((dy_s.float() * w_s[:, None]).to(x.dtype).t(), h.to(x.dtype), offs, out_dtype=w_down.dtype)
+    return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
+
+
+def _moe_backward_fake(dy, x, w_gate_up, w_down, topk_weights, topk_ids):
+    return torch.empty_like(x), torch.empty_like(w_gate_up), torch.empty_like(w_down), torch.empty_like(topk_weights)
+
+
+MOE_BACKWARD = Op("moe_ffn_backward", _moe_backward_impl, _moe_backward_fake)
+MOE = Op("moe_ffn", _moe_impl, _moe_fake, _moe_setup, _moe_backward)
 
 
 class MoEFFN(nn.Module):
@@ -165,9 +237,11 @@ class MoEFFN(nn.Module):
         checks.check_int("top_k", top_k, 1, E, "(at most the number of experts)")
         checks.check_bool("renormalize", renormalize)
         checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down)
-        self.gate_weight = nn.Parameter(gate_weight, requires_grad=False)
-        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)
-        self.w_down = nn.Parameter(w_down, requires_grad=False)
+        # Trainable, as nn.Module parameters are; inference runs under torch.inference_mode()
+        # (or no_grad), which takes the direct kernel path.
+        self.gate_weight = nn.Parameter(gate_weight)
+        self.w_gate_up = nn.Parameter(w_gate_up)
+        self.w_down = nn.Parameter(w_down)
         self.top_k = top_k
         self.renormalize = renormalize
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 from ..core import checks, configs
+from ..core.dispatch import Op, begin, fused
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2
+from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
-from .kernels import list_kernel, ragged_kernel
+from .kernels import Stacked, list_kernel, ragged_kernel
 
 RAGGED = Launcher(ragged_kernel, configs.RAGGED)
 LIST = Launcher(list_kernel, configs.LIST)
@@ -35,10 +39,11 @@ def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
             raise checks.bad_value("offs", f"at most {total} (the grouped dimension of {what}) at its end", f"offs[-1] = {int(o[-1])}")
 
 
-def _bias_strides(bias):
+def _bias_operand(bias):
+    """The bias as ragged_kernel reads it: [G, N], or a [total N] vector (3D x 2D)."""
     if bias is None:
-        return 0, 0
-    return (bias.stride(0), bias.stride(1)) if bias.dim() == 2 else (0, bias.stride(0))
+        return NO_OPERAND
+    return Operand(bias, *bias.stride()) if bias.dim() == 2 else Operand(bias, 0, bias.stride(0))
 
 
 def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
@@ -89,8 +94,9 @@ def launch_ragged(
            c_rows is not None, weight is not None, m, N, K, a_k, b_k, layout, tma, checks.dot_precision(a.dtype),
            next_pow2(G + 1), a.get_device(), config)
     args = (
-        interpretable(a), interpretable(b), c, bias, offs, 0 if offs is None else offs.stride(0), a_rows, c_rows, weight,
-        G, M, N, K, *strides_a, *strides_b, *strides_c, *_bias_strides(bias),
+        Stacked(interpretable(a), *strides_a), Stacked(interpretable(b), *strides_b), Stacked(c, *strides_c),
+        _bias_operand(bias), None if offs is None else Vector(offs, offs.stride(0)), Routing(a_rows, c_rows, weight),
+        G, M, N, K,
     )
 
     def request():
@@ -140,6 +146,9 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     each pair its own (M, N, K), one launch. ``config`` forces one triton.Config. ``tma``: as
     in onegemm.matmul (None: the tuner picks pointers or TMA where the layout allows TMA;
     False: pointers; True: TMA or ValueError).
+
+    Differentiable in a, b and bias in every mode; each mode's backward is two other modes
+    (docs/autograd.md). Traceable by torch.compile, list mode excepted (eager only).
     """
     checks.check_config(config)
     checks.check_tma(tma)
@@ -149,8 +158,16 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         for name, value in (("offs", offs), ("bias", bias), ("tma", tma or None)):
             if value is not None:
                 raise checks.bad_value(name, "None in list mode (grouped_matmul([a0, ...], [b0, ...]))", type(value).__name__)
-        return _grouped_list(a, b, activation=activation, out_dtype=out_dtype, config=config)
+        return grouped_list(a, b, activation, out_dtype, config)
+    grad = begin(config, a, b, bias)
+    if config is not None:
+        return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma)
+    return fused(GROUPED, lambda act: (a, b, offs, bias, act, out_dtype, check_offs, tma), activation, grad)
 
+
+def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, fake=False):
+    """The checks of grouped_matmul's tensor modes; returns (output shape, out_dtype, launch
+    arguments). ``fake``: on fake tensors (no offs values to read)."""
     checks.check_tensor("a", a, ndim=(2, 3))
     checks.check_tensor("b", b, ndim=(2, 3))
     checks.check_operand_dtypes(a, b)
@@ -161,7 +178,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         checks.check_tensor("bias", bias, dtypes=checks.FLOAT_DTYPES)
     checks.check_same_device(a=a, b=b, offs=offs, bias=bias)
     out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
-    validate = check_offs if check_offs is not None else (offs is not None and offs.is_cpu)
+    validate = not fake and (check_offs if check_offs is not None else (offs is not None and offs.is_cpu))
     mode = (a.dim(), b.dim())
     if mode != (3, 3) and offs is None:
         raise checks.bad_value("offs", f"int32 [G] cumulative end offsets for {a.dim()}D x {b.dim()}D grouped_matmul", None)
@@ -173,11 +190,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
             raise checks.bad_shape("b", f"[G, K, N] with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)})", b.shape)
         validate_offs(offs, G, M, "a's rows (2D x 3D)", validate)
         checks.check_bias(bias, (G, N), "each group's output")
-        c = empty((M, N), dtype=out_dtype, device=a.device)
-        ragged, rows_per_group = "M", M // max(G, 1)
-        sa = (0, a.stride(0), a.stride(1))
-        sb = (b.stride(0), b.stride(1), b.stride(2))
-        sc = (0, c.stride(0), c.stride(1))
+        shape, ragged, rows_per_group = (M, N), "M", M // max(G, 1)
     elif mode == (3, 3):
         if offs is not None:
             raise checks.bad_value("offs", "None for 3D x 3D (batched) grouped_matmul", "a tensor")
@@ -186,11 +199,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
             raise checks.bad_shape("b", f"[{G}, {K}, N] (a is [G, M, K] = {tuple(a.shape)})", b.shape)
         N = b.shape[2]
         checks.check_bias(bias, (G, N), "each group's output")
-        c = empty((G, M, N), dtype=out_dtype, device=a.device)
-        ragged, rows_per_group = "", M
-        sa = tuple(a.stride())
-        sb = tuple(b.stride())
-        sc = tuple(c.stride())
+        shape, ragged, rows_per_group = (G, M, N), "", M
     elif mode == (2, 2):
         M, K = a.shape
         N = b.shape[1]
@@ -199,11 +208,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         G = offs.shape[0] if offs.dim() == 1 else -1
         validate_offs(offs, G, K, "the reduction dimension K (2D x 2D)", validate)
         checks.check_bias(bias, (G, N), "each group's output")
-        c = empty((G, M, N), dtype=out_dtype, device=a.device)
-        ragged, rows_per_group = "K", M
-        sa = (0, a.stride(0), a.stride(1))
-        sb = (0, b.stride(0), b.stride(1))
-        sc = tuple(c.stride())
+        shape, ragged, rows_per_group = (G, M, N), "K", M
     else:  # (3, 2)
         G, M, K = a.shape
         N = b.shape[1]
@@ -211,21 +216,86 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
             raise checks.bad_shape("b", f"[{K}, sum_N] (a is [G, M, K] = {tuple(a.shape)})", b.shape)
         validate_offs(offs, G, N, "b's columns (3D x 2D)", validate)
         checks.check_bias(bias, (N,), "the output (one value per column of [M, sum_N])")
-        c = empty((M, N), dtype=out_dtype, device=a.device)
-        ragged, rows_per_group = "N", M
-        sa = tuple(a.stride())
-        sb = (0, b.stride(0), b.stride(1))
-        sc = (0, c.stride(0), c.stride(1))
+        shape, ragged, rows_per_group = (M, N), "N", M
+    return shape, out_dtype, dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
 
-    if c.numel() == 0 or G == 0:
+
+def _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma):
+    """grouped_matmul's tensor modes, on the kernel."""
+    shape, out_dtype, args = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs)
+    c = empty(shape, dtype=out_dtype, device=a.device)
+    if c.numel() == 0 or args["G"] == 0:
         return c.zero_()
-    return launch_ragged(
-        a, b, c, offs, ragged=ragged, G=G, M=M, N=N, K=K, strides_a=sa, strides_b=sb, strides_c=sc,
-        bias=bias, activation=activation, rows_per_group=rows_per_group, config=config, tma=tma,
-    )
+    # The group stride of a 2-D operand is 0: offs cuts it instead.
+    sa, sb, sc = ((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()) for t in (a, b, c))
+    return launch_ragged(a, b, c, offs, strides_a=sa, strides_b=sb, strides_c=sc, bias=bias, activation=activation,
+                         config=config, tma=tma, **args)
 
 
-def _grouped_list(As, Bs, *, activation=None, out_dtype=None, config=None):
+def _grouped_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  activation: Optional[str], out_dtype: Optional[torch.dtype], check_offs: Optional[bool],
+                  tma: Optional[bool]) -> torch.Tensor:
+    return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, None, tma)
+
+
+def _grouped_fake(a, b, offs, bias, activation, out_dtype, check_offs, tma):
+    shape, out_dtype, _ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, fake=True)
+    return a.new_empty(shape, dtype=out_dtype)
+
+
+def _grouped_setup(ctx, inputs, output):
+    a, b, offs, bias = inputs[:4]
+    ctx.save_for_backward(a, b, offs)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _grouped_backward(ctx, grad):
+    """Each mode's gradients are two other modes (torch._grouped_mm's scheme), in onegemm's
+    kernels; the bias gradient sums each group's rows of grad (deterministically)."""
+    a, b, offs = ctx.saved_tensors
+    need_a, need_b, _, need_bias = ctx.needs_input_grad[:4]
+    dz_a, dz_b = grad.to(b.dtype), grad.to(a.dtype)
+    da = db = dbias = None
+    mode = (a.dim(), b.dim())
+    if mode == (2, 3):  # z [sum_M, N] = a_g [M_g, K] @ b[g] [K, N]
+        if need_a:
+            da = grouped_matmul(dz_a, b.transpose(1, 2), offs, out_dtype=a.dtype)
+        if need_b:
+            db = grouped_matmul(a.t(), dz_b, offs, out_dtype=b.dtype)  # 2D x 2D over sum_M
+        if need_bias:
+            # 1 x rows of each group: the group sums of grad's rows, in onegemm's (fixed order) K loop.
+            ones = torch.ones(1, grad.shape[0], device=grad.device, dtype=torch.float32)
+            dbias = grouped_matmul(ones, grad.float(), offs)[:, 0].to(ctx.bias_dtype)
+    elif mode == (3, 3):  # z [G, M, N] = a[g] @ b[g]
+        if need_a:
+            da = grouped_matmul(dz_a, b.transpose(1, 2), out_dtype=a.dtype)
+        if need_b:
+            db = grouped_matmul(a.transpose(1, 2), dz_b, out_dtype=b.dtype)
+        if need_bias:
+            dbias = grad.sum(1, dtype=torch.float32).to(ctx.bias_dtype)
+    elif mode == (2, 2):  # z [G, M, N] = a[:, K_g] @ b[K_g, :]
+        if need_a:
+            da = grouped_matmul(dz_a, b.t(), offs, out_dtype=a.dtype)  # 3D x 2D: [M, sum_K]
+        if need_b:
+            db = grouped_matmul(a.t(), dz_b, offs, out_dtype=b.dtype)  # 2D x 3D: [sum_K, N]
+        if need_bias:
+            dbias = grad.sum(1, dtype=torch.float32).to(ctx.bias_dtype)
+    else:  # (3, 2): z [M, sum_N] = a[g] @ b[:, N_g]
+        if need_a:
+            da = grouped_matmul(dz_a, b.t(), offs, out_dtype=a.dtype)  # 2D x 2D over sum_N: [G, M, K]
+        if need_b:
+            db = grouped_matmul(a.transpose(1, 2), dz_b, offs, out_dtype=b.dtype)  # 3D x 2D: [K, sum_N]
+        if need_bias:
+            # Columns past offs[-1] are written as zero, bias or not: they get no bias gradient.
+            live = torch.arange(grad.shape[1], device=grad.device) < offs[-1:]
+            dbias = torch.where(live, grad.sum(0, dtype=torch.float32), 0.0).to(ctx.bias_dtype)
+    return da, db, None, dbias, None, None, None, None
+
+
+GROUPED = Op("grouped_mm", _grouped_impl, _grouped_fake, _grouped_setup, _grouped_backward)
+
+
+def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):
     """List mode (see grouped_matmul): one launch of list_kernel over every pair's tiles."""
     for name, value in (("a", As), ("b", Bs)):
         if not isinstance(value, (list, tuple)):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 
 from ..core import checks
-from ..core.matmul import check_matmul_inputs, run_matmul
+from ..core.matmul import dense
 
 
 def persistent_matmul(
@@ -37,13 +37,11 @@ def persistent_matmul(
         past the last unit would only build its descriptors and exit, so it is not started.
         Any value >= 1 gives the same result.
     config: force one triton.Config instead of autotuning (benchmarks and tests); its kwargs
-        may add EPI_SPLIT (1 or 2) and FLATTEN (bool), the options the benchmark sweeps, and
-        SPLIT_K (core/splitk.py) and PROGRAMS_PER_SM, which the tuner also tries.
+        may add SPLIT_K (core/splitk.py) and PROGRAMS_PER_SM, which the tuner also tries.
     tma: as onegemm.matmul: None lets the tuner choose pointer or tensor-descriptor (TMA)
         loads on a Hopper GPU when a, b and the output allow TMA; False forces pointer loads;
         True forces TMA or raises ValueError.
     """
     if num_programs is not None:
         checks.check_int("num_programs", num_programs, 1, what="(the number of programs to launch) or None")
-    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
-    return run_matmul(a, b, bias, activation, out_dtype, config, tma, True, programs=num_programs)
+    return dense(a, b, bias, activation, out_dtype, config, tma, True, num_programs)

@@ -1,4 +1,12 @@
-"""onegemm.matmul / onegemm.linear and the core tile helpers against float64 torch."""
+"""The dense GEMM against float64 torch: onegemm.matmul, onegemm.persistent_matmul (the same
+contract on the persistent schedule), onegemm.linear and core's tile helpers.
+
+Every case of matmul's contract runs through each op in ``OPS``; tests/test_persistent.py keeps
+what only the persistent schedule has (grid sizes, the schedule knob) and tests/test_tma.py the
+TMA flavour.
+"""
+
+from functools import partial
 
 import pytest
 import torch
@@ -11,7 +19,7 @@ from onegemm.core.checks import ACTIVATIONS
 from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, with_meta
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
 from onegemm.core.configs import cfg as _cfg
-from onegemm.core.tiles import grouped_tile
+from onegemm.core.tiles import swizzle_tile
 from onegemm.testing import TF32_TOL, TOL, assert_close, matmul_ref
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -64,70 +72,90 @@ SHAPES = [
 LAYOUTS = [("contig", "contig"), ("transposed", "contig"), ("contig", "transposed"), ("sliced", "sliced")]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
+# matmul's contract through every op that offers it: one program per tile, and the persistent
+# schedule at several grid sizes: 1 program, 3, the default (the SM count; a few under the
+# interpreter) and more programs than there are tiles (the launch clamps the grid).
+OPS = {
+    "matmul": onegemm.matmul,
+    "persistent": onegemm.persistent_matmul,
+    "persistent-1": partial(onegemm.persistent_matmul, num_programs=1),
+    "persistent-3": partial(onegemm.persistent_matmul, num_programs=3),
+    "persistent-many": partial(onegemm.persistent_matmul, num_programs=10**6),
+}
+# Where the grid size cannot matter: one op per schedule.
+BOTH = ["matmul", "persistent-3"]
 
+
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("layout_a,layout_b", LAYOUTS)
-def test_matmul_shapes_and_layouts(M, N, K, layout_a, layout_b, device):
+def test_shapes_and_layouts(op, M, N, K, layout_a, layout_b, device):
     a = make((M, K), torch.float16, device, layout_a)
     b = make((K, N), torch.float16, device, layout_b)
-    out = onegemm.matmul(a, b)
+    out = OPS[op](a, b)
     assert out.dtype == torch.float16 and out.shape == (M, N)
     assert_close(out, matmul_ref(a, b), TOL[torch.float16])
 
 
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M,N,K", [(17, 33, 65), (127, 96, 300)])
-def test_matmul_dtypes(dtype, M, N, K, device):
+def test_dtypes(op, dtype, M, N, K, device):
     a = make((M, K), dtype, device)
     b = make((N, K), dtype, device).t()  # W.t(): K-major B, the nn.Linear layout
-    out = onegemm.matmul(a, b)
+    out = OPS[op](a, b)
     assert out.dtype == (torch.bfloat16 if dtype in FP8 else dtype)
     assert_close(out, matmul_ref(a, b), tol_for(dtype))
 
 
+@pytest.mark.parametrize("op", BOTH)
 @pytest.mark.parametrize("a_dtype,b_dtype", [(torch.float8_e4m3fn, torch.float8_e5m2), (torch.float8_e5m2, torch.float8_e4m3fn)], ids=str)
 @pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.float16])
-def test_matmul_fp8_mixed_and_out_dtype(a_dtype, b_dtype, out_dtype, device):
+def test_fp8_mixed_and_out_dtype(op, a_dtype, b_dtype, out_dtype, device):
     a = make((40, 70), a_dtype, device)
     b = make((70, 33), b_dtype, device)
-    out = onegemm.matmul(a, b, out_dtype=out_dtype)
+    out = OPS[op](a, b, out_dtype=out_dtype)
     assert out.dtype == (out_dtype or torch.bfloat16)
     assert_close(out, matmul_ref(a, b), tol_for(a_dtype, out.dtype))
 
 
+@pytest.mark.parametrize("op", BOTH)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matmul_epilogue(activation, with_bias, dtype, device):
+def test_epilogue(op, activation, with_bias, dtype, device):
     M, N, K = 45, 70, 50
     a = make((M, K), dtype, device)
     b = make((K, N), dtype, device)
     bias = torch.randn(N, device=device).to(dtype) if with_bias else None
-    out = onegemm.matmul(a, b, bias=bias, activation=activation)
+    out = OPS[op](a, b, bias=bias, activation=activation)
     assert_close(out, matmul_ref(a, b, bias, activation), tol_for(dtype))
 
 
-def test_matmul_strided_bias(device):
+@pytest.mark.parametrize("op", BOTH)
+def test_strided_bias(op, device):
     a = make((20, 40), torch.float32, device)
     b = make((40, 30), torch.float32, device)
     bias = torch.randn(30, 2, device=device)[:, 1]  # stride 2
-    assert_close(onegemm.matmul(a, b, bias=bias, activation="relu"), matmul_ref(a, b, bias, "relu"), TOL[torch.float32])
+    assert_close(OPS[op](a, b, bias=bias, activation="relu"), matmul_ref(a, b, bias, "relu"), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("op", BOTH)
 @pytest.mark.parametrize("M,N,K", [(0, 5, 7), (5, 0, 7), (0, 0, 0)])
-def test_matmul_empty_output(M, N, K, device):
+def test_empty_output(op, M, N, K, device):
     a = torch.randn(M, K, device=device)
     b = torch.randn(K, N, device=device)
-    out = onegemm.matmul(a, b)
+    out = OPS[op](a, b)
     assert out.shape == (M, N)
 
 
-def test_matmul_k_zero_gives_act_bias(device):
+@pytest.mark.parametrize("op", BOTH)
+def test_k_zero_gives_act_bias(op, device):
     """K == 0: the product is all zeros, so the output is act(bias) (as in torch.addmm)."""
     a = torch.randn(6, 0, device=device)
     b = torch.randn(0, 9, device=device)
     bias = torch.randn(9, device=device)
-    out = onegemm.matmul(a, b, bias=bias, activation="silu")
+    out = OPS[op](a, b, bias=bias, activation="silu")
     assert_close(out, matmul_ref(a, b, bias, "silu"), TOL[torch.float32])
 
 
@@ -187,13 +215,13 @@ def test_pitfall_short_last_group(M, device):
 @triton.jit
 def _tile_map_kernel(out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = swizzle_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     tl.store(out_ptr + 2 * pid, pid_m)
     tl.store(out_ptr + 2 * pid + 1, pid_n)
 
 
 @pytest.mark.parametrize("num_pid_m,num_pid_n,group_m", [(7, 5, 4), (1, 9, 8), (9, 1, 8), (16, 3, 8), (5, 5, 1)])
-def test_grouped_tile_is_a_bijection(num_pid_m, num_pid_n, group_m, device):
+def test_swizzle_tile_is_a_bijection(num_pid_m, num_pid_n, group_m, device):
     """Every (pid_m, pid_n) is visited exactly once, in GROUP_M-tall column-major groups."""
     n = num_pid_m * num_pid_n
     out = torch.full((n, 2), -1, dtype=torch.int32, device=device)
@@ -258,14 +286,17 @@ def split_cfg(split, dtype=torch.float32):
     return with_meta(base, SPLIT_K=split)
 
 
+@pytest.mark.parametrize("op", ["matmul", "persistent-1", "persistent-3", "persistent-many"])
 @pytest.mark.parametrize("M,N,K,split,dtype,layout_a,layout_b,tma,activation", SPLIT_CASES)
-def test_split_k(M, N, K, split, dtype, layout_a, layout_b, tma, activation, device):
+def test_split_k(op, M, N, K, split, dtype, layout_a, layout_b, tma, activation, device):
     """Each split sums its own K blocks; the last one adds all partials, then bias and the
-    activation run once (twice, or on a partial, would show), and every tile is written."""
+    activation run once (twice, or on a partial, would show), and every tile is written. The
+    persistent walk over (tile, split) units: one program running every split of every tile in
+    turn, fewer programs than one tile's splits, and one program per unit."""
     a = make((M, K), dtype, device, layout_a)
     b = make((K, N), dtype, device, layout_b)
     bias = torch.randn(N, device=device)
-    out = onegemm.matmul(a, b, bias=bias, activation=activation, config=split_cfg(split, dtype), tma=tma)
+    out = OPS[op](a, b, bias=bias, activation=activation, config=split_cfg(split, dtype), tma=tma)
     assert_close(out, matmul_ref(a, b, bias, activation), tol_for(dtype))
 
 
@@ -340,11 +371,12 @@ def _bad_cases(device):
     ]
 
 
+@pytest.mark.parametrize("op", BOTH)
 @pytest.mark.parametrize("case", range(12))
-def test_matmul_bad_input(case, device):
+def test_bad_input(op, case, device):
     match, kwargs, exc = _bad_cases(device)[case]
     with pytest.raises(exc, match=match):
-        onegemm.matmul(**kwargs)
+        OPS[op](**kwargs)
 
 
 def test_linear_bad_input(device):

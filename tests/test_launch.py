@@ -9,6 +9,7 @@ import onegemm
 from onegemm.core import configs, launch, scratch, splitk
 from onegemm.core.configs import cfg
 from onegemm.core.matmul import MATMUL
+from onegemm.core.tiles import Operand, Scales, Vector
 from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, quantize_fp8_ref
 
 # ---- specialisation: a compiled kernel is reused only where Triton would reuse it ----
@@ -49,21 +50,34 @@ def test_spec_key_recurses_into_tuples():
     assert launch._spec(((16, 1), None)) == ((launch._spec((16,))[0], launch._spec((1,))[0]), None)
 
 
-@pytest.mark.parametrize("kinds_of", ["matmul", "mixed"])
+def _tile_args():
+    """matmul_kernel's arguments as an op passes them: NamedTuples with tensors, ints and None."""
+    t = torch.empty(8, 8)
+    return (Operand(t, 8, 1), Operand(t.t(), 1, 8), Operand(torch.empty(3, 5)[:, 1:], 5, 1), Vector(torch.empty(9), 1),
+            Scales(), 17, 4096, 2**31 + 5, None, None)
+
+
+@pytest.mark.parametrize("kinds_of", ["flat", "mixed", "tuples"])
 def test_generated_preparer_matches_prepare(kinds_of):
     """The preparer a plan generates for its argument kinds gives what _prepare gives, and
-    refuses (TypeError) arguments of other kinds, so the launch falls back to _prepare."""
+    refuses arguments of other kinds (TypeError) or tuples of another length (ValueError), so
+    the launch falls back to _prepare."""
     t = torch.empty(8, 8)
-    if kinds_of == "matmul":
+    if kinds_of == "flat":
         args = (t, t.t(), torch.empty(3, 5)[:, 1:], None, 17, 1, 4096, 2**31 + 5, 16, 0, None, torch.empty(2))
-    else:
+    elif kinds_of == "mixed":
         args = (torch.empty(4, dtype=torch.bfloat16)[1:], 1, None)
+    else:
+        args = _tile_args()
     prepare = launch._preparer(launch._kinds(args))
     assert prepare(args) == launch._prepare(args)
     other = tuple(torch.empty(2) if x.__class__ is int else x for x in args)
     with pytest.raises((TypeError, AttributeError)):
         prepare(other)
-    assert launch._kinds((1, (2, 3))) is None
+    if kinds_of == "tuples":
+        with pytest.raises(ValueError):
+            prepare((Operand(t, 8, 1), *args[1:3], (torch.empty(9), 1, 2), *args[4:]))
+    assert launch._kinds((1, 2.5)) is None  # floats take _prepare
 
 
 def test_prepare_gives_the_spec_and_pointers():

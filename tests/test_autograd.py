@@ -1,0 +1,330 @@
+"""Gradients of every differentiable op against float64 torch, torch.compile(fullgraph=True)
+against eager, torch.library.opcheck of the registered ops, and the errors that stand where a
+gradient cannot be given.
+
+On the CPU, torch.compile uses the "aot_eager" backend (AOTAutograd traces the registered ops
+and their backward; the interpreter runs the kernels); on the H200 also "inductor".
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import onegemm
+from onegemm.testing import (
+    TOL,
+    assert_close,
+    dequantize_ref,
+    grouped_mm_ref,
+    matmul_ref,
+    moe_ref,
+    ref_grads,
+)
+from test_core import make
+
+BACKENDS = ["aot_eager"] if onegemm.INTERPRET else ["aot_eager", "inductor"]
+# Gradients pass two roundings (the output gradient's cast, then the GEMM's output): twice
+# the forward's bound.
+GRAD_TOL = {dtype: 2 * tol for dtype, tol in TOL.items()}
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def check_grads(got, want, dtype, names):
+    for name, g, w in zip(names, got, want):
+        if w is None:
+            continue
+        assert g is not None, f"{name}: no gradient"
+        assert g.dtype == dtype or name in ("topk_weights",), f"{name}: gradient dtype {g.dtype}"
+        assert_close(g, w, GRAD_TOL[dtype], f"grad of {name}")
+
+
+# ---- dense: matmul, persistent_matmul, linear ----
+
+# (op, M, N, K, dtype, activation, bias, layout of a, layout of b)
+DENSE_CASES = [
+    ("matmul", 17, 33, 65, torch.float32, None, True, "contig", "contig"),
+    ("matmul", 1, 300, 127, torch.float32, "gelu", True, "transposed", "contig"),
+    ("matmul", 127, 1, 17, torch.bfloat16, "silu", False, "sliced", "transposed"),
+    ("persistent", 40, 70, 96, torch.float32, "relu", True, "contig", "transposed"),
+    ("linear", 30, 20, 50, torch.bfloat16, "gelu_tanh", True, "contig", "contig"),
+]
+
+
+def _dense(op, a, b, bias, activation):
+    if op == "matmul":
+        return onegemm.matmul(a, b, bias=bias, activation=activation)
+    if op == "persistent":
+        return onegemm.persistent_matmul(a, b, bias=bias, activation=activation, num_programs=3)
+    return onegemm.linear(a, b.t(), bias, activation=activation)
+
+
+@pytest.mark.parametrize("op,M,N,K,dtype,activation,with_bias,layout_a,layout_b", DENSE_CASES)
+def test_dense_gradients(op, M, N, K, dtype, activation, with_bias, layout_a, layout_b, device):
+    a = leaf(make((M, K), dtype, device, layout_a))
+    b = leaf(make((K, N), dtype, device, layout_b))
+    bias = leaf(torch.randn(N, device=device).to(dtype)) if with_bias else None
+    out = _dense(op, a, b, bias, activation)
+    assert out.requires_grad and out.dtype == dtype
+    assert_close(out, matmul_ref(a, b, bias, activation), TOL[dtype])
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want = ref_grads(lambda a, b, bias: matmul_ref(a, b, bias, activation), [a, b, bias], grad)
+    check_grads([a.grad, b.grad, None if bias is None else bias.grad], want, dtype, ["a", "b", "bias"])
+
+
+def test_dense_gradient_of_one_input_only(device):
+    """Only the inputs that require grad get one; the others are not computed."""
+    a = leaf(make((20, 30), torch.float32, device))
+    b = make((30, 10), torch.float32, device)
+    onegemm.matmul(a, b).sum().backward()
+    assert b.grad is None
+    want = ref_grads(lambda a, b: matmul_ref(a, b), [a, b], torch.ones(20, 10, device=device))[0]
+    assert_close(a.grad, want, GRAD_TOL[torch.float32])
+
+
+# ---- grouped_matmul: each mode's backward is two other modes ----
+
+# (mode, G, M, N, K, group sizes along the ragged dim (with an empty group) and a tail past offs[-1], bias)
+GROUPED_CASES = [
+    ("2Dx3D", [5, 0, 17], 3, 40, 24, True),
+    ("3Dx3D", None, 3, 17, 24, True),
+    ("2Dx2D", [30, 0, 17], 3, 20, 24, True),
+    ("3Dx2D", [9, 0, 17], 3, 20, 24, True),
+]
+
+
+def _grouped_inputs(mode, sizes, G, M, N, dtype, device):
+    offs = None if sizes is None else torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    total = 0 if sizes is None else sum(sizes) + 3  # 3 rows (columns) past offs[-1]
+    if mode == "2Dx3D":
+        a, b, bias = torch.randn(total, M), torch.randn(G, M, N), torch.randn(G, N)
+    elif mode == "3Dx3D":
+        a, b, bias = torch.randn(G, M, 24), torch.randn(G, 24, N), torch.randn(G, N)
+    elif mode == "2Dx2D":
+        a, b, bias = torch.randn(M, total), torch.randn(total, N), torch.randn(G, N)
+    else:
+        a, b, bias = torch.randn(G, M, 24), torch.randn(24, total), torch.randn(total)
+    return [leaf(t.to(device=device, dtype=dtype)) for t in (a, b, bias)] + [offs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode,sizes,G,M,N,with_bias", GROUPED_CASES)
+def test_grouped_gradients(mode, sizes, G, M, N, with_bias, dtype, device):
+    a, b, bias, offs = _grouped_inputs(mode, sizes, G, M, N, dtype, device)
+    out = onegemm.grouped_matmul(a, b, offs, bias=bias, activation="silu")
+    assert_close(out, grouped_mm_ref(a, b, offs, bias, "silu"), TOL[dtype])
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want = ref_grads(lambda a, b, bias: grouped_mm_ref(a, b, offs, bias, "silu"), [a, b, bias], grad)
+    check_grads([a.grad, b.grad, bias.grad], want, dtype, ["a", "b", "bias"])
+    # Deterministic: a second backward pass gives the same bits.
+    first = [t.grad.clone() for t in (a, b, bias)]
+    for t in (a, b, bias):
+        t.grad = None
+    onegemm.grouped_matmul(a, b, offs, bias=bias, activation="silu").backward(grad)
+    assert all(torch.equal(f, t.grad) for f, t in zip(first, (a, b, bias)))
+
+
+# ---- moe_ffn and MoEFFN ----
+
+
+def _moe_inputs(T, H, I, E, k, dtype, device, bad_id=True):
+    x = torch.randn(T, H, device=device).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(dtype)
+    weights, ids = onegemm.route(torch.randn(T, E, device=device), k)
+    ids[ids == E - 1] = 0  # expert E-1 gets no token: an empty group
+    if bad_id:
+        ids[0, 0] = E + 3  # outside [0, E): contributes nothing, and gets no gradient
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("T,H,I,E,k,dtype", [(17, 32, 48, 4, 2, torch.float32), (9, 64, 32, 5, 3, torch.bfloat16)])
+def test_moe_ffn_gradients(T, H, I, E, k, dtype, device):
+    x, w13, w2, weights, ids = _moe_inputs(T, H, I, E, k, dtype, device)
+    x, w13, w2, weights = (leaf(t) for t in (x, w13, w2, weights))
+    out = onegemm.moe_ffn(x, w13, w2, weights, ids)
+    assert_close(out, moe_ref(x, w13, w2, weights, ids), TOL[dtype])
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want = ref_grads(lambda x, w13, w2, w: moe_ref(x, w13, w2, w, ids), [x, w13, w2, weights], grad)
+    # topk_weights is fp32 whatever x's dtype: its gradient's bound is the GEMMs' (x's dtype).
+    check_grads([x.grad, w13.grad, w2.grad, weights.grad], want, dtype, ["x", "w_gate_up", "w_down", "topk_weights"])
+    first = [t.grad.clone() for t in (x, w13, w2, weights)]
+    for t in (x, w13, w2, weights):
+        t.grad = None
+    onegemm.moe_ffn(x, w13, w2, weights, ids).backward(grad)
+    assert all(torch.equal(f, t.grad) for f, t in zip(first, (x, w13, w2, weights)))
+
+
+def test_moe_layer_router_gets_its_gradient(device):
+    """MoEFFN's parameters train: the router's through the routing weights, the experts'."""
+    torch.manual_seed(1)
+    T, H, I, E, k = 12, 32, 16, 4, 2
+    gate = torch.randn(E, H, device=device) * H**-0.5
+    w13 = torch.randn(E, 2 * I, H, device=device) * H**-0.5
+    w2 = torch.randn(E, H, I, device=device) * I**-0.5
+    layer = onegemm.MoEFFN(gate, w13, w2, top_k=k)
+    x = torch.randn(T, H, device=device)
+    grad = torch.randn(T, H, device=device)
+    layer(x).backward(grad)
+    _, ids = onegemm.route(x @ gate.t(), k)  # the same expert choice as the layer's
+
+    def ref(gate, w13, w2):
+        probs = torch.softmax(x.double() @ gate.t(), dim=-1)
+        w = probs.gather(1, ids.long())
+        return moe_ref(x, w13, w2, w / w.sum(-1, keepdim=True), ids)
+
+    want = ref_grads(ref, [gate, w13, w2], grad)
+    got = [layer.gate_weight.grad, layer.w_gate_up.grad, layer.w_down.grad]
+    check_grads(got, want, torch.float32, ["gate_weight", "w_gate_up", "w_down"])
+
+
+# ---- Fp8Linear: gradients through FP8 GEMMs ----
+
+# FP8 e4m3 keeps 3 mantissa bits: one quantised operand puts ~2^-5 relative error on each
+# product, summed over K with random signs; 4e-2 holds the measured 2.5e-2 with margin.
+FP8_GRAD_TOL = 4e-2
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_fp8_linear_gradients(trainable, device):
+    torch.manual_seed(2)
+    linear = nn.Linear(200, 136, device=device)
+    layer = onegemm.Fp8Linear.from_linear(linear, trainable=trainable)
+    x = leaf(torch.randn(37, 200, device=device))
+    out = layer(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    if trainable:
+        w = linear.weight.detach()
+        assert layer.weight.grad is not None and layer.weight.dtype == torch.float32
+        assert_close(layer.weight.grad, grad.double().t() @ x.detach().double(), FP8_GRAD_TOL, "grad of weight")
+    else:
+        w = dequantize_ref(layer.weight, layer.weight_scale, 128, 128)
+        assert layer.weight.grad is None  # a frozen fp8 buffer
+    assert_close(x.grad, grad.double() @ w.double(), FP8_GRAD_TOL, "grad of x")
+    assert_close(layer.bias.grad, grad.double().sum(0), TOL[torch.float32], "grad of bias")
+
+
+def test_fp8_training_swaps_linears(device):
+    model = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Sequential(nn.Linear(32, 32)), nn.Linear(32, 8)).to(device)
+    onegemm.fp8_training(model, module_filter_fn=lambda m, fqn: fqn != "3")
+    assert isinstance(model[0], onegemm.Fp8Linear) and model[0].trainable
+    assert isinstance(model[2][0], onegemm.Fp8Linear)
+    assert type(model[3]) is nn.Linear  # the filter kept the head
+    assert {n for n, _ in model.named_parameters()} == {"0.weight", "0.bias", "2.0.weight", "2.0.bias", "3.weight", "3.bias"}
+    x = torch.randn(5, 64, device=device)
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- errors where no gradient can be given ----
+
+
+def test_errors_instead_of_dropped_gradients(device):
+    a = leaf(torch.randn(4, 8, device=device))
+    b = torch.randn(8, 4, device=device)
+    with pytest.raises(ValueError, match="config must be None when gradients are recorded"):
+        onegemm.matmul(a, b, config=onegemm.core.configs.MATMUL_INTERPRET)
+    q = leaf(torch.randn(4, 8, device=device)).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="a must be free of requires_grad for a float8 tensor"):
+        onegemm.matmul(q, b.to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="x must be free of requires_grad: quantize_fp8 has no gradient"):
+        onegemm.quantize_fp8(a)
+    qa, sa = onegemm.quantize_fp8(a.detach())
+    qb, sb = onegemm.quantize_fp8(b.t().contiguous())
+    with pytest.raises(ValueError, match="bias must be free of requires_grad: blockscaled_matmul has no gradient"):
+        onegemm.blockscaled_matmul(qa, qb.t(), sa, sb.t(), bias=leaf(torch.zeros(4, device=device)))
+    with torch.no_grad():
+        onegemm.quantize_fp8(a)  # no gradient recorded: fine
+
+
+# ---- torch.compile(fullgraph=True) equals eager; opcheck ----
+
+
+def _compile_cases(device):
+    """(name, fn, args): each public op as a user calls it."""
+    a, b = torch.randn(33, 40, device=device), torch.randn(40, 24, device=device)
+    bias = torch.randn(24, device=device)
+    x, w13, w2, weights, ids = _moe_inputs(9, 32, 16, 4, 2, torch.float32, device)
+    g2, gb2, gbias, goffs = _grouped_inputs("2Dx3D", [5, 0, 17], 3, 40, 24, torch.float32, device)
+    layer = onegemm.Fp8Linear(64, 40, device=device)
+    return [
+        ("matmul", lambda a, b, bias: onegemm.matmul(a, b, bias=bias, activation="gelu"), (a, b, bias)),
+        ("linear", lambda a, b, bias: onegemm.linear(a, b.t(), bias), (a, b, bias)),
+        ("persistent_matmul", lambda a, b: onegemm.persistent_matmul(a, b), (a, b)),
+        ("grouped_matmul", lambda a, b, offs: onegemm.grouped_matmul(a, b, offs, activation="relu"),
+         (g2.detach(), gb2.detach(), goffs)),
+        ("route", lambda logits: onegemm.route(logits, 2), (torch.randn(9, 4, device=device),)),
+        ("moe_ffn", lambda *t: onegemm.moe_ffn(*t), (x, w13, w2, weights, ids)),
+        ("quantize_fp8", lambda a: onegemm.quantize_fp8(a), (a,)),
+        ("blockscaled_matmul", lambda a, b: onegemm.blockscaled_matmul(
+            *onegemm.quantize_fp8(a)[:1], b, onegemm.quantize_fp8(a)[1], torch.ones((), device=device)),
+         (torch.randn(33, 40, device=device), torch.randn(40, 24, device=device).to(torch.float8_e4m3fn))),
+        ("Fp8Linear", lambda x: layer(x), (torch.randn(10, 64, device=device),)),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", range(9))
+def test_compile_fullgraph_equals_eager(case, backend, device):
+    torch._dynamo.reset()
+    name, fn, args = _compile_cases(device)[case]
+    want = fn(*args)
+    got = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    for w, g in zip(want if isinstance(want, tuple) else [want], got if isinstance(got, tuple) else [got]):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert torch.equal(g.float(), w.float()) or (backend == "inductor" and torch.allclose(g.float(), w.float())), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_trains_like_eager(backend, device):
+    """Gradients through the registered ops' backward equal the eager ones."""
+    torch._dynamo.reset()
+    x, w13, w2, weights, ids = _moe_inputs(9, 32, 16, 4, 2, torch.float32, device)
+    a, b, bias = (leaf(torch.randn(*s, device=device)) for s in ((9, 32), (32, 24), (24,)))
+    tensors = [leaf(t) for t in (x, w13, w2, weights)] + [a, b, bias]
+
+    def loss(x, w13, w2, weights, a, b, bias):
+        y = onegemm.moe_ffn(x, w13, w2, weights, ids)
+        return (onegemm.linear(y, b.t(), bias, activation="gelu") * onegemm.matmul(a, b)).sum()
+
+    eager = torch.autograd.grad(loss(*tensors), tensors)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=backend)(*tensors), tensors)
+    for e, c in zip(eager, compiled):
+        assert_close(c, e, TOL[torch.float32])
+
+
+def _opcheck_cases(device):
+    a, b = torch.randn(17, 24, device=device), torch.randn(24, 9, device=device)
+    x, w13, w2, weights, ids = _moe_inputs(5, 16, 8, 3, 2, torch.float32, device, bad_id=False)
+    ga, gb, _, goffs = _grouped_inputs("2Dx3D", [5, 0, 7], 3, 16, 8, torch.float32, device)
+    q, s = onegemm.quantize_fp8(a)
+    qw, sw = onegemm.quantize_fp8(torch.randn(9, 24, device=device), (128, 128))
+    return [
+        (torch.ops.onegemm.matmul.default, (leaf(a), leaf(b), None, None, None, None, None, None)),
+        (torch.ops.onegemm.grouped_mm.default, (ga, gb, goffs, None, None, None, None, None)),
+        (torch.ops.onegemm.moe_ffn.default, (leaf(x), leaf(w13), leaf(w2), leaf(weights), ids)),
+        (torch.ops.onegemm.quantize_fp8.default, (a, "1x128", torch.float8_e4m3fn, False, False)),
+        (torch.ops.onegemm.blockscaled_mm.default, (q, qw.t(), s, sw.t(), torch.bfloat16, None, None, None)),
+        (torch.ops.onegemm.fp8_linear.default, (leaf(a), leaf(torch.randn(9, 24, device=device)), None, None)),
+    ]
+
+
+ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_opcheck(case, device):
+    op, args = _opcheck_cases(device)[case]
+    utils = ALL_OPCHECKS
+    if op is torch.ops.onegemm.blockscaled_mm.default:
+        # test_schema multiplies the inputs to check they are not mutated, and torch has no
+        # float8 multiply (CPU or CUDA): the fp8 op is checked on the other three.
+        utils = ALL_OPCHECKS[1:]
+    torch.library.opcheck(op, args, test_utils=utils)
