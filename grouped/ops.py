@@ -50,18 +50,19 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     """core.tma.choose_tma for one group, plus what per-group base pointers add.
 
     Group g's operands start at base + g * stride_g + start * stride (start read on the device),
-    so every such offset must keep TMA's 16-byte alignment: only a ragged M with row-major A
-    and C (start * stride_m, a whole number of aligned rows) and the batched mode qualify; a
-    ragged N or K shifts the base by single elements. A gather (MoE GEMM1) or the interleaved
-    SwiGLU columns need pointer loads.
+    so every such offset must keep TMA's 16-byte alignment, i.e. move by whole rows: a ragged M
+    with row-major A and C; a ragged K whose operands both keep K as their outer dimension
+    (A = x.t() of a row-major x, B row-major: the weight-gradient layout); the batched mode.
+    A ragged N shifts C by single elements. A gather (MoE GEMM1) or the interleaved SwiGLU
+    columns need pointer loads.
     """
     if tma is None and (INTERPRET or not a.is_cuda):
         return None  # the automatic choice on the interpreter is pointers
     reason = None
     if gather or swiglu:
         reason = "a row gather / SwiGLU tile reads through pointers"
-    elif ragged in ("N", "K"):
-        reason = f"offs over {ragged} shift group bases by single elements (TMA needs 16-byte alignment)"
+    elif ragged == "N":
+        reason = "offs over N shift the output's group bases by single elements (TMA needs 16-byte alignment)"
     elif any(st[0] % (16 // t.element_size()) for st, t in zip(strides3, (a, b, c))):
         reason = "a group stride is not a multiple of 16 bytes"
     if reason is None:
@@ -69,6 +70,9 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
         layout = choose_tma(tma, a, b, c, tuple(st[1:] for st in strides3))
         if layout is not None and ragged == "M" and not layout.a_k_contig:
             reason = "a must be row-major for offs over rows (a column-major slice starts at any element)"
+        elif layout is not None and ragged == "K" and (layout.a_k_contig or layout.b_k_contig):
+            reason = ("offs over K need a with unit stride along M and b with unit stride along N (a K-contiguous "
+                      "operand's groups start at single elements)")
         else:
             return layout
     if tma:

@@ -354,13 +354,21 @@ def test_gpu_list_mode_large(device):
 # ---- core's TMA flavour (descriptors run under the interpreter too) ----
 
 
-@pytest.mark.parametrize("mode", ["2d_3d", "3d_3d"])
+@pytest.mark.parametrize("mode", ["2d_3d", "3d_3d", "2d_2d"])
 def test_tma_flavour(mode, device):
     G, K, N = 3, 72, 80  # rows of 144 / 160 bytes: 16-byte aligned, as TMA needs
     b = expert_weights(G, K, N, torch.float16, device)
     if mode == "2d_3d":
         sizes = [37, 0, 50]
         a = rand(sum(sizes) + 3, K, dtype=torch.float16, device=device)
+        offs = offs_of(sizes, device)
+    elif mode == "2d_2d":
+        # The weight-gradient layout: a = x.t() of a row-major x [sum_K, M], b row-major
+        # [sum_K, N]; groups start at whole rows of both (odd group sizes, an empty group,
+        # rows past offs[-1]).
+        sizes = [37, 0, 50]
+        a = rand(sum(sizes) + 3, 40, dtype=torch.float16, device=device).t()
+        b = rand(sum(sizes) + 3, N, dtype=torch.float16, device=device)
         offs = offs_of(sizes, device)
     else:
         a = rand(G, 45, K, dtype=torch.float16, device=device)
@@ -385,8 +393,8 @@ def test_config_names_its_flavour(use_tma, device):
     cfg = type(cfg)({**cfg.kwargs, "USE_TMA": use_tma}, num_warps=1, num_stages=1)
     out = onegemm.grouped_matmul(a, b, offs, config=cfg, tma=True if use_tma else None)
     assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16])
-    if use_tma:  # offs over K shift group bases by single elements: TMA is not allowed
-        a_k = rand(20, 16, dtype=torch.float16, device=device).t().contiguous().t()
+    if use_tma:  # offs over K of a K-contiguous a shift group bases by single elements: no TMA
+        a_k = rand(20, 16, dtype=torch.float16, device=device)
         b_k = rand(16, 24, dtype=torch.float16, device=device)
         with pytest.raises(ValueError, match="config must be free of USE_TMA=True"):
             onegemm.grouped_matmul(a_k, b_k, offs_of([8, 8], device), config=cfg)
@@ -396,7 +404,9 @@ def test_tma_refused_where_group_bases_misalign(device):
     a = rand(20, 16, dtype=torch.float16, device=device)
     b = rand(16, 24, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="tma must be None .automatic. or False for these operands, got True: offs over K"):
-        onegemm.grouped_matmul(a.t().contiguous().t(), b, offs_of([8, 8], device), tma=True)
+        onegemm.grouped_matmul(a, b, offs_of([8, 8], device), tma=True)  # a K-contiguous: groups at single elements
+    with pytest.raises(ValueError, match="offs over N"):
+        onegemm.grouped_matmul(rand(2, 20, 16, dtype=torch.float16, device=device), b, offs_of([8, 16], device), tma=True)
     b3 = expert_weights(2, 16, 24, torch.float16, device)
     with pytest.raises(ValueError, match="row-major"):
         onegemm.grouped_matmul(rand(16, 24, dtype=torch.float16, device=device).t(), b3, offs_of([8, 12], device), tma=True)
