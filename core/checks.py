@@ -122,9 +122,9 @@ def check_operand_dtypes(a: torch.Tensor, b: torch.Tensor, a_name="a", b_name="b
         raise TypeError(f"{a_name} and {b_name} cannot both be float8_e5m2; make one float8_e4m3fn")
 
 
-def check_fp8(name: str, t) -> None:
-    """A 2-D fp8 tensor (the block-scaled GEMM's operands)."""
-    check_tensor(name, t, ndim=2)
+def check_fp8(name: str, t, ndim=2) -> None:
+    """An fp8 tensor (the block-scaled GEMMs' operands), 2-D unless ``ndim`` says otherwise."""
+    check_tensor(name, t, ndim=ndim)
     if t.dtype not in FP8_DTYPES:
         raise bad_dtype(name, "float8_e4m3fn or float8_e5m2 (quantize it with onegemm.quantize_fp8)", t.dtype)
 

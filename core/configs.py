@@ -406,10 +406,12 @@ class RaggedKey(NamedTuple):
     tma: int
     swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
     gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
+    scaling: str = ""  # an FP8 grouped GEMM's scale granularities ("1x128,128x128", "row,col")
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
-                f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}")
+                f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
+                + (f" scaling={self.scaling}" if self.scaling else ""))
 
 
 # Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
@@ -432,6 +434,12 @@ RAGGED_CONFIGS = MATMUL_CONFIGS + RAGGED_LARGE_M + RAGGED_SMALL_M
 # Wider than matmul's interpreter tile: the upper-bound grid adds G + 1 rows of programs, and
 # each program pays a fixed Python cost under the interpreter.
 RAGGED_INTERPRET = cfg(32, 64, 64, 1, 1, group_m=4)
+# Block scales need BLOCK_K = 128, the scale block.
+RAGGED_SCALED_INTERPRET = cfg(32, 64, 128, 1, 1, group_m=4)
+
+
+def ragged_interpret(key: RaggedKey) -> triton.Config:
+    return RAGGED_SCALED_INTERPRET if key.scaling else RAGGED_INTERPRET
 
 # Rows per group -> the tile heights worth trying: a tile much taller than a group multiplies
 # padding; a much shorter one re-reads each weight tile once per row block.
@@ -447,6 +455,8 @@ def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
     if key.swiglu:
         # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
         kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128]
+    if key.scaling:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
 
 
@@ -465,6 +475,10 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         base = cfg(128, 128, bk, 4, 4)
     else:
         base = cfg(128, 256, bk, 8, 4 if bk <= 64 else 3)
+    if key.scaling and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] > 128 * 128:
+        # The per-K-block promotion converts the fp32 partial's layout through shared memory:
+        # a 128x256 tile does not fit next to its pipeline (the block-scaled GEMM's tiles).
+        base = cfg(128, 128, bk, 4, 3)
     tma = key.tma == TMA_ONLY or (key.tma == EITHER and m >= 256 and key.k >= 2048)
     return with_meta(base, USE_TMA=tma)
 
@@ -579,12 +593,12 @@ class Family(NamedTuple):
     name: str
     candidates: object      # (key, sms) -> list[triton.Config]
     heuristic: object       # (key, sms) -> triton.Config
-    interpret: triton.Config
+    interpret: object        # the interpreter's triton.Config, or key -> triton.Config
 
 
 MATMUL = Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET)
 BLOCKSCALED = Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET)
-RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, RAGGED_INTERPRET)
+RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret)
 LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
 QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
 SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1))

@@ -261,7 +261,9 @@ class Launcher:
         if req.forced is not None:
             return Plan(self.params, req.forced, req.constexprs, req.device, "forced")
         if INTERPRET:
-            return Plan(self.params, self.family.interpret, req.constexprs, req.device, "interpreter")
+            config = self.family.interpret
+            config = config(req.key) if callable(config) else config
+            return Plan(self.params, config, req.constexprs, req.device, "interpreter")
         config = tuned_config(self.family.name, req.key, req.device)
         if config is not None:
             return Plan(self.params, config, req.constexprs, req.device, "table")

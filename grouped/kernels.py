@@ -98,12 +98,13 @@ def locate_tile(tile, offs, G, total, BLOCK: tl.constexpr, G_BLOCK: tl.constexpr
 
 @triton.jit
 def ragged_kernel(
-    A, B, C, bias, offs, routing, G, M, N, K,
+    A, B, C, bias, offs, routing, scales, G, M, N, K,
     RAGGED: tl.constexpr, SWIGLU: tl.constexpr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     G_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
+    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1,
 ):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
@@ -118,6 +119,11 @@ def ragged_kernel(
         "N" a [total N] vector with stride0 = 0); NO_OPERAND without one.
     routing: tiles.Routing ("M" only: the MoE gather of x's rows, scatter of output rows and
         routing weight, indexed by the grouped row; all None otherwise).
+    scales: tiles.Scales of an FP8 grouped GEMM ("M" without a gather only; ptr None when
+        absent), moved to each group here: ``a`` an Operand over A's per-K-block scales
+        [M, ceil(K/128)] (1x128, SA_ROWS = 1), ``m`` a Vector over A's row scales [M] (both
+        follow A's rows); ``b`` a Stacked over [G, ceil(K/128), ceil(N/128)] (128x128,
+        SB_COLS = 128), ``n`` an Operand over [G, N] (element [g, j]; per output channel).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
         A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
@@ -131,7 +137,7 @@ def ragged_kernel(
     past the total) every element of C is written as NaN: never a silent wrong answer.
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-                    SWIGLU=SWIGLU)
+                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     pid = tl.program_id(0)
     start = 0
@@ -197,7 +203,26 @@ def ragged_kernel(
                                 Operand(c_g, C.stride0, C.stride1), M_g, N_g, K_g, spec)
         if SCATTER:
             c = Operand(c_g, C.stride0, C.stride1)  # scattered rows are stored through pointers
-        gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(), routing, bias_g, None, row0, fill)
+        # The group's scales: A's follow its rows (from the group's first row), B's its group.
+        a_row0 = start.to(tl.int64) if RAGGED == "M" else 0
+        if scales.a.ptr is not None:
+            sa_g = Operand(scales.a.ptr + a_row0 * scales.a.stride0, scales.a.stride0, scales.a.stride1)
+        else:
+            sa_g = Operand(None, 0, 0)
+        if scales.m.ptr is not None:
+            sm_g = Vector(scales.m.ptr + a_row0 * scales.m.stride, scales.m.stride)
+        else:
+            sm_g = Vector(None, 0)
+        if scales.b.ptr is not None:
+            sb_g = Operand(scales.b.ptr + g64 * scales.b.stride_g, scales.b.stride0, scales.b.stride1)
+        else:
+            sb_g = Operand(None, 0, 0)
+        if scales.n.ptr is not None:
+            sn_g = Vector(scales.n.ptr + g64 * scales.n.stride0, scales.n.stride1)
+        else:
+            sn_g = Vector(None, 0)
+        gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(sa_g, sb_g, sm_g, sn_g), routing, bias_g, None, row0,
+                  fill)
 
 
 @triton.jit

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import torch
-
 from typing import Optional
 
+import torch
+
+from ..blockscaled.quantize import BLOCK
 from ..core import checks, configs
 from ..core.dispatch import Op, begin, fused
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2
-from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
+from ..core.tiles import NO_OPERAND, NO_SCALES, Operand, Routing, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from .kernels import Stacked, list_kernel, ragged_kernel
 
@@ -83,32 +84,38 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
 def launch_ragged(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
-    rows_per_group=None, config=None, tma=None,
+    rows_per_group=None, config=None, tma=None, scales=NO_SCALES, scaling="",
 ):
     """Launch ragged_kernel (see its docstring for the meaning of every argument).
 
+    scales, scaling: an FP8 grouped GEMM's tiles.Scales (as ragged_kernel takes them) and its
+    granularities, "<a>,<b>" of "1x128" / "row" and "128x128" / "col".
     rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
     """
+    if scaling and config is not None and config.kwargs.get("BLOCK_K") != BLOCK:
+        raise checks.bad_value("config", f"a config with BLOCK_K = {BLOCK} (the scale block) for an FP8 grouped GEMM",
+                               f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
     layout = _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a, strides_b, strides_c))
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
     a_k, b_k = strides_a[2] == 1, strides_b[1] == 1
     key = (a.dtype, b.dtype, c.dtype, bias is None or bias.dtype, activation, ragged, swiglu, a_rows is not None,
            c_rows is not None, weight is not None, m, N, K, a_k, b_k, layout, tma, checks.dot_precision(a.dtype),
-           next_pow2(G + 1), a.get_device(), config)
+           next_pow2(G + 1), a.get_device(), config, scaling)
     args = (
         Stacked(interpretable(a), *strides_a), Stacked(interpretable(b), *strides_b), Stacked(c, *strides_c),
         _bias_operand(bias), None if offs is None else Vector(offs, offs.stride(0)), Routing(a_rows, c_rows, weight),
-        G, M, N, K,
+        scales, G, M, N, K,
     )
 
     def request():
         return Request(
             configs.RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, a_k, b_k,
-                              configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None),
+                              configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling),
             dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
-                 PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1), **layout_meta(layout)),
+                 PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
+                 SA_ROWS=1, SB_COLS=BLOCK if scaling.endswith("128x128") else 1, **layout_meta(layout)),
             a.device, forced_flavour(config, layout), lambda plan: _launch_ragged(plan, args, ragged, G, M, N, swiglu),
         )
 
@@ -130,7 +137,8 @@ def _launch_ragged(plan, args, ragged, G, M, N, swiglu):
     RAGGED.launch(plan, grid, args)
 
 
-def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=None, check_offs=None, config=None, tma=None):
+def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=None, check_offs=None, config=None, tma=None,
+                   scale_a=None, scale_b=None):
     """out[group] = act(a[group] @ b[group] + bias[group]), torch._grouped_mm semantics.
 
     Modes (G groups; ``offs`` int32 [G] cumulative END offsets, read on the device):
@@ -151,6 +159,13 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     in onegemm.matmul (None: the tuner picks pointers or TMA where the layout allows TMA;
     False: pointers; True: TMA or ValueError).
 
+    FP8 (2D x 3D): fp8 ``a [sum_M, K]`` and ``b [G, K, N]`` (e.g. ``w.transpose(1, 2)`` of
+    [G, N, K] expert weights) with fp32 dequantisation scales that multiply:
+    ``scale_a`` [sum_M, ceil(K/128)] (1x128 blocks, per token) or [sum_M, 1] (row-wise);
+    ``scale_b`` [G, ceil(K/128), ceil(N/128)] (128x128 blocks: the transpose(1, 2) of a
+    checkpoint's [G, ceil(N/128), ceil(K/128)] weight_scale_inv) or [G, 1, N] (per output
+    channel). Output bf16 by default; bias and activation as above. Not differentiable.
+
     Differentiable in a, b and bias in every mode; each mode's backward is two other modes
     (docs/autograd.md). Traceable by torch.compile, list mode excepted (eager only).
     """
@@ -159,17 +174,22 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     if check_offs is not None:
         checks.check_bool("check_offs", check_offs)
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        for name, value in (("offs", offs), ("bias", bias), ("tma", tma or None)):
+        for name, value in (("offs", offs), ("bias", bias), ("tma", tma or None), ("scale_a", scale_a), ("scale_b", scale_b)):
             if value is not None:
                 raise checks.bad_value(name, "None in list mode (grouped_matmul([a0, ...], [b0, ...]))", type(value).__name__)
         return grouped_list(a, b, activation, out_dtype, config)
+    if scale_a is not None or scale_b is not None:
+        checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a,
+                                        scale_b=scale_b, bias=bias)
     grad = begin(config, a, b, bias)
     if config is not None:
-        return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma)
+        return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma, scale_a, scale_b)
+    if scale_a is not None or scale_b is not None:
+        return GROUPED_FP8.run((a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma), False)
     return fused(GROUPED, lambda act: (a, b, offs, bias, act, out_dtype, check_offs, tma), activation, grad)
 
 
-def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, fake=False):
+def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b, fake=False):
     """The checks of grouped_matmul's tensor modes; returns (output shape, out_dtype, launch
     arguments). ``fake``: on fake tensors (no offs values to read)."""
     checks.check_tensor("a", a, ndim=(2, 3))
@@ -221,12 +241,46 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, fake=Fa
         validate_offs(offs, G, N, "b's columns (3D x 2D)", validate)
         checks.check_bias(bias, (N,), "the output (one value per column of [M, sum_N])")
         shape, ragged, rows_per_group = (M, N), "N", M
-    return shape, out_dtype, dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
+    args = dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
+    if scale_a is not None or scale_b is not None:
+        args["scales"], args["scaling"] = _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K)
+    return shape, out_dtype, args
 
 
-def _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma):
+def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
+    """The FP8 grouped GEMM's scales as ragged_kernel takes them, and their granularities."""
+    for name, t, other in (("scale_a", scale_a, "scale_b"), ("scale_b", scale_b, "scale_a")):
+        if t is None:
+            raise checks.bad_value(name, f"an fp32 tensor given with {other}", None)
+        checks.check_tensor(name, t, dtypes=(torch.float32,))
+    if mode != (2, 3):
+        raise checks.bad_value("scale_a", "None except in the 2D x 3D mode (a [sum_M, K], b [G, K, N], offs over rows)",
+                               f"scales with a {a.dim()}D x {b.dim()}D call")
+    checks.check_fp8("a", a)
+    checks.check_fp8("b", b, ndim=3)
+    checks.check_same_device(a=a, scale_a=scale_a, scale_b=scale_b)
+    kb, nb = -(-K // BLOCK), -(-N // BLOCK)
+    parts = {}
+    if tuple(scale_a.shape) == (M, kb):
+        parts["a"], kind_a = Operand(scale_a, *scale_a.stride()), "1x128"
+    elif tuple(scale_a.shape) == (M, 1):
+        parts["m"], kind_a = Vector(scale_a, scale_a.stride(0)), "row"
+    else:
+        raise checks.bad_shape("scale_a", f"[sum_M, ceil(K/128)] = [{M}, {kb}] (1x128 per token) or [sum_M, 1] = "
+                               f"[{M}, 1] (row-wise)", scale_a.shape)
+    if tuple(scale_b.shape) == (G, kb, nb):
+        parts["b"], kind_b = Stacked(scale_b, *scale_b.stride()), "128x128"
+    elif tuple(scale_b.shape) == (G, 1, N):
+        parts["n"], kind_b = Operand(scale_b, scale_b.stride(0), scale_b.stride(2)), "col"
+    else:
+        raise checks.bad_shape("scale_b", f"[G, ceil(K/128), ceil(N/128)] = [{G}, {kb}, {nb}] (128x128) or [G, 1, N] "
+                               f"= [{G}, 1, {N}] (per output channel)", scale_b.shape)
+    return Scales(**parts), f"{kind_a},{kind_b}"
+
+
+def _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma, scale_a=None, scale_b=None):
     """grouped_matmul's tensor modes, on the kernel."""
-    shape, out_dtype, args = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs)
+    shape, out_dtype, args = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b)
     c = empty(shape, dtype=out_dtype, device=a.device)
     if c.numel() == 0 or args["G"] == 0:
         return c.zero_()
@@ -243,7 +297,18 @@ def _grouped_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor]
 
 
 def _grouped_fake(a, b, offs, bias, activation, out_dtype, check_offs, tma):
-    shape, out_dtype, _ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, fake=True)
+    shape, out_dtype, _ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, None, None, fake=True)
+    return a.new_empty(shape, dtype=out_dtype)
+
+
+def _grouped_fp8_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+                      out_dtype: Optional[torch.dtype], check_offs: Optional[bool], tma: Optional[bool]) -> torch.Tensor:
+    return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, None, tma, scale_a, scale_b)
+
+
+def _grouped_fp8_fake(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma):
+    shape, out_dtype, _ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b, fake=True)
     return a.new_empty(shape, dtype=out_dtype)
 
 
@@ -297,6 +362,8 @@ def _grouped_backward(ctx, grad):
 
 
 GROUPED = Op("grouped_mm", _grouped_impl, _grouped_fake, _grouped_setup, _grouped_backward)
+# The FP8 (scaled) 2D x 3D call: its own registered op, without a gradient.
+GROUPED_FP8 = Op("grouped_mm_fp8", _grouped_fp8_impl, _grouped_fp8_fake)
 
 
 def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):

@@ -8,7 +8,7 @@ from onegemm.core.configs import EITHER, RAGGED_CONFIGS, flavoured
 from onegemm.core.configs import cfg as _cfg
 
 GROUPED_CONFIGS = flavoured(RAGGED_CONFIGS, EITHER)  # every ragged config in both load flavours
-from onegemm.testing import TOL, assert_close, grouped_mm_ref, matmul_ref
+from onegemm.testing import TOL, assert_close, dequantize_ref, grouped_mm_ref, matmul_ref
 
 
 def offs_of(sizes, device):
@@ -436,3 +436,64 @@ def test_strided_offs_view(mode, device):
         a, b = rand(G, 12, 24, device=device), rand(24, total, device=device)
     out = onegemm.grouped_matmul(a, b, offs)
     assert_close(out, grouped_mm_ref(a, b, offs.contiguous()), TOL[torch.float32])
+
+
+# ---- FP8 (2D x 3D with dequantisation scales) ----
+
+# (scale_a granularity, scale_b granularity, rows of each group): K = 200 and N = 136 are not
+# multiples of 128; an empty group and 3 rows past offs[-1] in every case.
+FP8_CASES = [
+    ("1x128", "128x128", [37, 0, 50]),
+    ("row", "col", [37, 0, 50]),
+    ("1x128", "col", [1, 0, 2]),
+    ("row", "128x128", [5, 0, 17]),
+]
+
+
+def fp8_grouped_inputs(kind_a, kind_b, sizes, K, N, device):
+    """(qa, qb, scale_a, scale_b, offs, dequantised a, dequantised b) for a 2D x 3D FP8 call:
+    activations quantised per token (1x128 or row), expert weights [G, N, K] per 128x128 block
+    or with a random per-channel scale, b and scale_b handed over transposed as checkpoints
+    store them."""
+    G = len(sizes)
+    x = torch.randn(sum(sizes) + 3, K, device=device)
+    qa, sa = onegemm.quantize_fp8(x, (1, 128) if kind_a == "1x128" else "row")
+    w = torch.randn(G, N, K, device=device) * K**-0.5
+    if kind_b == "128x128":
+        qw, sw = (torch.stack(t) for t in zip(*[onegemm.quantize_fp8(w[g], (128, 128)) for g in range(G)]))
+        sb = sw.transpose(1, 2)  # [G, ceil(K/128), ceil(N/128)]
+        b_deq = torch.stack([dequantize_ref(qw[g], sw[g], 128, 128) for g in range(G)]).transpose(1, 2)
+    else:
+        qw = w.to(torch.float8_e4m3fn)
+        sb = torch.rand(G, 1, N, device=device) + 0.5
+        b_deq = qw.double().transpose(1, 2) * sb.double()
+    a_deq = dequantize_ref(qa, sa, 1, 128) if kind_a == "1x128" else qa.double() * sa.double()
+    return qa, qw.transpose(1, 2), sa, sb, offs_of(sizes, device), a_deq, b_deq
+
+
+@pytest.mark.parametrize("kind_a,kind_b,sizes", FP8_CASES)
+def test_fp8_grouped(kind_a, kind_b, sizes, device):
+    qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped_inputs(kind_a, kind_b, sizes, 200, 136, device)
+    bias = torch.randn(len(sizes), 136, device=device)
+    out = onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, bias=bias, activation="silu")
+    assert out.dtype == torch.bfloat16
+    assert_close(out, grouped_mm_ref(a_deq, b_deq, offs, bias, "silu"), TOL[torch.bfloat16])
+    assert (out[sum(sizes):] == 0).all()
+
+
+def test_fp8_grouped_bad_input(device):
+    qa, qb, sa, sb, offs, _, _ = fp8_grouped_inputs("1x128", "128x128", [3, 5], 200, 300, device)
+    with pytest.raises(ValueError, match="scale_b must be an fp32 tensor given with scale_a"):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa)
+    with pytest.raises(ValueError, match="scale_a must be .sum_M, ceil.K/128.. = .11, 2."):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa[:, :1].t(), scale_b=sb)
+    with pytest.raises(ValueError, match="scale_b must be .G, ceil.K/128., ceil.N/128.. = .2, 2, 3."):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb.transpose(1, 2))
+    with pytest.raises(TypeError, match="a must be float8_e4m3fn or float8_e5m2"):
+        onegemm.grouped_matmul(qa.to(torch.bfloat16), qb.to(torch.bfloat16), offs, scale_a=sa, scale_b=sb)
+    with pytest.raises(ValueError, match="scale_a must be None except in the 2D x 3D mode"):
+        onegemm.grouped_matmul(qa[:4].unsqueeze(0).expand(2, 4, 200), qb, scale_a=sa, scale_b=sb)
+    with pytest.raises(ValueError, match="config must be a config with BLOCK_K = 128"):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, config=_cfg(32, 64, 64, 1, 1))
+    with pytest.raises(ValueError, match="scale_a must be free of requires_grad"):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa.clone().requires_grad_(), scale_b=sb)
