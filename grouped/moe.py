@@ -218,6 +218,10 @@ MOE_BACKWARD = Op("moe_ffn_backward", _moe_backward_impl, _moe_backward_fake)
 MOE = Op("moe_ffn", _moe_impl, _moe_fake, _moe_setup, _moe_backward)
 
 
+# An expert's (gate, up, down) weight names: Mixtral's, then Qwen3-MoE's and DeepSeek-V3's.
+_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
 class MoEFFN(nn.Module):
     """A Mixtral-style sparse MoE block: router, top-k routing, SwiGLU experts via moe_ffn.
 
@@ -262,12 +266,13 @@ class MoEFFN(nn.Module):
 
     @classmethod
     def from_safetensors(cls, path, prefix: str = "", top_k: int = 2, *, renormalize: bool = True, device=None):
-        """Load a layer saved with Hugging Face Mixtral key names.
-
-        "{prefix}gate.weight" [E, H]; for each expert e: "{prefix}experts.{e}.w1.weight" (gate)
-        and ".w3." (up) [I, H], ".w2." (down) [H, I]. E comes from the router's rows. Every
-        tensor is checked for presence, shape and dtype (all the router's). ``device``: where
-        the weights go (default: CUDA when kernels run on a GPU, else CPU).
+        """Load a layer saved with Hugging Face key names: the router "{prefix}gate.weight"
+        [E, H] and for each expert e either Mixtral's "{prefix}experts.{e}.w1.weight" (gate) and
+        ".w3." (up) [I, H], ".w2." (down) [H, I], or Qwen3-MoE's / DeepSeek-V3's
+        ".gate_proj.", ".up_proj." [I, H] and ".down_proj." [H, I] (whichever expert 0 has).
+        E comes from the router's rows. Every tensor is checked for presence, shape and dtype
+        (all the router's; FP8 expert weights are refused with their own message).
+        ``device``: where the weights go (default: CUDA when kernels run on a GPU, else CPU).
         """
         if device is None:
             device = "cpu" if INTERPRET else "cuda"
@@ -303,16 +308,24 @@ class MoEFFN(nn.Module):
                 raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has dtype {gate.dtype}, expected one of "
                                            f"({checks.dtype_names(checks.FLOAT_DTYPES)})")
             E, H = gate.shape
-            w1 = load("experts.0.w1.weight", dtype=gate.dtype)
+            g_name, u_name, d_name = next((n for n in _EXPERT_NAMES if f"{prefix}experts.0.{n[0]}.weight" in keys),
+                                          _EXPERT_NAMES[0])
+            first = f"experts.0.{g_name}.weight"
+            w1 = load(first)
+            if w1.dtype in checks.FP8_DTYPES:
+                raise checks.in_file(path, f"tensor {prefix + first!r} is {w1.dtype}: FP8 expert weights (with "
+                                           "weight_scale_inv) are not read by MoEFFN yet; dequantise them first")
+            if w1.dtype != gate.dtype:
+                raise checks.in_file(path, f"tensor {prefix + first!r} has dtype {w1.dtype}, expected {gate.dtype} (the router's)")
             if w1.dim() != 2 or w1.shape[1] != H:
-                raise checks.in_file(path, f"tensor {prefix + 'experts.0.w1.weight'!r} has shape {tuple(w1.shape)}, expected [I, {H}]")
+                raise checks.in_file(path, f"tensor {prefix + first!r} has shape {tuple(w1.shape)}, expected [I, {H}]")
             I = w1.shape[0]
             gate_up, down = [], []
             for e in range(E):
-                w1 = load(f"experts.{e}.w1.weight", (I, H), gate.dtype)
-                w3 = load(f"experts.{e}.w3.weight", (I, H), gate.dtype)
+                w1 = load(f"experts.{e}.{g_name}.weight", (I, H), gate.dtype)
+                w3 = load(f"experts.{e}.{u_name}.weight", (I, H), gate.dtype)
                 gate_up.append(torch.cat([w1, w3], dim=0))
-                down.append(load(f"experts.{e}.w2.weight", (H, I), gate.dtype))
+                down.append(load(f"experts.{e}.{d_name}.weight", (H, I), gate.dtype))
         return cls(
             gate.to(device), torch.stack(gate_up).to(device), torch.stack(down).to(device),
             top_k=top_k, renormalize=renormalize,

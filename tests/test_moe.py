@@ -180,12 +180,39 @@ def _small_layer(E=3, H=16, I=24):
     return t
 
 
-def test_from_safetensors_prefix(tmp_path, device):
+def _renamed(tensors, names):
+    """The same layer under another model's expert key names (gate, up, down)."""
+    old = ("w1", "w3", "w2")
+    out = {}
+    for k, v in tensors.items():
+        for o, n in zip(old, names):
+            k = k.replace(f".{o}.weight", f".{n}.weight")
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("names", [("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")], ids=["mixtral", "qwen3"])
+def test_from_safetensors_prefix(names, tmp_path, device):
+    """Mixtral's key names and Qwen3-MoE's / DeepSeek-V3's load the same layer."""
     path = tmp_path / "layer.safetensors"
-    save_file(_small_layer(), str(path))
+    tensors = _small_layer()
+    save_file(_renamed(tensors, names), str(path))
     layer = onegemm.MoEFFN.from_safetensors(path, prefix="model.moe.", top_k=1, device=device)
     x = torch.randn(9, 16, device=device)
     assert_close(layer(x), stored_ref(layer, x), 1e-5)
+    assert torch.equal(layer.w_gate_up[1, :24].cpu(), tensors["model.moe.experts.1.w1.weight"])  # gate rows first
+    assert torch.equal(layer.w_down[2].cpu(), tensors["model.moe.experts.2.w2.weight"])
+
+
+def test_from_safetensors_refuses_fp8_experts(tmp_path, device):
+    tensors = _renamed(_small_layer(), ("gate_proj", "up_proj", "down_proj"))
+    for k in list(tensors):
+        if "experts" in k:
+            tensors[k] = tensors[k].to(torch.float8_e4m3fn)
+    path = tmp_path / "fp8.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="FP8 expert weights .with weight_scale_inv. are not read by MoEFFN yet"):
+        onegemm.MoEFFN.from_safetensors(path, prefix="model.moe.", device=device)
 
 
 BAD_FILES = [
