@@ -356,7 +356,9 @@ def _grouped_backward(ctx, grad):
             db = grouped_matmul(a.transpose(1, 2), dz_b, offs, out_dtype=b.dtype)  # 3D x 2D: [K, sum_N]
         if need_bias:
             # Columns past offs[-1] are written as zero, bias or not: they get no bias gradient.
-            live = torch.arange(grad.shape[1], device=grad.device) < offs[-1:]
+            # (No group at all: no column is live. offs[-1:] stays on the device: no sync.)
+            end = offs[-1:] if offs.numel() else torch.zeros(1, dtype=offs.dtype, device=offs.device)
+            live = torch.arange(grad.shape[1], device=grad.device) < end
             dbias = torch.where(live, grad.sum(0, dtype=torch.float32), 0.0).to(ctx.bias_dtype)
     return da, db, None, dbias, None, None, None, None
 

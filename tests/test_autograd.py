@@ -129,6 +129,23 @@ def test_grouped_gradients(mode, sizes, G, M, N, with_bias, dtype, device):
     assert all(torch.equal(f, t.grad) for f, t in zip(first, (a, b, bias)))
 
 
+@pytest.mark.parametrize("mode", ["2Dx3D", "3Dx2D"])
+def test_grouped_gradients_without_groups(mode, device):
+    """G = 0: the output is all zero (bias or not), so every gradient is zero."""
+    offs = torch.zeros(0, dtype=torch.int32, device=device)
+    if mode == "2Dx3D":
+        a, b, bias = leaf(torch.randn(5, 8, device=device)), leaf(torch.randn(0, 8, 6, device=device)), None
+    else:
+        a, b, bias = (leaf(torch.randn(0, 5, 8, device=device)), leaf(torch.randn(8, 6, device=device)),
+                      leaf(torch.randn(6, device=device)))
+    out = onegemm.grouped_matmul(a, b, offs, bias=bias)
+    assert not out.abs().sum()
+    out.backward(torch.randn_like(out))
+    for t in (a, b, bias):
+        if t is not None:
+            assert t.grad is not None and t.grad.shape == t.shape and not t.grad.abs().sum()
+
+
 # ---- moe_ffn and MoEFFN ----
 
 
