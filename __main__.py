@@ -13,6 +13,7 @@ small there and the timings only say that it ran (they are not performance numbe
 
     python -m onegemm                 # 4096 tokens on a GPU, 128 under the interpreter
     python -m onegemm --tokens 16384
+    python -m onegemm --fp8           # also the FP8 twin of the stored layer (DeepSeek-V3 format)
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import time
 import torch
 
 import onegemm
-from onegemm.grouped import STORED_LAYER
-from onegemm.testing import moe_ffn_torch
+from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER
+from onegemm.testing import calc_diff, moe_ffn_torch
 
 
 def rel_err(out, ref) -> float:
@@ -59,13 +60,38 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fp8_section(x, weights, ids, layer, gpu: bool) -> bool:
+    """The FP8 twin of the stored layer on the same tokens and routing: its error against the
+    unquantised float64 layer (DeepSeek's calc_diff) and its time next to the bf16 layer."""
+    fp8 = onegemm.MoEFFN.from_safetensors(STORED_FP8_LAYER, top_k=layer.top_k, device=x.device)
+    scales = dict(w_gate_up_scale=fp8.w_gate_up_scale, w_down_scale=fp8.w_down_scale)
+    y8 = onegemm.moe_ffn(x, fp8.w_gate_up, fp8.w_down, weights, ids, **scales)
+    ref = moe_ffn_torch(x.double(), layer.w_gate_up.double(), layer.w_down.double(), weights, ids)
+    diff = calc_diff(y8, ref)
+    print(f"FP8 layer: {STORED_FP8_LAYER.name} (float8_e4m3fn experts, 128x128 weight_scale_inv; activations "
+          "quantised per token in 1x128 blocks)")
+    print(f"  calc_diff against the unquantised float64 layer: {diff:.2e} (bound 5e-3)")
+    if gpu:
+        print(timing_line("FP8 vs bf16 moe_ffn", lambda: onegemm.moe_ffn(x, fp8.w_gate_up, fp8.w_down, weights, ids, **scales),
+                          lambda: onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, weights, ids)).replace("torch", "bf16"))
+    print()
+    return diff < 5e-3
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onegemm", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=None,
                         help="batch size T for the stored layer (default: 4096 on a GPU, 128 interpreted)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random tokens and weights (default: 0)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also run the stored layer's FP8 twin (e4m3 experts + 128x128 weight_scale_inv)")
     args = parser.parse_args(argv)
+    # An inference job: no autograd recording (MoEFFN's parameters are trainable).
+    with torch.inference_mode():
+        return run(args)
 
+
+def run(args) -> int:
     gpu = not onegemm.INTERPRET
     device = "cuda" if gpu else "cpu"
     where = f"GPU {torch.cuda.get_device_name()}" if gpu else "Triton CPU interpreter (no GPU: slow, timings are not performance)"
@@ -97,6 +123,8 @@ def main(argv=None) -> int:
     print(f"  onegemm MoEFFN (grouped_matmul kernels): {rel_err(y, ref):.2e}")
     print(f"  torch {x.dtype} ({'torch._grouped_mm' if gpu else 'torch.mm per expert'}): {rel_err(torch_bf16, ref):.2e}")
     print(f"  bitwise identical on a rerun: {torch.equal(layer(x), y)}")
+
+    ok_fp8 = fp8_section(x, weights, ids, layer, gpu) if args.fp8 else True
 
     one = lambda: onegemm.moe_ffn(x, w_gu, w_dn, weights, ids)  # noqa: E731
     peer = lambda: moe_ffn_torch(x, w_gu, w_dn, weights, ids, use_grouped_mm=gpu)  # noqa: E731
@@ -137,7 +165,9 @@ def main(argv=None) -> int:
         t_c, t_t = wall_ms(lambda: onegemm.matmul(a, w.t())), wall_ms(lambda: a @ w.t())
         print(f"  time: onegemm.matmul {t_c:.1f} ms (interpreted), torch.matmul {t_t:.1f} ms")
     ok = rel_err(y, ref) < 2e-2 and rel_err(c, c_ref) < 1e-2
-    print("\nOK" if ok else "\nFAILED: error above the bf16 bound (2e-2)")
+    print("\nOK" if ok and ok_fp8 else "\nFAILED: error above the bf16 bound (2e-2)" if not ok
+          else "\nFAILED: FP8 layer's calc_diff above 5e-3")
+    ok = ok and ok_fp8
     return 0 if ok else 1
 
 

@@ -220,6 +220,43 @@ def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):
     return y
 
 
+def quantize_experts_ref(w: torch.Tensor, dtype=torch.float8_e4m3fn):
+    """[E, N, K] -> (fp8 [E, N, K], fp32 scales [E, ceil(N/128), ceil(K/128)]): each expert's
+    matrix in 128x128 blocks (quantize_fp8_ref), as a checkpoint stores weight_scale_inv."""
+    qs = [quantize_fp8_ref(w[e], (128, 128), dtype) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+
+
+def dequantize_experts_ref(q: torch.Tensor, scale: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """float64 [E, N, K] from fp8 experts and their 128x128 scales. ``gate_up``: q is
+    [E, 2I, H] with the gate's scale blocks, then the up's (each half quantised apart)."""
+    if gate_up:
+        half, blocks = q.shape[1] // 2, scale.shape[1] // 2
+        return torch.cat([dequantize_experts_ref(q[:, :half], scale[:, :blocks]),
+                          dequantize_experts_ref(q[:, half:], scale[:, blocks:])], dim=1)
+    return torch.stack([dequantize_ref(q[e], scale[e], 128, 128) for e in range(q.shape[0])])
+
+
+def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
+    """float64 of moe_ffn's FP8 pipeline on fp8 experts: x and each (token, slot)'s SwiGLU
+    output quantised in 1x128 blocks (quantize_fp8_ref), the weights dequantised, every
+    product and sum in float64. Ids outside [0, E) contribute nothing."""
+    W13 = dequantize_experts_ref(w_gate_up, w_gate_up_scale, gate_up=True)
+    W2 = dequantize_experts_ref(w_down, w_down_scale)
+    I = W13.shape[1] // 2
+    xd = dequantize_ref(*quantize_fp8_ref(x, (1, 128), w_gate_up.dtype), 1, 128)
+    y = torch.zeros_like(xd)
+    for e in range(W13.shape[0]):
+        t, j = torch.nonzero(topk_ids == e, as_tuple=True)
+        if t.numel() == 0:
+            continue
+        gu = xd[t] @ W13[e].t()
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        hd = dequantize_ref(*quantize_fp8_ref(h, (1, 128), w_gate_up.dtype), 1, 128)
+        y.index_add_(0, t, topk_weights[t, j].double()[:, None] * (hd @ W2[e].t()))
+    return y
+
+
 def moe_ffn_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, use_grouped_mm: bool = False):
     """The expert FFN in plain torch, in x's dtype: the peer that benchmarks and
     ``python -m onegemm`` compare against (in float64 it is a reference).

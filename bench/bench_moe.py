@@ -1,25 +1,96 @@
-"""FP8 grouped GEMM (2D x 3D, MoE expert shapes) against torch on the H200.
+"""FP8 MoE on the H200: the FP8 expert FFN against bf16, and the FP8 grouped GEMM against torch.
 
     python bench/bench_moe.py           # H200: bench/results/moe_fp8.md
     python bench/bench_moe.py --quick   # CPU interpreter: every path once, tiny shapes, no files
 
-onegemm.grouped_matmul with fp8 e4m3 operands and its two scale conventions, 1x128 x 128x128
-(DeepSeek's blocks) and row-wise x per-channel, against torch._grouped_mm in bf16 and
-torch._scaled_grouped_mm (row-wise x per-channel, where this torch has it), in GPU time
-(CUDA-graph replay) on the expert GEMMs of Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 (the 32
-experts of one of 8 expert-parallel ranks) at prefill, tokens spread evenly over the experts.
-Each result is checked against the dequantised float64 reference first.
+Part 1, the expert FFN: onegemm.moe_ffn with FP8 experts (e4m3, 128x128 weight scales, 1x128
+activations quantised inside the pipeline) against moe_ffn in bf16 and the plain-torch bf16
+MoE (torch._grouped_mm), on Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3's 32 experts of one of 8
+expert-parallel ranks (top-8 over 256 experts; ids on other ranks contribute nothing), at
+decode (T = 1..256) and prefill (T = 4K, 16K), uniform and skewed routing. GPU time (CUDA-graph
+replay), eager time as a user calls it, and the first call at a new T; decode also as TB/s of
+the expert weight bytes it reads. Each FP8 output is checked against bf16 (calc_diff).
+
+Part 2, the GEMM: onegemm.grouped_matmul with fp8 e4m3 operands and its two scale conventions,
+1x128 x 128x128 (DeepSeek's blocks) and row-wise x per-channel, against torch._grouped_mm in
+bf16 and torch._scaled_grouped_mm (row-wise x per-channel, where this torch has it), in GPU
+time on the same models' expert GEMMs at prefill, tokens spread evenly over the experts. Each
+result is checked against the dequantised float64 reference first.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
 from common import bench_ms, geomean, header, markdown_table, write_results
-from onegemm.testing import assert_close, dequantize_ref, grouped_mm_ref
+from onegemm.testing import (
+    assert_close,
+    calc_diff,
+    dequantize_ref,
+    eager_ms,
+    grouped_mm_ref,
+    moe_ffn_torch,
+    moe_fp8_ref,
+)
+
+# (name, local experts, routed experts, H, I, top-k): experts past the local ones are on other
+# ranks (expert parallelism): their ids fall outside [0, E) and contribute nothing here.
+MODELS = [
+    ("Qwen3-30B-A3B", 128, 128, 2048, 768, 8),
+    ("Mixtral-8x7B", 8, 8, 4096, 14336, 2),
+    ("DeepSeek-V3 EP8", 32, 256, 7168, 2048, 8),
+]
+DECODE = [1, 16, 64, 256]
+PREFILL = [4096, 16384]
+QUICK_MODELS = [("tiny", 4, 6, 200, 136, 2)]
+
+
+def moe_routing(T, E_routed, k, skewed, device):
+    """Top-k of random logits; ``skewed``: a Zipf-like bias makes a few experts hot."""
+    logits = torch.randn(T, E_routed, device=device)
+    if skewed:
+        logits += 1.5 * torch.log(1.0 / torch.arange(1, E_routed + 1, device=device))
+    return onegemm.route(logits, k)
+
+
+def measure_moe(model, T, skewed, device, timer, quick):
+    name, E, E_routed, H, I, k = model
+    torch.manual_seed(T)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(torch.bfloat16)
+    q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+    weights, ids = moe_routing(T, E_routed, k, skewed, device)
+    fp8 = lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)  # noqa: E731
+    bf16 = lambda: onegemm.moe_ffn(x, w13, w2, weights, ids)  # noqa: E731
+    peer = lambda: moe_ffn_torch(x, w13, w2, weights, ids, use_grouped_mm=device == "cuda")  # noqa: E731
+    start = time.perf_counter()
+    y8 = fp8()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - start) * 1e3
+    row = dict(model=name, T=T, routing="skewed" if skewed else "uniform")
+    loads = torch.bincount(ids[(ids >= 0) & (ids < E)].long(), minlength=E)
+    row["max/mean load"] = (loads.max() / loads.float().mean().clamp_min(1e-9)).item()
+    row["calc_diff fp8 vs bf16"] = calc_diff(y8, bf16())
+    if quick:
+        assert_close(y8, moe_fp8_ref(x, q13, q2, weights, ids, s13, s2), 1e-2, f"{name} FP8 moe_ffn")
+        return row
+    t8, t16, tp = timer(fp8), timer(bf16), timer(peer)
+    e8, e16 = eager_ms(fp8, 10, 50), eager_ms(bf16, 10, 50)
+    hit = int((loads > 0).sum())
+    row.update({"fp8 GPU ms": t8, "bf16 GPU ms": t16, "fp8 vs bf16 (GPU)": t16 / t8, "fp8 vs torch bf16 (GPU)": tp / t8,
+                "fp8 eager ms": e8, "fp8 vs bf16 (eager)": e16 / e8, "fp8 first call ms": first_ms})
+    if T <= max(DECODE):
+        # The bytes a decode step must read: the experts it hits, with their scales.
+        row["fp8 weight TB/s"] = hit * (3 * H * I + 4 * (s13[0].numel() + s2[0].numel())) / (t8 * 1e-3) / 1e12
+        row["bf16 weight TB/s"] = hit * 3 * H * I * 2 / (t16 * 1e-3) / 1e12
+    print(row, flush=True)
+    return row
 
 # (name, E, N, K, rows): GEMM1 (gate_up: N = 2I, K = H) and GEMM2 (down: N = H, K = I).
 SHAPES = [
@@ -84,6 +155,7 @@ def measure(name, E, N, K, rows, device, timer):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU interpreter: run every path once, write nothing")
+    parser.add_argument("--part", choices=["moe", "gemm", "both"], default="both", help="which part to run (default both)")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
 
@@ -93,21 +165,42 @@ def main():
             return math.nan
         return bench_ms(fn, warmup_ms=10, rep_ms=50)
 
-    rows = [measure(*shape, device, timer) for shape in (QUICK if args.quick else SHAPES)]
+    moe_rows, rows = [], []
+    if args.part in ("moe", "both"):
+        models, sizes = (QUICK_MODELS, [3]) if args.quick else (MODELS, DECODE + PREFILL)
+        moe_rows = [measure_moe(m, T, skewed, device, timer, args.quick)
+                    for m in models for T in sizes for skewed in (False, True)]
+    if args.part in ("gemm", "both"):
+        rows = [measure(*shape, device, timer) for shape in (QUICK if args.quick else SHAPES)]
     if args.quick:
         print("quick: every path ran; no files written")
         return
-    text = header("FP8 grouped GEMM (2D x 3D) vs torch, MoE expert shapes at prefill")
-    text += (
-        "GPU time; ratios are peer time / onegemm time (> 1: onegemm faster). blocked: 1x128 "
-        "activations x 128x128 weights; rowwise: row-wise activations x per-channel weights, "
-        "the convention of torch._scaled_grouped_mm. Targets: >= 0.9x torch._scaled_grouped_mm "
-        "row-wise and >= 1.4x bf16 torch._grouped_mm.\n\n"
-    )
-    text += markdown_table(rows) + "\n"
-    text += (f"Geomeans: blocked vs bf16 {geomean([r['blocked_vs_bf16'] for r in rows]):.3f}, rowwise vs bf16 "
-             f"{geomean([r['rowwise_vs_bf16'] for r in rows]):.3f}, rowwise vs torch._scaled_grouped_mm "
-             f"{geomean([r['rowwise_vs_scaled_grouped_mm'] for r in rows]):.3f}.\n\n")
+    text = header("FP8 MoE vs bf16 and torch: the expert FFN and the grouped GEMM")
+    if moe_rows:
+        prefill = [r for r in moe_rows if r["T"] >= min(PREFILL)]
+        decode = [r for r in moe_rows if r["T"] <= max(DECODE)]
+        text += (
+            "## 1. moe_ffn with FP8 experts vs bf16\n\n"
+            "Ratios are the peer's time / the FP8 moe_ffn's (> 1: FP8 faster). GPU: CUDA-graph replay; eager: calls "
+            "as a user makes them (host included); first call: the first FP8 call at that T in this process (new "
+            "m buckets compile). Targets: FP8 >= 1.5x bf16 at prefill, >= 1.8x at decode; calc_diff of the FP8 "
+            "layer < 5e-3.\n\n" + markdown_table(moe_rows) + "\n"
+            f"Geomeans, FP8 vs bf16 moe_ffn (GPU): prefill {geomean([r['fp8 vs bf16 (GPU)'] for r in prefill]):.3f}, "
+            f"decode {geomean([r['fp8 vs bf16 (GPU)'] for r in decode]):.3f}; eager: prefill "
+            f"{geomean([r['fp8 vs bf16 (eager)'] for r in prefill]):.3f}, decode "
+            f"{geomean([r['fp8 vs bf16 (eager)'] for r in decode]):.3f}.\n\n")
+    if rows:
+        text += (
+            "## 2. FP8 grouped GEMM (2D x 3D) vs torch, expert GEMMs at prefill\n\n"
+            "GPU time; ratios are peer time / onegemm time (> 1: onegemm faster). blocked: 1x128 "
+            "activations x 128x128 weights; rowwise: row-wise activations x per-channel weights, "
+            "the convention of torch._scaled_grouped_mm. Targets: >= 0.9x torch._scaled_grouped_mm "
+            "row-wise and >= 1.4x bf16 torch._grouped_mm.\n\n"
+        )
+        text += markdown_table(rows) + "\n"
+        text += (f"Geomeans: blocked vs bf16 {geomean([r['blocked_vs_bf16'] for r in rows]):.3f}, rowwise vs bf16 "
+                 f"{geomean([r['rowwise_vs_bf16'] for r in rows]):.3f}, rowwise vs torch._scaled_grouped_mm "
+                 f"{geomean([r['rowwise_vs_scaled_grouped_mm'] for r in rows]):.3f}.\n\n")
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_moe.py regenerates everything else. -->\n")
     write_results("moe_fp8", text)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..core import checks, configs
 from ..core.dispatch import Op
+from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty
 
@@ -41,16 +42,7 @@ def fp8_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max  # 448 for e4m3fn, 57344 for e5m2
 
 
-# ---- Triton: fused amax + scale + cast ----
-
-
-@triton.jit
-def _round_up_pow2(scale):
-    """Next power of two >= scale, for positive normal (or inf) fp32: clear the mantissa and,
-    if it was not already zero, add one to the exponent. Exact, unlike exp2(ceil(log2(s)))."""
-    bits = scale.to(tl.int32, bitcast=True)
-    up = tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
-    return ((bits & 0x7F800000) + up).to(tl.float32, bitcast=True)
+# ---- Triton: fused amax + scale + cast (the arithmetic: core/fp8.py) ----
 
 
 @triton.jit
@@ -58,8 +50,7 @@ def quantize_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, cols_per_scale,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
-    FP8_MAX: tl.constexpr, FLT_MIN: tl.constexpr, POW2: tl.constexpr,
-    ROWS_PER_SCALE: tl.constexpr,
+    POW2: tl.constexpr, ROWS_PER_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """q = fp8(x / scale) with one fp32 scale per ROWS_PER_SCALE x cols_per_scale block.
@@ -87,15 +78,10 @@ def quantize_kernel(
         cols = k0 + offs_k
         mask = mask_m[:, None] & (cols < k_end)[None, :]
         x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        # NaN counts as inf: the block's scale becomes inf and quantize_fp8 reports it.
-        ax = tl.where(x == x, tl.abs(x), float("inf"))
-        amax = tl.maximum(amax, tl.max(ax, axis=1))
+        amax = tl.maximum(amax, tl.max(amax_input(x), axis=1))
     if ROWS_PER_SCALE > 1:
         amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FLT_MIN)
-    scale = tl.where(amax > 0, scale, 1.0)
-    if POW2:
-        scale = _round_up_pow2(scale)
+    scale = fp8_scale(amax, q_ptr.dtype.element_ty, POW2)
     # One store per scale: the first row of each ROWS_PER_SCALE group writes it.
     s_mask = mask_m & (rows % ROWS_PER_SCALE == 0)
     tl.store(s_ptr + (rows // ROWS_PER_SCALE).to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=s_mask)
@@ -104,11 +90,8 @@ def quantize_kernel(
         cols = k0 + offs_k
         mask = mask_m[:, None] & (cols < k_end)[None, :]
         x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        # div_rn: correctly rounded, so the kernel gives the same fp8 bits as torch's x / scale.
-        q = tl.math.div_rn(x, scale[:, None])
-        # NaN stays NaN (a block holding NaN has an inf scale: it must dequantise to NaN).
-        q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
+        q = fp8_cast(x, scale[:, None], q_ptr.dtype.element_ty)
+        tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
 
 
 QUANTIZE = Launcher(quantize_kernel, configs.QUANT)
@@ -141,7 +124,7 @@ def _quantize_triton(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: boo
     def request():
         return Request(
             configs.QuantKey(configs.m_bucket(M), K, kind),
-            dict(FP8_MAX=fp8_max(dtype), FLT_MIN=FLT_MIN, POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
+            dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
             x.device, None, lambda plan: _launch(plan, args),
         )
 

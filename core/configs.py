@@ -406,7 +406,8 @@ class RaggedKey(NamedTuple):
     tma: int
     swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
     gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
-    scaling: str = ""  # an FP8 grouped GEMM's scale granularities ("1x128,128x128", "row,col")
+    scaling: str = ""  # an FP8 grouped GEMM's scale granularities ("1x128,128x128", "row,col"),
+    #                    ",fp8out" when the tiles quantise their own fp8 output (FP8_OUT)
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
@@ -438,7 +439,22 @@ RAGGED_INTERPRET = cfg(32, 64, 64, 1, 1, group_m=4)
 RAGGED_SCALED_INTERPRET = cfg(32, 64, 128, 1, 1, group_m=4)
 
 
+# An fp8 output quantised in the epilogue: a tile's output columns are whole 128-column scale
+# blocks (BLOCK_N 256 under SwiGLU, which halves it), and the scaled tiles' size cap holds.
+FP8_OUT = ",fp8out"
+RAGGED_FP8_OUT = [cfg(bm, bn, 128, w, 3) for bm in (16, 32, 64) for bn in (128, 256) for w in (4, 8)
+                  if bm * bn <= 128 * 128]
+RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, 128, 1, 1, group_m=4)
+
+
+def fp8_out_width(key: RaggedKey) -> int:
+    """BLOCK_N of a tile that quantises its fp8 output: 128 output columns."""
+    return 256 if key.swiglu else 128
+
+
 def ragged_interpret(key: RaggedKey) -> triton.Config:
+    if key.scaling.endswith(FP8_OUT):
+        return with_meta(RAGGED_FP8_OUT_INTERPRET, BLOCK_N=fp8_out_width(key))
     return RAGGED_SCALED_INTERPRET if key.scaling else RAGGED_INTERPRET
 
 # Rows per group -> the tile heights worth trying: a tile much taller than a group multiplies
@@ -447,6 +463,9 @@ _BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128,
 
 
 def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
+    if key.scaling.endswith(FP8_OUT):
+        kept = [c for c in RAGGED_FP8_OUT if c.kwargs["BLOCK_N"] == fp8_out_width(key)]
+        return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
     bk = BLOCK_K[key.dtype]
     heights = next(h for limit, h in _BLOCK_M_BANDS if key.m <= limit)
     kept = [c for c in RAGGED_CONFIGS if c.kwargs["BLOCK_K"] == bk and c.kwargs["BLOCK_M"] in heights]
@@ -465,6 +484,8 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
     picks on the MoE shapes of bench_grouped went; TMA only for large groups with long K."""
     bk = BLOCK_K[key.dtype]
     m = key.m
+    if key.scaling.endswith(FP8_OUT):
+        return with_meta(cfg(min(64, max(16, next_pow2(m))), fp8_out_width(key), 128, 4, 3), USE_TMA=key.tma == TMA_ONLY)
     if m <= 16:
         base = cfg(16, 128, bk, 4, 4) if key.swiglu else cfg(16, 64, bk, 4, 5 if bk <= 64 else 4)
     elif m <= 32:

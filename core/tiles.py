@@ -9,7 +9,8 @@ the tile body:
    fp32 accumulation, with per-K-block dequantisation scales (blockscaled/) and arbitrary row
    index vectors, which give the MoE row gather for free (grouped/).
 3. ``split_k_combine`` (SPLIT_K > 1): the last of a tile's K splits sums their partials.
-4. ``epilogue`` + ``store_tile``: dequant scales, bias, activation, routing weight, cast,
+4. ``epilogue`` + ``store_tile``: dequant scales, bias, activation, routing weight, an fp8
+   output's own 1x128 quantisation (``quantize_tile``), cast,
    masked (or TMA) store.
 
 ``gemm_tile`` chains 2-4 for one output tile; its options (block scales, split-K, the MoE
@@ -39,6 +40,8 @@ from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
+
+from .fp8 import amax_input, fp8_cast, fp8_scale
 
 
 class Operand(NamedTuple):
@@ -73,12 +76,16 @@ class Scales(NamedTuple):
     b: Operand over sb [ceil(K / BLOCK_K), ceil(N / SB_COLS)]: B's, likewise per column block.
     m: Vector over C's rows (row-wise or, with stride 0, tensor-wise scale of A). Epilogue.
     n: Vector over C's columns (column-wise or tensor-wise scale of B). Epilogue.
+    out: Operand over C's own scales [M, ceil(N / 128)], WRITTEN: C is fp8 and each row's
+       128-column blocks are quantised in the epilogue (``quantize_tile``), so the next GEMM
+       reads C as its 1x128-scaled A. BLOCK_N (after SwiGLU) must be a multiple of 128.
     """
 
     a: Any = NO_OPERAND
     b: Any = NO_OPERAND
     m: Any = NO_VECTOR
     n: Any = NO_VECTOR
+    out: Any = NO_OPERAND
 
 
 NO_SCALES = Scales()  # what an unscaled GEMM passes
@@ -241,7 +248,7 @@ def _block_scale(kb, scales, sa_idx, sb_idx, SA_UNIFORM: tl.constexpr, SB_UNIFOR
 
 
 @triton.jit
-def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None):
+def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
     A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
@@ -268,6 +275,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
     kb_lo, kb_hi: only K blocks [kb_lo, kb_hi) of the ceil(K / BLOCK_K) (default: all), what
         one split of a split-K tile sums (``split_k_range``); masks and scales stay indexed by
         the absolute K block, so a range ends at K exactly like the whole loop does.
+    scale_cols [BLOCK_N]: the column of ``scales.b`` for each of ``cols`` (default
+        cols // SB_COLS; SwiGLU's up columns have their own blocks, see ``gemm_tile``).
 
     WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only: on
     sm_90 (Triton 3.6) the loop becomes a TMA producer and two consumer warpgroups of
@@ -286,6 +295,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         sa_idx = rows // spec.SA_ROWS
     if SB_UNIFORM:
         sb_idx = off_n // spec.SB_COLS
+    elif scale_cols is not None:
+        sb_idx = scale_cols
     else:
         sb_idx = cols // spec.SB_COLS
     offs_k = tl.arange(0, BLOCK_K)
@@ -392,6 +403,26 @@ def epilogue(acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION: tl.constexpr, scal
 
 
 @triton.jit
+def quantize_tile(acc, S, rows, pid_n, N, mask_m, mask_n, dtype: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] -> fp8 ``dtype`` values with one scale per row per 128 columns
+    (core/fp8.py's rule, the same as quantize_fp8's 1x128 blocks); the scales are stored at
+    S[rows, pid_n * BLOCK_N / 128 + j] (S: an Operand over [M, ceil(N / 128)]). Columns past
+    N are zeroed first: they hold re-read data (``tile_range``) that must not set an amax.
+    """
+    BM: tl.constexpr = acc.shape[0]
+    BN: tl.constexpr = acc.shape[1]
+    NB: tl.constexpr = BN // 128
+    acc = tl.where(mask_n[None, :], acc, 0.0)
+    blocks = tl.reshape(acc, (BM, NB, 128))
+    scale = fp8_scale(tl.max(amax_input(blocks), axis=2), dtype)
+    q = fp8_cast(blocks, scale[:, :, None], dtype)
+    blk = pid_n * NB + tl.arange(0, NB)
+    s_ptrs = S.ptr + rows.to(tl.int64)[:, None] * S.stride0 + blk.to(tl.int64)[None, :] * S.stride1
+    tl.store(s_ptrs, scale, mask=mask_m[:, None] & (blk < tl.cdiv(N, 128))[None, :])
+    return tl.reshape(q, (BM, BN))
+
+
+@triton.jit
 def store_tile(C, acc, offs_m, offs_n, mask_m, mask_n, USE_TMA: tl.constexpr = False, off_m=0, off_n=0):
     """C[offs_m, offs_n] = acc cast to C's dtype, masked to the rows and columns that exist.
 
@@ -469,6 +500,7 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         splits into [BLOCK_M, BLOCK_N/2] gate and up halves and the tile writes silu(gate) *
         up, BLOCK_N/2 columns of C. The [rows, 2N] product is never stored.
     fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
+    scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``).
     """
     BLOCK_M: tl.constexpr = spec.BLOCK_M
     BLOCK_N: tl.constexpr = spec.BLOCK_N
@@ -483,7 +515,13 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         rows = tl.load(routing.gather + row0 + wrapped_m)
     if routing.scatter is not None:
         out_rows = tl.load(routing.scatter + row0 + wrapped_m)
+    scale_cols = None
     if spec.SWIGLU:
+        # Gate and up weights are quantised apart (a checkpoint's gate_proj and up_proj), so
+        # the up columns' scale blocks follow all of the gate's: ceil(N / SB_COLS) of them.
+        if scales.b.ptr is not None:
+            sb_gate = cols // spec.SB_COLS
+            scale_cols = tl.reshape(tl.join(sb_gate, sb_gate + tl.cdiv(N, spec.SB_COLS)), (BLOCK_N,))
         cols = tl.reshape(tl.join(cols, cols + N), (BLOCK_N,))
     kb_lo = 0
     kb_hi = None
@@ -500,7 +538,7 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi)
+        acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi, scale_cols)
         if spec.SWIGLU:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N_OUT, 2)))
             acc = activate(gate, "silu") * up
@@ -512,4 +550,7 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     if finish:
         # A scattered C is written row by row through pointers.
         TMA_STORE: tl.constexpr = spec.USE_TMA and routing.scatter is None
+        if scales.out.ptr is not None:
+            acc = quantize_tile(acc, scales.out, out_rows, pid_n, N, mask_m, mask_n,
+                                C.ptr.dtype if TMA_STORE else C.ptr.dtype.element_ty)
         store_tile(C, acc, out_rows, offs_n, mask_m, mask_n, TMA_STORE, pid_m * BLOCK_M, pid_n * BLOCK_N)

@@ -119,11 +119,14 @@ def ragged_kernel(
         "N" a [total N] vector with stride0 = 0); NO_OPERAND without one.
     routing: tiles.Routing ("M" only: the MoE gather of x's rows, scatter of output rows and
         routing weight, indexed by the grouped row; all None otherwise).
-    scales: tiles.Scales of an FP8 grouped GEMM ("M" without a gather only; ptr None when
-        absent), moved to each group here: ``a`` an Operand over A's per-K-block scales
-        [M, ceil(K/128)] (1x128, SA_ROWS = 1), ``m`` a Vector over A's row scales [M] (both
-        follow A's rows); ``b`` a Stacked over [G, ceil(K/128), ceil(N/128)] (128x128,
-        SB_COLS = 128), ``n`` an Operand over [G, N] (element [g, j]; per output channel).
+    scales: tiles.Scales of an FP8 grouped GEMM ("M" only; ptr None when absent), moved to
+        each group here: ``a`` an Operand over A's per-K-block scales [rows of A,
+        ceil(K/128)] (1x128, SA_ROWS = 1; with a gather indexed by token row, like A), ``m``
+        a Vector over A's row scales [M] (not with a gather); ``b`` a Stacked over
+        [G, ceil(K/128), ceil(N/128)] (128x128, SB_COLS = 128; with SWIGLU 2 * ceil(N/128)
+        columns, the gate's blocks then the up's), ``n`` an Operand over [G, N] (element
+        [g, j]; per output channel); ``out`` an Operand over C's own scales [M, ceil(N/128)]
+        when C is fp8 (written; they follow C's rows, scattered or not).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
         A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
@@ -203,8 +206,11 @@ def ragged_kernel(
                                 Operand(c_g, C.stride0, C.stride1), M_g, N_g, K_g, spec)
         if SCATTER:
             c = Operand(c_g, C.stride0, C.stride1)  # scattered rows are stored through pointers
-        # The group's scales: A's follow its rows (from the group's first row), B's its group.
-        a_row0 = start.to(tl.int64) if RAGGED == "M" else 0
+        # The group's scales: A's follow its rows (from the group's first row; a gather
+        # indexes them by token row, as A itself), B's its group, C's own (an fp8 output)
+        # its rows, as C itself.
+        a_row0 = start.to(tl.int64) if RAGGED == "M" and not GATHER else 0
+        c_row0 = start.to(tl.int64) if RAGGED == "M" and not SCATTER else 0
         if scales.a.ptr is not None:
             sa_g = Operand(scales.a.ptr + a_row0 * scales.a.stride0, scales.a.stride0, scales.a.stride1)
         else:
@@ -221,8 +227,12 @@ def ragged_kernel(
             sn_g = Vector(scales.n.ptr + g64 * scales.n.stride0, scales.n.stride1)
         else:
             sn_g = Vector(None, 0)
-        gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(sa_g, sb_g, sm_g, sn_g), routing, bias_g, None, row0,
-                  fill)
+        if scales.out.ptr is not None:
+            so_g = Operand(scales.out.ptr + c_row0 * scales.out.stride0, scales.out.stride0, scales.out.stride1)
+        else:
+            so_g = Operand(None, 0, 0)
+        gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(sa_g, sb_g, sm_g, sn_g, so_g), routing, bias_g, None,
+                  row0, fill)
 
 
 @triton.jit

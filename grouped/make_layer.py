@@ -1,10 +1,15 @@
-"""Make the stored expert layer: grouped/data/mixtral_tiny.safetensors.
+"""Make the stored expert layers: grouped/data/mixtral_tiny.safetensors and its FP8 twin.
 
-    python -m onegemm.grouped.make_layer        # rewrites the file (same bytes: fixed seed)
+    python -m onegemm.grouped.make_layer        # rewrites both files (same bytes: fixed seed)
 
 A small Mixtral-style sparse MoE block with the Hugging Face key names (prefix ""):
 "gate.weight" [E, H] and "experts.{e}.w1/w3.weight" [I, H], "experts.{e}.w2.weight" [H, I];
 8 experts, hidden 256, intermediate 512, bfloat16 (about 6.3 MB).
+
+The FP8 twin (tiny_fp8.safetensors, about 3.2 MB) is the same layer as DeepSeek-V3 and
+Qwen3-FP8 checkpoints store it: "experts.{e}.gate_proj/up_proj/down_proj.weight" in
+float8_e4m3fn, each with its fp32 "...weight_scale_inv" [ceil(rows/128), ceil(cols/128)] (one
+scale per 128x128 block, by onegemm.quantize_fp8), and the router kept in bf16.
 
 Scaled like trained weights: std 1/sqrt(fan_in), so activations keep their size through the
 layer. Trained LLM weights also carry a few large outliers per matrix, and those are what make
@@ -24,6 +29,8 @@ SEED = 20250101
 E, H, I = 8, 256, 512
 OUTLIERS = 8
 PATH = Path(__file__).resolve().parent / "data" / "mixtral_tiny.safetensors"
+FP8_PATH = PATH.with_name("tiny_fp8.safetensors")
+FP8_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _matrix(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:
@@ -47,7 +54,25 @@ def make() -> dict[str, torch.Tensor]:
     return tensors
 
 
+def make_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The layer's experts in FP8 (128x128 blocks) under DeepSeek-V3's names; router as it is."""
+    from onegemm import quantize_fp8
+
+    out = {"gate.weight": tensors["gate.weight"]}
+    for key, w in tensors.items():
+        if key.startswith("experts."):
+            _, e, name, _ = key.split(".")
+            q, scale = quantize_fp8(w, (128, 128))
+            out[f"experts.{e}.{FP8_NAMES[name]}.weight"] = q
+            out[f"experts.{e}.{FP8_NAMES[name]}.weight_scale_inv"] = scale.contiguous()
+    return out
+
+
 if __name__ == "__main__":
     PATH.parent.mkdir(parents=True, exist_ok=True)
-    save_file(make(), str(PATH), metadata={"made_by": "onegemm/grouped/make_layer.py", "seed": str(SEED)})
-    print(f"wrote {PATH} ({PATH.stat().st_size / 1e6:.1f} MB)")
+    layer = make()
+    meta = {"made_by": "onegemm/grouped/make_layer.py", "seed": str(SEED)}
+    save_file(layer, str(PATH), metadata=meta)
+    save_file(make_fp8(layer), str(FP8_PATH), metadata={**meta, "from": PATH.name})
+    for p in (PATH, FP8_PATH):
+        print(f"wrote {p} ({p.stat().st_size / 1e6:.1f} MB)")

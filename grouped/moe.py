@@ -11,6 +11,8 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -19,8 +21,10 @@ from ..core import checks, configs
 from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
 from ..core.matmul import matmul
+from ..blockscaled.quantize import BLOCK, quantize_fp8
 from ..core.runtime import INTERPRET, empty, next_pow2
-from .kernels import sort_by_expert_kernel
+from ..core.tiles import Operand, Scales
+from .kernels import Stacked, sort_by_expert_kernel
 from .ops import grouped_matmul, launch_ragged
 
 
@@ -89,10 +93,11 @@ def check_expert_weights(w_gate_up, w_down, H: int) -> None:
     checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
 
 
-def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, x_dtypes=checks.FLOAT_DTYPES):
-    checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
-    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=(x.dtype,))
-    checks.check_tensor("w_down", w_down, ndim=3, dtypes=(x.dtype,))
+def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None):
+    """The checks every moe_ffn makes; the weights have x's dtype unless ``weight_dtypes``."""
+    checks.check_tensor("x", x, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=weight_dtypes or (x.dtype,))
+    checks.check_tensor("w_down", w_down, ndim=3, dtypes=weight_dtypes or (x.dtype,))
     checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
     T, H = x.shape
@@ -103,7 +108,7 @@ def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, x_dtypes=checks.FLO
     checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
+def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None):
     """SwiGLU expert FFN: y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j].
 
     x [T, H] (fp16, bf16, fp32); w_gate_up [E, 2I, H] (gate rows W1 then up rows W3);
@@ -111,8 +116,47 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids):
     contribute nothing). Returns [T, H] in x's dtype. Deterministic: bitwise the same on a rerun.
     Differentiable in x, w_gate_up, w_down and topk_weights (docs/autograd.md); traceable by
     torch.compile.
+
+    FP8 experts (DeepSeek-V3's format): w_gate_up and w_down in float8_e4m3fn with their
+    128x128 block scales (the checkpoints' ``weight_scale_inv``): w_gate_up_scale
+    [E, 2 * ceil(I/128), ceil(H/128)] (gate blocks, then up blocks: the stacked scales of the
+    separately quantised gate_proj and up_proj) and w_down_scale [E, ceil(H/128), ceil(I/128)],
+    fp32. x keeps its dtype; the activations are quantised per token in 1x128 blocks: x once
+    before the gather, the SwiGLU output inside GEMM1's epilogue (GEMM1 writes it as fp8 plus
+    scales). Not differentiable.
     """
+    if w_gate_up_scale is not None or w_down_scale is not None or w_gate_up.dtype in checks.FP8_DTYPES:
+        checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
+                                        topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
+                                        w_down_scale=w_down_scale)
+        return MOE_FP8.run((x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale), False)
     return MOE(x, w_gate_up, w_down, topk_weights, topk_ids, grad_inputs=(x, w_gate_up, w_down, topk_weights))
+
+
+def quantize_experts(w_gate_up, w_down, *, dtype=torch.float8_e4m3fn):
+    """Expert weights -> moe_ffn's FP8 format: (w_gate_up, w_gate_up_scale, w_down, w_down_scale).
+
+    w_gate_up [E, 2I, H], w_down [E, H, I] (fp32, bf16, fp16). Each expert's matrix is
+    quantised in 128x128 blocks (quantize_fp8), the gate and up halves apart, as the DeepSeek-V3
+    format stores gate_proj and up_proj: scales [E, 2 * ceil(I/128), ceil(H/128)] and
+    [E, ceil(H/128), ceil(I/128)]. A one-time conversion, one launch per matrix.
+    """
+    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=checks.FLOAT_DTYPES)
+    checks.check_tensor("w_down", w_down, ndim=3, dtypes=(w_gate_up.dtype,))
+    check_expert_weights(w_gate_up, w_down, w_gate_up.shape[2])
+    if dtype != torch.float8_e4m3fn:
+        raise checks.bad_dtype("dtype", "torch.float8_e4m3fn (moe_ffn's FP8 experts)", dtype)
+    I = w_down.shape[2]
+
+    def blocks(w):
+        qs = [quantize_fp8(m, (BLOCK, BLOCK), dtype=dtype) for m in w.detach()]
+        return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+
+    with torch.no_grad():
+        gate_q, gate_s = blocks(w_gate_up[:, :I])
+        up_q, up_s = blocks(w_gate_up[:, I:])
+        down_q, down_s = blocks(w_down)
+    return torch.cat([gate_q, up_q], 1), torch.cat([gate_s, up_s], 1), down_q, down_s
 
 
 def _moe_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
@@ -134,6 +178,62 @@ def _moe_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     # Combine: a plain sum over the k slots of each token, in slot order (no atomics), hence
     # the same bits on every run.
     return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> None:
+    """FP8 experts (float8_e4m3fn [E, 2I, H] / [E, H, I], shapes already checked) and their
+    fp32 128x128 block scales [E, 2 * ceil(I/128), ceil(H/128)] / [E, ceil(H/128), ceil(I/128)]."""
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        checks.check_tensor(name, w, ndim=3, dtypes=(torch.float8_e4m3fn,))
+    for name, t, weight in (("w_gate_up_scale", w_gate_up_scale, "w_gate_up"), ("w_down_scale", w_down_scale, "w_down")):
+        if t is None:
+            raise checks.bad_value(name, f"the fp32 128x128 block scales of the fp8 {weight} (a checkpoint's "
+                                   "weight_scale_inv)", None)
+        checks.check_tensor(name, t, ndim=3, dtypes=(torch.float32,))
+    E, two_i, H = w_gate_up.shape
+    kh, ki = -(-H // BLOCK), -(-(two_i // 2) // BLOCK)
+    checks.check_shape("w_gate_up_scale", w_gate_up_scale, (E, 2 * ki, kh),
+                       f"[E, 2 * ceil(I/128), ceil(H/128)] = {[E, 2 * ki, kh]} (gate blocks, then up blocks)")
+    checks.check_shape("w_down_scale", w_down_scale, (E, kh, ki), f"[E, ceil(H/128), ceil(I/128)] = {[E, kh, ki]}")
+    checks.check_same_device(w_gate_up=w_gate_up, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+
+
+def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
+    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,))
+    check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+
+
+def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w_gate_up_scale: Optional[torch.Tensor],
+                  w_down_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """moe_ffn with fp8 experts: _moe_impl's pipeline on fp8 operands with 1x128 x 128x128 scales."""
+    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
+    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
+    if P == 0:
+        return torch.zeros_like(x)
+    pair, token, offs = sort_by_expert(topk_ids, E)
+    fp8 = w_gate_up.dtype
+    # x is quantised once per token (T rows, not T * k); GEMM1 gathers fp8 rows and their scales.
+    xq, xs = quantize_fp8(x, dtype=fp8)
+    # GEMM1 writes silu(gate) * up as fp8 with its 1x128 scales, stored [ceil(I/128), P] (the
+    # outer-dim-major layout quantize_fp8 gives, so GEMM2's K loop reads them coalesced).
+    h = empty((P, I), dtype=fp8, device=x.device)
+    hs = empty((-(-I // BLOCK), P), dtype=torch.float32, device=x.device).t()
+    w13s = w_gate_up_scale.transpose(1, 2)
+    _expert_gemm(xq, w_gate_up, h, offs, a_rows=token, swiglu=True,
+                 scales=Scales(a=Operand(xs, *xs.stride()), b=Stacked(w13s, *w13s.stride()), out=Operand(hs, *hs.stride())),
+                 scaling="1x128,128x128" + configs.FP8_OUT)
+    y_pairs = empty((P, H), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    w2s = w_down_scale.transpose(1, 2)
+    _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights,
+                 scales=Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())), scaling="1x128,128x128")
+    return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
+    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
+    return torch.empty_like(x)
 
 
 def _moe_sizes(x, w_gate_up, topk_ids):
@@ -216,6 +316,9 @@ def _moe_backward_fake(dy, x, w_gate_up, w_down, topk_weights, topk_ids):
 
 MOE_BACKWARD = Op("moe_ffn_backward", _moe_backward_impl, _moe_backward_fake)
 MOE = Op("moe_ffn", _moe_impl, _moe_fake, _moe_setup, _moe_backward)
+# FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
+# be traced on every bf16 call too), without a gradient.
+MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake)
 
 
 # An expert's (gate, up, down) weight names: Mixtral's, then Qwen3-MoE's and DeepSeek-V3's.
@@ -227,13 +330,20 @@ class MoEFFN(nn.Module):
 
     gate_weight [E, H] (router), w_gate_up [E, 2I, H], w_down [E, H, I]. The router logits
     are computed by onegemm.matmul in fp32 (near-ties then break as in an fp32 reference).
+    FP8 experts: w_gate_up and w_down in float8_e4m3fn with w_gate_up_scale and w_down_scale
+    (moe_ffn's format; ``quantize_experts`` makes it); the router and x keep gate_weight's
+    dtype, and the whole layer is frozen (an inference layer: FP8 experts have no gradient).
     """
 
-    def __init__(self, gate_weight, w_gate_up, w_down, top_k: int = 2, renormalize: bool = True):
+    def __init__(self, gate_weight, w_gate_up, w_down, top_k: int = 2, renormalize: bool = True, *,
+                 w_gate_up_scale=None, w_down_scale=None):
         super().__init__()
         checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
-        checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=(gate_weight.dtype,))
-        checks.check_tensor("w_down", w_down, ndim=3, dtypes=(gate_weight.dtype,))
+        fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
+            isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
+        expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
+        checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
+        checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
         E, H = gate_weight.shape
         if w_gate_up.shape[0] != E:
             raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)
@@ -242,10 +352,14 @@ class MoEFFN(nn.Module):
         checks.check_bool("renormalize", renormalize)
         checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down)
         # Trainable, as nn.Module parameters are; inference runs under torch.inference_mode()
-        # (or no_grad), which takes the direct kernel path.
-        self.gate_weight = nn.Parameter(gate_weight)
-        self.w_gate_up = nn.Parameter(w_gate_up)
-        self.w_down = nn.Parameter(w_down)
+        # (or no_grad), which takes the direct kernel path. FP8 experts have no gradient.
+        self.gate_weight = nn.Parameter(gate_weight, requires_grad=not fp8)
+        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=not fp8)
+        self.w_down = nn.Parameter(w_down, requires_grad=not fp8)
+        if fp8:
+            check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        self.register_buffer("w_gate_up_scale", w_gate_up_scale)
+        self.register_buffer("w_down_scale", w_down_scale)
         self.top_k = top_k
         self.renormalize = renormalize
 
@@ -257,12 +371,13 @@ class MoEFFN(nn.Module):
         return matmul(x, self.gate_weight.t(), out_dtype=torch.float32)
 
     def forward(self, x):
-        """x [T, H] -> [T, H] in x's dtype."""
-        checks.check_tensor("x", x, ndim=2, dtypes=(self.w_gate_up.dtype,))
+        """x [T, H] -> [T, H] in x's dtype (gate_weight's)."""
+        checks.check_tensor("x", x, ndim=2, dtypes=(self.gate_weight.dtype,))
         if x.shape[1] != self.gate_weight.shape[1]:
             raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
         weights, ids = route(self.router_logits(x), self.top_k, self.renormalize)
-        return moe_ffn(x, self.w_gate_up, self.w_down, weights, ids)
+        return moe_ffn(x, self.w_gate_up, self.w_down, weights, ids, w_gate_up_scale=self.w_gate_up_scale,
+                       w_down_scale=self.w_down_scale)
 
     @classmethod
     def from_safetensors(cls, path, prefix: str = "", top_k: int = 2, *, renormalize: bool = True, device=None):
@@ -270,9 +385,12 @@ class MoEFFN(nn.Module):
         [E, H] and for each expert e either Mixtral's "{prefix}experts.{e}.w1.weight" (gate) and
         ".w3." (up) [I, H], ".w2." (down) [H, I], or Qwen3-MoE's / DeepSeek-V3's
         ".gate_proj.", ".up_proj." [I, H] and ".down_proj." [H, I] (whichever expert 0 has).
-        E comes from the router's rows. Every tensor is checked for presence, shape and dtype
-        (all the router's; FP8 expert weights are refused with their own message).
-        ``device``: where the weights go (default: CUDA when kernels run on a GPU, else CPU).
+        Expert weights in the router's dtype, or FP8 (DeepSeek-V3 / Qwen3-FP8 format):
+        float8_e4m3fn, each with its "...weight_scale_inv" [ceil(rows/128), ceil(cols/128)]
+        (fp32 or bf16, read as fp32); expert 0's first weight says which. E comes from the
+        router's rows. Every tensor is checked for presence, shape and dtype; an error names
+        the file and the key. ``device``: where the weights go (default: CUDA when kernels run
+        on a GPU, else CPU).
         """
         if device is None:
             device = "cpu" if INTERPRET else "cuda"
@@ -286,10 +404,10 @@ class MoEFFN(nn.Module):
         with f:
             keys = set(f.keys())
 
-            def load(name, shape=None, dtype=None):
+            def load(name, shape=None, dtypes=None, whose=""):
                 key = prefix + name
                 if key not in keys:
-                    near = sorted(k for k in keys if k.endswith(name.split(".")[-2] + ".weight"))[:3]
+                    near = sorted(k for k in keys if k.endswith(name.split(".")[-2] + "." + name.split(".")[-1]))[:3]
                     raise checks.in_file(path, f"missing tensor {key!r} (prefix={prefix!r}; keys like it: {near})")
                 try:
                     t = f.get_tensor(key)
@@ -297,8 +415,9 @@ class MoEFFN(nn.Module):
                     raise checks.in_file(path, f"tensor {key!r} cannot be read ({type(e).__name__}: {e})") from e
                 if shape is not None and tuple(t.shape) != tuple(shape):
                     raise checks.in_file(path, f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-                if dtype is not None and t.dtype != dtype:
-                    raise checks.in_file(path, f"tensor {key!r} has dtype {t.dtype}, expected {dtype} (the router's)")
+                if dtypes is not None and t.dtype not in dtypes:
+                    raise checks.in_file(path, f"tensor {key!r} has dtype {t.dtype}, expected "
+                                               f"{checks.dtype_names(dtypes)}{whose}")
                 return t
 
             gate = load("gate.weight")
@@ -312,21 +431,38 @@ class MoEFFN(nn.Module):
                                           _EXPERT_NAMES[0])
             first = f"experts.0.{g_name}.weight"
             w1 = load(first)
-            if w1.dtype in checks.FP8_DTYPES:
-                raise checks.in_file(path, f"tensor {prefix + first!r} is {w1.dtype}: FP8 expert weights (with "
-                                           "weight_scale_inv) are not read by MoEFFN yet; dequantise them first")
-            if w1.dtype != gate.dtype:
-                raise checks.in_file(path, f"tensor {prefix + first!r} has dtype {w1.dtype}, expected {gate.dtype} (the router's)")
+            fp8 = w1.dtype in checks.FP8_DTYPES
+            if fp8:
+                dtypes, whose = (torch.float8_e4m3fn,), " (FP8 experts are e4m3)"
+            else:
+                dtypes, whose = (gate.dtype,), " (the router's)"
+            if w1.dtype not in dtypes:
+                raise checks.in_file(path, f"tensor {prefix + first!r} has dtype {w1.dtype}, expected "
+                                           f"{checks.dtype_names(dtypes)}{whose}")
             if w1.dim() != 2 or w1.shape[1] != H:
                 raise checks.in_file(path, f"tensor {prefix + first!r} has shape {tuple(w1.shape)}, expected [I, {H}]")
             I = w1.shape[0]
-            gate_up, down = [], []
+
+            def weight(e, name, rows, cols):
+                w = load(f"experts.{e}.{name}.weight", (rows, cols), dtypes, whose)
+                if not fp8:
+                    return w, None
+                s = load(f"experts.{e}.{name}.weight_scale_inv", (-(-rows // BLOCK), -(-cols // BLOCK)),
+                         (torch.float32, torch.bfloat16), " (the 128x128 block scales)")
+                return w, s.float()
+
+            gate_up, down, gate_up_s, down_s = [], [], [], []
             for e in range(E):
-                w1 = load(f"experts.{e}.{g_name}.weight", (I, H), gate.dtype)
-                w3 = load(f"experts.{e}.{u_name}.weight", (I, H), gate.dtype)
+                (w1, s1), (w3, s3), (w2, s2) = (weight(e, g_name, I, H), weight(e, u_name, I, H), weight(e, d_name, H, I))
                 gate_up.append(torch.cat([w1, w3], dim=0))
-                down.append(load(f"experts.{e}.{d_name}.weight", (H, I), gate.dtype))
+                down.append(w2)
+                if fp8:
+                    gate_up_s.append(torch.cat([s1, s3], dim=0))
+                    down_s.append(s2)
+        scales = {}
+        if fp8:
+            scales = dict(w_gate_up_scale=torch.stack(gate_up_s).to(device), w_down_scale=torch.stack(down_s).to(device))
         return cls(
             gate.to(device), torch.stack(gate_up).to(device), torch.stack(down).to(device),
-            top_k=top_k, renormalize=renormalize,
+            top_k=top_k, renormalize=renormalize, **scales,
         )

@@ -89,7 +89,8 @@ def launch_ragged(
     """Launch ragged_kernel (see its docstring for the meaning of every argument).
 
     scales, scaling: an FP8 grouped GEMM's tiles.Scales (as ragged_kernel takes them) and its
-    granularities, "<a>,<b>" of "1x128" / "row" and "128x128" / "col".
+    granularities, "<a>,<b>" of "1x128" / "row" and "128x128" / "col", plus ",fp8out" when
+    C is fp8 and the tiles write its 1x128 scales (``scales.out``; configs.FP8_OUT).
     rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
@@ -115,7 +116,7 @@ def launch_ragged(
                               configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling),
             dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
                  PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
-                 SA_ROWS=1, SB_COLS=BLOCK if scaling.endswith("128x128") else 1, **layout_meta(layout)),
+                 SA_ROWS=1, SB_COLS=BLOCK if "128x128" in scaling.split(",") else 1, **layout_meta(layout)),
             a.device, forced_flavour(config, layout), lambda plan: _launch_ragged(plan, args, ragged, G, M, N, swiglu),
         )
 

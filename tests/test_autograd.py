@@ -271,6 +271,7 @@ def _compile_cases(device):
     x, w13, w2, weights, ids = _moe_inputs(9, 32, 16, 4, 2, torch.float32, device)
     g2, gb2, gbias, goffs = _grouped_inputs("2Dx3D", [5, 0, 17], 3, 40, 24, torch.float32, device)
     layer = onegemm.Fp8Linear(64, 40, device=device)
+    fp8_experts = onegemm.quantize_experts(w13, w2)
     return [
         ("matmul", lambda a, b, bias: onegemm.matmul(a, b, bias=bias, activation="gelu"), (a, b, bias)),
         ("linear", lambda a, b, bias: onegemm.linear(a, b.t(), bias), (a, b, bias)),
@@ -284,11 +285,13 @@ def _compile_cases(device):
             *onegemm.quantize_fp8(a)[:1], b, onegemm.quantize_fp8(a)[1], torch.ones((), device=device)),
          (torch.randn(33, 40, device=device), torch.randn(40, 24, device=device).to(torch.float8_e4m3fn))),
         ("Fp8Linear", lambda x: layer(x), (torch.randn(10, 64, device=device),)),
+        ("moe_ffn fp8", lambda x, w13, s13, w2, s2, weights, ids: onegemm.moe_ffn(
+            x, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2), (x, *fp8_experts, weights, ids)),
     ]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(10))
 def test_compile_fullgraph_equals_eager(case, backend, device):
     torch._dynamo.reset()
     name, fn, args = _compile_cases(device)[case]
@@ -323,6 +326,7 @@ def _opcheck_cases(device):
     ga, gb, _, goffs = _grouped_inputs("2Dx3D", [5, 0, 7], 3, 16, 8, torch.float32, device)
     q, s = onegemm.quantize_fp8(a)
     qw, sw = onegemm.quantize_fp8(torch.randn(9, 24, device=device), (128, 128))
+    q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
     return [
         (torch.ops.onegemm.matmul.default, (leaf(a), leaf(b), None, None, None, None, None, None)),
         (torch.ops.onegemm.grouped_mm.default, (ga, gb, goffs, None, None, None, None, None)),
@@ -330,17 +334,18 @@ def _opcheck_cases(device):
         (torch.ops.onegemm.quantize_fp8.default, (a, "1x128", torch.float8_e4m3fn, False, False)),
         (torch.ops.onegemm.blockscaled_mm.default, (q, qw.t(), s, sw.t(), torch.bfloat16, None, None, None)),
         (torch.ops.onegemm.fp8_linear.default, (leaf(a), leaf(torch.randn(9, 24, device=device)), None, None)),
+        (torch.ops.onegemm.moe_ffn_fp8.default, (x, q13, q2, weights, ids, s13, s2)),
     ]
 
 
 ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_opcheck(case, device):
     op, args = _opcheck_cases(device)[case]
     utils = ALL_OPCHECKS
-    if op is torch.ops.onegemm.blockscaled_mm.default:
+    if op in (torch.ops.onegemm.blockscaled_mm.default, torch.ops.onegemm.moe_ffn_fp8.default):
         # test_schema multiplies the inputs to check they are not mutated, and torch has no
         # float8 multiply (CPU or CUDA): the fp8 op is checked on the other three.
         utils = ALL_OPCHECKS[1:]

@@ -28,7 +28,7 @@ def test_main_job_help_describes_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert "--tokens" in out and "--seed" in out and "seed of the random" in out
+    assert "--tokens" in out and "--seed" in out and "seed of the random" in out and "--fp8" in out
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "common.py"))

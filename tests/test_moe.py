@@ -5,9 +5,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import onegemm
-from onegemm.grouped import STORED_LAYER, sort_by_expert
-from onegemm.testing import moe_ffn_torch
-from onegemm.testing import TOL, assert_close, moe_ref, route_ref
+from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER, sort_by_expert
+from onegemm.testing import (
+    TOL,
+    assert_close,
+    calc_diff,
+    moe_ffn_torch,
+    moe_fp8_ref,
+    moe_ref,
+    quantize_experts_ref,
+    quantize_fp8_ref,
+    route_ref,
+)
 
 
 def moe_inputs(T, H, I, E, k, dtype, device):
@@ -204,17 +213,6 @@ def test_from_safetensors_prefix(names, tmp_path, device):
     assert torch.equal(layer.w_down[2].cpu(), tensors["model.moe.experts.2.w2.weight"])
 
 
-def test_from_safetensors_refuses_fp8_experts(tmp_path, device):
-    tensors = _renamed(_small_layer(), ("gate_proj", "up_proj", "down_proj"))
-    for k in list(tensors):
-        if "experts" in k:
-            tensors[k] = tensors[k].to(torch.float8_e4m3fn)
-    path = tmp_path / "fp8.safetensors"
-    save_file(tensors, str(path))
-    with pytest.raises(ValueError, match="FP8 expert weights .with weight_scale_inv. are not read by MoEFFN yet"):
-        onegemm.MoEFFN.from_safetensors(path, prefix="model.moe.", device=device)
-
-
 BAD_FILES = [
     ("missing expert", lambda t: t.pop("model.moe.experts.2.w3.weight"), "missing tensor 'model.moe.experts.2.w3.weight'"),
     ("wrong shape", lambda t: t.__setitem__("model.moe.experts.1.w2.weight", torch.randn(16, 23)), r"experts.1.w2.weight' has shape \(16, 23\), expected \(16, 24\)"),
@@ -236,6 +234,154 @@ def test_from_safetensors_bad_file(name, corrupt, match, tmp_path, device):
 def test_from_safetensors_wrong_prefix(device):
     with pytest.raises(ValueError, match="missing tensor 'layers.0.gate.weight'"):
         onegemm.MoEFFN.from_safetensors(STORED_LAYER, prefix="layers.0.", device=device)
+
+
+# ---- FP8 experts (DeepSeek-V3 format: e4m3 weights, 128x128 scales; 1x128 activations) ----
+
+
+def fp8_moe_inputs(T, H, I, E, k, dtype, device, bad_ids=False):
+    """Random bf16-scale experts quantised by the reference quantiser (gate and up apart)."""
+    x, w13, w2, weights, ids = moe_inputs(T, H, I, E, k, torch.float32, device)
+    gate_q, gate_s = quantize_experts_ref(w13[:, :I])
+    up_q, up_s = quantize_experts_ref(w13[:, I:])
+    w2q, w2s = quantize_experts_ref(w2)
+    if bad_ids:  # expert-parallel: ids of experts on other ranks contribute nothing
+        ids[::3, 0] = E + 1
+        ids[1::4, -1] = -1
+    return (x.to(dtype), torch.cat([gate_q, up_q], 1), w2q, weights, ids,
+            dict(w_gate_up_scale=torch.cat([gate_s, up_s], 1), w_down_scale=w2s), (w13, w2))
+
+
+# (T, H, I, E, k, x dtype, extra): H, I not multiples of 128 (partial scale blocks; the up
+# half's blocks start after the gate's partial one), a single token, empty experts, foreign ids.
+BF16, FP32 = torch.bfloat16, torch.float32
+FP8_MOE_CASES = [
+    (1, 128, 128, 4, 2, BF16, ""),
+    (37, 200, 136, 5, 2, BF16, ""),
+    (41, 256, 300, 3, 3, FP32, ""),
+    (17, 130, 64, 8, 1, FP32, "foreign ids"),
+    (3, 256, 256, 16, 2, BF16, "empty experts"),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k,dtype,extra", FP8_MOE_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-E{c[3]}k{c[4]}-{str(c[5])[6:]}" for c in FP8_MOE_CASES])
+def test_moe_ffn_fp8_matches_reference(T, H, I, E, k, dtype, extra, device):
+    x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_moe_inputs(T, H, I, E, k, dtype, device,
+                                                                       bad_ids=extra == "foreign ids")
+    y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
+    assert y.dtype == dtype and y.shape == (T, H)
+    # The FP8 pipeline in float64 (x and the SwiGLU output quantised alike): only the fp32
+    # accumulation order and fp8 roundings at block-scale boundaries differ.
+    assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
+    # ... and against the unquantised layer, DeepSeek's measure.
+    assert calc_diff(y, moe_ref(x, w13_hp, w2_hp, weights, ids)) < 5e-3
+    assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)
+
+
+def test_quantize_experts_matches_reference(device):
+    _, w13, w2, *_ = moe_inputs(1, 200, 136, 3, 1, torch.bfloat16, device)
+    q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+    gate_q, gate_s = quantize_experts_ref(w13[:, :136])
+    up_q, up_s = quantize_experts_ref(w13[:, 136:])
+    assert s13.shape == (3, 4, 2) and s2.shape == (3, 2, 2)
+    assert torch.equal(q13.float(), torch.cat([gate_q, up_q], 1).float()) and torch.equal(s13, torch.cat([gate_s, up_s], 1))
+    ref_q2, ref_s2 = quantize_experts_ref(w2)
+    assert torch.equal(q2.float(), ref_q2.float()) and torch.equal(s2, ref_s2)
+
+
+def test_stored_fp8_layer_is_the_bf16_layer_quantised():
+    bf16, fp8 = load_file(str(STORED_LAYER)), load_file(str(STORED_FP8_LAYER))
+    assert STORED_FP8_LAYER.stat().st_size < 4e6
+    assert torch.equal(fp8["gate.weight"], bf16["gate.weight"])
+    for e in (0, 7):
+        for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            q, s = quantize_fp8_ref(bf16[f"experts.{e}.{old}.weight"], (128, 128))
+            assert fp8[f"experts.{e}.{new}.weight"].dtype == torch.float8_e4m3fn
+            assert torch.equal(fp8[f"experts.{e}.{new}.weight"].float(), q.float())
+            assert torch.equal(fp8[f"experts.{e}.{new}.weight_scale_inv"], s)
+
+
+@pytest.mark.parametrize("T", [1, 33])
+def test_moeffn_stored_fp8_layer(T, device):
+    """The FP8 twin against the unquantised float64 layer (the accuracy target) and against
+    the float64 FP8 pipeline; with gradients enabled, as a user calls a frozen layer."""
+    fp8 = onegemm.MoEFFN.from_safetensors(STORED_FP8_LAYER, top_k=2, device=device)
+    bf16 = onegemm.MoEFFN.from_safetensors(STORED_LAYER, top_k=2, device=device)
+    assert fp8.w_gate_up.dtype == torch.float8_e4m3fn and fp8.w_gate_up_scale.shape == (8, 8, 2)
+    assert not any(p.requires_grad for p in fp8.parameters())
+    x = torch.randn(T, 256, device=device).to(torch.bfloat16)
+    y = fp8(x)
+    with torch.no_grad():
+        weights, ids = onegemm.route(fp8.router_logits(x), 2)
+    assert calc_diff(y, moe_ref(x, bf16.w_gate_up, bf16.w_down, weights, ids)) < 5e-3
+    assert_close(y, moe_fp8_ref(x, fp8.w_gate_up, fp8.w_down, weights, ids, fp8.w_gate_up_scale, fp8.w_down_scale), 1e-2)
+
+
+def _fp8_file(tmp_path, I=24):
+    """_small_layer under DeepSeek-V3's names with fp8 experts and their weight_scale_inv."""
+    t = _renamed(_small_layer(I=I), ("gate_proj", "up_proj", "down_proj"))
+    for key in [k for k in t if "experts" in k]:
+        t[key], t[key + "_scale_inv"] = quantize_fp8_ref(t[key], (128, 128))
+    path = tmp_path / "fp8.safetensors"
+    return t, path
+
+
+def test_from_safetensors_fp8_experts(tmp_path, device):
+    t, path = _fp8_file(tmp_path)
+    t["model.moe.experts.1.up_proj.weight_scale_inv"] = t["model.moe.experts.1.up_proj.weight_scale_inv"].bfloat16()
+    save_file(t, str(path))
+    layer = onegemm.MoEFFN.from_safetensors(path, prefix="model.moe.", top_k=2, device=device)
+    assert layer.w_gate_up.dtype == torch.float8_e4m3fn and layer.w_gate_up_scale.dtype == torch.float32
+    assert torch.equal(layer.w_gate_up[1, 24:].cpu().float(), t["model.moe.experts.1.up_proj.weight"].float())
+    assert torch.equal(layer.w_gate_up_scale[2, 1:].cpu(), t["model.moe.experts.2.up_proj.weight_scale_inv"])
+    assert torch.equal(layer.w_down_scale[0].cpu(), t["model.moe.experts.0.down_proj.weight_scale_inv"])
+    x = torch.randn(9, 16, device=device)
+    weights, ids = onegemm.route(layer.router_logits(x).detach(), 2)
+    assert_close(layer(x), moe_fp8_ref(x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
+                                       layer.w_down_scale), 1e-2)
+
+
+BAD_FP8_FILES = [
+    ("no scale", lambda t: t.pop("model.moe.experts.2.down_proj.weight_scale_inv"),
+     "missing tensor 'model.moe.experts.2.down_proj.weight_scale_inv'"),
+    ("scale shape", lambda t: t.__setitem__("model.moe.experts.1.gate_proj.weight_scale_inv", torch.ones(2, 1)),
+     r"experts.1.gate_proj.weight_scale_inv' has shape \(2, 1\), expected \(1, 1\)"),
+    ("scale dtype", lambda t: t.__setitem__("model.moe.experts.0.up_proj.weight_scale_inv", torch.ones(1, 1, dtype=torch.int32)),
+     "has dtype torch.int32, expected float32, bfloat16 .the 128x128 block scales."),
+    ("mixed experts", lambda t: t.__setitem__("model.moe.experts.2.up_proj.weight", torch.randn(24, 16)),
+     "experts.2.up_proj.weight' has dtype torch.float32, expected float8_e4m3fn .FP8 experts are e4m3."),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,match", BAD_FP8_FILES, ids=[c[0] for c in BAD_FP8_FILES])
+def test_from_safetensors_bad_fp8_file(name, corrupt, match, tmp_path, device):
+    t, path = _fp8_file(tmp_path)
+    corrupt(t)
+    save_file(t, str(path))
+    with pytest.raises(ValueError, match=match):
+        onegemm.MoEFFN.from_safetensors(path, prefix="model.moe.", device=device)
+
+
+def test_moe_ffn_fp8_bad_input(device):
+    x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_moe_inputs(5, 200, 136, 3, 2, torch.bfloat16, device)
+    s13, s2 = scales["w_gate_up_scale"], scales["w_down_scale"]
+    with pytest.raises(ValueError, match="w_gate_up_scale must be the fp32 128x128 block scales of the fp8 w_gate_up"):
+        onegemm.moe_ffn(x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="w_down_scale must be the fp32"):
+        onegemm.moe_ffn(x, w13, w2, weights, ids, w_gate_up_scale=s13)
+    with pytest.raises(ValueError, match=r"w_gate_up_scale must be \[E, 2 \* ceil\(I/128\), ceil\(H/128\)\] = \[3, 4, 2\]"):
+        onegemm.moe_ffn(x, w13, w2, weights, ids, w_gate_up_scale=s13[:, :2], w_down_scale=s2)
+    with pytest.raises(ValueError, match=r"w_down_scale must be \[E, ceil\(H/128\), ceil\(I/128\)\] = \[3, 2, 2\]"):
+        onegemm.moe_ffn(x, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2[:, :, :1])
+    with pytest.raises(TypeError, match=r"w_gate_up_scale must be of dtype in \(float32\), got torch.bfloat16"):
+        onegemm.moe_ffn(x, w13, w2, weights, ids, w_gate_up_scale=s13.bfloat16(), w_down_scale=s2)
+    with pytest.raises(TypeError, match=r"w_gate_up must be of dtype in \(float8_e4m3fn\)"):  # scales given with bf16 experts
+        onegemm.moe_ffn(x, w13_hp.bfloat16(), w2_hp.bfloat16(), weights, ids, **scales)
+    with pytest.raises(TypeError, match=r"w_down must be of dtype in \(float8_e4m3fn\)"):
+        onegemm.moe_ffn(x, w13, w2_hp.bfloat16(), weights, ids, **scales)
+    with pytest.raises(ValueError, match="x must be free of requires_grad: moe_ffn with fp8 experts has no gradient"):
+        onegemm.moe_ffn(x.requires_grad_(), w13, w2, weights, ids, **scales)
 
 
 # ---- GPU only ----
@@ -289,3 +435,50 @@ def test_int64_ids_outside_the_experts_contribute_nothing(bad_id, device):
     weights = torch.rand(T, k, device=device)
     out = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
     assert_close(out, moe_ref(x, w_gate_up, w_down, weights, ids), TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k", [(4096, 2048, 768, 128, 8), (64, 2048, 768, 128, 8), (1, 7168, 2048, 32, 8),
+                                       (333, 4096, 1000, 8, 2)], ids=str)
+def test_gpu_moe_ffn_fp8_real_sizes(T, H, I, E, k, device):
+    """Qwen3-30B-A3B prefill and decode, DeepSeek-V3's EP8 experts at one token, and an I that
+    is not a multiple of 128, against the float64 FP8 pipeline and the unquantised layer."""
+    x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_moe_inputs(T, H, I, E, k, torch.bfloat16, device)
+    y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
+    assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
+    assert calc_diff(y, moe_ref(x, w13_hp, w2_hp, weights, ids)) < 5e-3
+    assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_ffn_fp8_non_finite(device):
+    """A token holding inf or NaN gives non-finite output rows (inf scale -> NaN), the others
+    stay exact; the interpreter casts NaN to fp8 wrongly, so this runs on the GPU only."""
+    x, w13, w2, weights, ids, scales, _ = fp8_moe_inputs(16, 256, 256, 4, 2, torch.bfloat16, device)
+    x[3, 7] = float("nan")
+    x[9, 100] = float("inf")
+    y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
+    bad = torch.zeros(16, dtype=torch.bool, device=device)
+    bad[[3, 9]] = True
+    assert not torch.isfinite(y[bad]).any(dim=1).any()
+    assert torch.isfinite(y[~bad]).all()
+    ref = moe_fp8_ref(x[~bad], w13, w2, weights[~bad], ids[~bad], **scales)
+    assert_close(y[~bad], ref, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_moeffn_fp8_cuda_graph(device):
+    layer = onegemm.MoEFFN.from_safetensors(STORED_FP8_LAYER, device=device)
+    x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
+    layer(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        weights, ids = onegemm.route(layer.router_logits(x), 2)
+    assert_close(y, moe_fp8_ref(x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
+                                layer.w_down_scale), 1e-2)

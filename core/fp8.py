@@ -1,0 +1,70 @@
+"""FP8 quantisation arithmetic as ``@triton.jit`` helpers: the scale rule and the cast.
+
+One definition for every kernel that writes fp8: blockscaled/'s quantiser
+(``quantize_fp8``) and the tile body's quantised output (``tiles.quantize_tile``, e.g. the
+MoE GEMM1 epilogue that writes its SwiGLU output as fp8 plus 1x128 scales). The rule, also
+written out in blockscaled/quantize.py's docstring and its torch path:
+
+    scale = max(amax / FP8_MAX, FLT_MIN) if amax > 0 else 1.0   (NaN counts as inf in amax)
+    q     = fp8(clamp(x / scale, -FP8_MAX, FP8_MAX)), rounded to nearest even
+"""
+
+import triton
+import triton.language as tl
+
+FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32
+_ROUND: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it - it rounds |x| < 2^22 to an integer (RNE)
+
+
+@triton.constexpr_function
+def fp8_format(dtype):
+    """(max, mantissa bits, exponent of the smallest normal) of e4m3fn or e5m2, at compile time."""
+    return (448.0, 3, -6) if dtype == tl.float8e4nv else (57344.0, 2, -14)
+
+
+@triton.jit
+def round_up_pow2(scale):
+    """Next power of two >= scale, for positive normal (or inf) fp32: clear the mantissa and,
+    if it was not already zero, add one to the exponent. Exact, unlike exp2(ceil(log2(s)))."""
+    bits = scale.to(tl.int32, bitcast=True)
+    up = tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+    return ((bits & 0x7F800000) + up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def amax_input(x):
+    """|x| as the amax sees it: NaN counts as inf, so a block holding NaN gets an inf scale
+    and dequantises to NaN instead of finite values."""
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
+def fp8_scale(amax, dtype: tl.constexpr, POW2: tl.constexpr = False):
+    """The scale of blocks with maximum magnitude ``amax`` (fp32, any shape)."""
+    FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FLT_MIN)
+    scale = tl.where(amax > 0, scale, 1.0)
+    if POW2:
+        scale = round_up_pow2(scale)
+    return scale
+
+
+@triton.jit
+def fp8_cast(x, scale, dtype: tl.constexpr):
+    """fp8(x / scale) in ``dtype``: a correctly rounded division (the same bits as torch's
+    x / scale), a clamp to the format's range (NaN stays NaN), then a rounding to the format's
+    grid done in fp32 so the final cast is exact. Hardware casts round to nearest even
+    anyway; Triton's interpreter does not carry a rounding into the exponent (31.3 -> 16 in
+    e4m3), so the explicit rounding makes the CPU tests check the GPU's arithmetic."""
+    FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
+    MANT: tl.constexpr = fp8_format(dtype)[1]
+    MIN_EXP: tl.constexpr = fp8_format(dtype)[2]
+    q = tl.math.div_rn(x.to(tl.float32), scale)
+    q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    # The grid's spacing at q: 2^(exponent - MANT), at least the subnormals' 2^(MIN_EXP - MANT);
+    # both it and its inverse built from exponent bits, so the scaling below is exact.
+    exp_bits = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, (MIN_EXP + 127) << 23)
+    ulp = (exp_bits - (MANT << 23)).to(tl.float32, bitcast=True)
+    inv_ulp = ((254 << 23) - (exp_bits - (MANT << 23))).to(tl.float32, bitcast=True)
+    q = ((q * inv_ulp + _ROUND) - _ROUND) * ulp
+    return q.to(dtype)
