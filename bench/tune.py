@@ -95,6 +95,26 @@ def ragged_cases():
                 weights, ids = onegemm.route(torch.randn(T, E, device="cuda"), k)
                 onegemm.moe_ffn(x, w_gu, w_dn, weights, ids)
             yield f"moe_ffn {name} T={T}", run
+        for T in MOE_TOKENS:
+            def run(E=E, H=H, I=I, k=k, T=T):
+                x = torch.randn(T, H, device="cuda", dtype=BF16)
+                experts = onegemm.quantize_experts(torch.randn(E, 2 * I, H, device="cuda", dtype=BF16) * H**-0.5,
+                                                   torch.randn(E, H, I, device="cuda", dtype=BF16) * I**-0.5)
+                weights, ids = onegemm.route(torch.randn(T, E, device="cuda"), k)
+                onegemm.moe_ffn(x, experts[0], experts[2], weights, ids, w_gate_up_scale=experts[1],
+                                w_down_scale=experts[3])
+            yield f"moe_ffn fp8 {name} T={T}", run
+        for which, (N, K) in (("gate_up", (2 * I, H)), ("down", (H, I))):
+            for rows in GROUPED_ROWS[-2:]:
+                def run(E=E, N=N, K=K, rows=rows):
+                    offs = (torch.arange(1, E + 1, device="cuda") * (rows // E)).to(torch.int32)
+                    qa, sa = onegemm.quantize_fp8(torch.randn(rows, K, device="cuda"))
+                    qr, sr = onegemm.quantize_fp8(torch.randn(rows, K, device="cuda"), "row")
+                    qb = torch.randn(E, N, K, device="cuda").to(torch.float8_e4m3fn).transpose(1, 2)
+                    onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=torch.ones(E, -(-K // 128), -(-N // 128),
+                                                                                        device="cuda"))
+                    onegemm.grouped_matmul(qr, qb, offs, scale_a=sr, scale_b=torch.ones(E, 1, N, device="cuda"))
+                yield f"grouped fp8 {name} {which} rows={rows}", run
 
 
 def training_cases():

@@ -485,7 +485,10 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
     bk = BLOCK_K[key.dtype]
     m = key.m
     if key.scaling.endswith(FP8_OUT):
-        return with_meta(cfg(min(64, max(16, next_pow2(m))), fp8_out_width(key), 128, 4, 3), USE_TMA=key.tma == TMA_ONLY)
+        # The promotion holds the block's partial next to the accumulator: 64x256 needs 8 warps.
+        bm = min(64, max(16, next_pow2(m)))
+        return with_meta(cfg(bm, fp8_out_width(key), 128, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
+                         USE_TMA=key.tma == TMA_ONLY)
     if m <= 16:
         base = cfg(16, 128, bk, 4, 4) if key.swiglu else cfg(16, 64, bk, 4, 5 if bk <= 64 else 4)
     elif m <= 32:
@@ -496,10 +499,11 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         base = cfg(128, 128, bk, 4, 4)
     else:
         base = cfg(128, 256, bk, 8, 4 if bk <= 64 else 3)
-    if key.scaling and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] > 128 * 128:
+    if key.scaling and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] >= 128 * 128:
         # The per-K-block promotion converts the fp32 partial's layout through shared memory:
-        # a 128x256 tile does not fit next to its pipeline (the block-scaled GEMM's tiles).
-        base = cfg(128, 128, bk, 4, 3)
+        # a 128x256 tile does not fit next to its pipeline, and a 128x128 one keeps its
+        # partial next to the accumulator in 8 warps' registers (the block-scaled GEMM's tiles).
+        base = cfg(128, 128, bk, 8, 3)
     tma = key.tma == TMA_ONLY or (key.tma == EITHER and m >= 256 and key.k >= 2048)
     return with_meta(base, USE_TMA=tma)
 

@@ -50,21 +50,30 @@ def fp8_scale(amax, dtype: tl.constexpr, POW2: tl.constexpr = False):
 
 
 @triton.jit
-def fp8_cast(x, scale, dtype: tl.constexpr):
-    """fp8(x / scale) in ``dtype``: a correctly rounded division (the same bits as torch's
-    x / scale), a clamp to the format's range (NaN stays NaN), then a rounding to the format's
-    grid done in fp32 so the final cast is exact. Hardware casts round to nearest even
-    anyway; Triton's interpreter does not carry a rounding into the exponent (31.3 -> 16 in
-    e4m3), so the explicit rounding makes the CPU tests check the GPU's arithmetic."""
+def fp8_grid(x, scale, dtype: tl.constexpr):
+    """x / scale on ``dtype``'s grid, in fp32: a correctly rounded division (the same bits as
+    torch's x / scale), a clamp to the format's range (NaN stays NaN), then the rounding to
+    nearest even done in fp32, so that casting the result to ``dtype`` is exact. Hardware
+    casts round the same way; Triton's interpreter does not carry a rounding into the
+    exponent (31.3 -> 16 in e4m3), so with the explicit rounding the CPU tests check the
+    GPU's arithmetic."""
     FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
     MANT: tl.constexpr = fp8_format(dtype)[1]
     MIN_EXP: tl.constexpr = fp8_format(dtype)[2]
     q = tl.math.div_rn(x.to(tl.float32), scale)
     q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    # The grid's spacing at q: 2^(exponent - MANT), at least the subnormals' 2^(MIN_EXP - MANT);
-    # both it and its inverse built from exponent bits, so the scaling below is exact.
-    exp_bits = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, (MIN_EXP + 127) << 23)
+    bits = q.to(tl.int32, bitcast=True)
+    # The grid's spacing at |q|: 2^(exponent - MANT), at least the subnormals' 2^(MIN_EXP - MANT);
+    # it and its inverse are built from exponent bits, so the scaling below is exact.
+    exp_bits = tl.maximum(bits & 0x7F800000, (MIN_EXP + 127) << 23)
     ulp = (exp_bits - (MANT << 23)).to(tl.float32, bitcast=True)
     inv_ulp = ((254 << 23) - (exp_bits - (MANT << 23))).to(tl.float32, bitcast=True)
-    q = ((q * inv_ulp + _ROUND) - _ROUND) * ulp
-    return q.to(dtype)
+    r = ((tl.abs(q) * inv_ulp + _ROUND) - _ROUND) * ulp
+    # The sign goes back on by q's sign bit, so -0 and values rounding to -0 keep it.
+    return tl.where(bits < 0, r * -1.0, r)  # not -r: Triton negates as 0 - r, which makes -0 +0
+
+
+@triton.jit
+def fp8_cast(x, scale, dtype: tl.constexpr):
+    """fp8(x / scale) in ``dtype`` (``fp8_grid``, then an exact cast)."""
+    return fp8_grid(x, scale, dtype).to(dtype)

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
-from .fp8 import amax_input, fp8_cast, fp8_scale
+from .fp8 import amax_input, fp8_grid, fp8_scale
 
 
 class Operand(NamedTuple):
@@ -234,17 +234,30 @@ def make_operands(A, B, C, M, N, K, spec):
 
 @triton.jit
 def _block_scale(kb, scales, sa_idx, sb_idx, SA_UNIFORM: tl.constexpr, SB_UNIFORM: tl.constexpr, valid=None):
-    """K block ``kb``'s multiplier (mma_k_loop's per-K-block scales): [BLOCK_M, 1], [1, BLOCK_N],
-    their product, or a scalar; folding the scalars first leaves one multiply-add per element.
+    """K block ``kb``'s multipliers (mma_k_loop's per-K-block scales) as (by row, by column):
+    [BLOCK_M, 1] and [1, BLOCK_N] factors, or scalars, folded where one side is uniform so a
+    promotion costs one multiply per element where it can and two where both vary. Kept
+    apart rather than multiplied into a [BLOCK_M, BLOCK_N] tile, which would be built in the
+    loads' layout and converted to the MMA's through shared memory every K block.
     ``valid`` False (K == 0: there is no block) reads nothing."""
-    scale = 1.0
-    if scales.a.ptr is not None:
+    HAS_A: tl.constexpr = scales.a.ptr is not None
+    HAS_B: tl.constexpr = scales.b.ptr is not None
+    sa = 1.0
+    sb = 1.0
+    if HAS_A:
         sa = tl.load(scales.a.ptr + sa_idx.to(tl.int64) * scales.a.stride0 + kb * scales.a.stride1, mask=valid)
-        scale = sa if SA_UNIFORM else sa[:, None]
-    if scales.b.ptr is not None:
+    if HAS_B:
         sb = tl.load(scales.b.ptr + kb * scales.b.stride0 + sb_idx.to(tl.int64) * scales.b.stride1, mask=valid)
-        scale = scale * (sb if SB_UNIFORM else sb[None, :])
-    return scale
+    if HAS_A and not SA_UNIFORM:
+        if HAS_B and not SB_UNIFORM:
+            return sa[:, None], sb[None, :]
+        else:
+            return sa[:, None] * sb, 1.0
+    else:
+        if HAS_B and not SB_UNIFORM:
+            return 1.0, sa * sb[None, :]
+        else:
+            return 1.0, sa * sb
 
 
 @triton.jit
@@ -313,7 +326,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
     if kb_hi is None:
         kb_hi = tl.cdiv(K, BLOCK_K)
     if SCALED:
-        scale = _block_scale(kb_lo, scales, sa_idx, sb_idx, SA_UNIFORM, SB_UNIFORM, valid=kb_hi > kb_lo)
+        row_scale, col_scale = _block_scale(kb_lo, scales, sa_idx, sb_idx, SA_UNIFORM, SB_UNIFORM, valid=kb_hi > kb_lo)
     # Triton 3.6 cannot warp-specialise fp8 tiles that must be transposed in shared memory
     # (an MN-major A or B): the sm_90 compile fails or aborts. Those run unspecialised.
     WS: tl.constexpr = spec.WARP_SPECIALIZE and spec.USE_TMA and (
@@ -350,10 +363,12 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
             # The next block's scales are loaded before this block's MMA, so their global
             # load latency hides behind it (the promotion must wait for the MMA anyway).
             # The last block re-reads its own scales (an index past them is out of bounds).
-            next_scale = _block_scale(tl.minimum(kb + 1, kb_hi - 1), scales, sa_idx, sb_idx, SA_UNIFORM, SB_UNIFORM)
+            next_row, next_col = _block_scale(tl.minimum(kb + 1, kb_hi - 1), scales, sa_idx, sb_idx, SA_UNIFORM,
+                                              SB_UNIFORM)
             part = tl.dot(a, b, input_precision=spec.PRECISION)
-            acc += part * scale
-            scale = next_scale
+            acc += part * row_scale * col_scale
+            row_scale = next_row
+            col_scale = next_col
         if not spec.USE_TMA:
             a_ptrs += BLOCK_K * A.stride1
             b_ptrs += BLOCK_K * B.stride0
@@ -404,8 +419,9 @@ def epilogue(acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION: tl.constexpr, scal
 
 @triton.jit
 def quantize_tile(acc, S, rows, pid_n, N, mask_m, mask_n, dtype: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] -> fp8 ``dtype`` values with one scale per row per 128 columns
-    (core/fp8.py's rule, the same as quantize_fp8's 1x128 blocks); the scales are stored at
+    """acc [BLOCK_M, BLOCK_N] -> its fp8 ``dtype`` values (in fp32, on the fp8 grid: the
+    store's cast is exact) with one scale per row per 128 columns (core/fp8.py's rule, the
+    same as quantize_fp8's 1x128 blocks); the scales are stored at
     S[rows, pid_n * BLOCK_N / 128 + j] (S: an Operand over [M, ceil(N / 128)]). Columns past
     N are zeroed first: they hold re-read data (``tile_range``) that must not set an amax.
     """
@@ -415,7 +431,7 @@ def quantize_tile(acc, S, rows, pid_n, N, mask_m, mask_n, dtype: tl.constexpr):
     acc = tl.where(mask_n[None, :], acc, 0.0)
     blocks = tl.reshape(acc, (BM, NB, 128))
     scale = fp8_scale(tl.max(amax_input(blocks), axis=2), dtype)
-    q = fp8_cast(blocks, scale[:, :, None], dtype)
+    q = fp8_grid(blocks, scale[:, :, None], dtype)
     blk = pid_n * NB + tl.arange(0, NB)
     s_ptrs = S.ptr + rows.to(tl.int64)[:, None] * S.stride0 + blk.to(tl.int64)[None, :] * S.stride1
     tl.store(s_ptrs, scale, mask=mask_m[:, None] & (blk < tl.cdiv(N, 128))[None, :])

@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import onegemm
 from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton
 from onegemm.core.configs import BLOCKSCALED_CONFIGS, warp_specialized
+from onegemm.core.fp8 import fp8_cast
 from onegemm.core.runtime import default_programs
 from onegemm.testing import (
     TOL,
@@ -37,6 +39,30 @@ KERNEL_TOL = 1e-5 if onegemm.INTERPRET else 1e-3
 
 def bits(q):
     return q.view(torch.uint8)
+
+
+@triton.jit
+def _fp8_cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, fp8_cast(tl.load(x_ptr + i, mask=i < n), 1.0, y_ptr.dtype.element_ty), mask=i < n)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_cast_rounds_like_torch(dtype, device):
+    """core/fp8.py's cast (every kernel's fp8 output) gives torch's bits: every fp8 value, the
+    midpoints between neighbours (ties to even), values rounding to -0, the subnormals,
+    saturation; NaN on the GPU only (the interpreter casts an fp32 NaN to e4m3 as 384)."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[values.isfinite()].unique()
+    x = torch.cat([values, (values[1:] + values[:-1]) / 2, torch.tensor([-0.0, -1e-30, 1e-30, 1e9, -1e9]),
+                   torch.randn(300) * torch.finfo(dtype).max / 4])
+    if not onegemm.INTERPRET:
+        x = torch.cat([x, torch.tensor([float("nan")])])
+    x = x.to(device)
+    y = torch.empty(x.numel(), dtype=dtype, device=device)
+    _fp8_cast_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    fmax = torch.finfo(dtype).max
+    assert torch.equal(bits(y), bits(x.clamp(-fmax, fmax).to(dtype)))
 
 
 def make_input(shape, device, layout="contig", dtype=torch.float32, spread=True):
