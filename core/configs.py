@@ -444,6 +444,10 @@ RAGGED_SCALED_INTERPRET = cfg(32, 64, 128, 1, 1, group_m=4)
 FP8_OUT = ",fp8out"
 RAGGED_FP8_OUT = [cfg(bm, bn, 128, w, 3) for bm in (16, 32, 64) for bn in (128, 256) for w in (4, 8)
                   if bm * bn <= 128 * 128]
+# Decode streams the weights: thin fp8 tiles hold half a bf16 tile's bytes per stage, so
+# deeper pipelines keep as many bytes in flight.
+RAGGED_FP8_OUT += [cfg(16, bn, 128, 4, s) for bn in (128, 256) for s in (4, 5)]
+RAGGED_FP8_SMALL_M = [cfg(16, 64, 128, 4, 8), cfg(16, 128, 128, 4, 6), cfg(32, 128, 128, 4, 5)]
 RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, 128, 1, 1, group_m=4)
 
 
@@ -468,7 +472,8 @@ def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
         return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
     bk = BLOCK_K[key.dtype]
     heights = next(h for limit, h in _BLOCK_M_BANDS if key.m <= limit)
-    kept = [c for c in RAGGED_CONFIGS if c.kwargs["BLOCK_K"] == bk and c.kwargs["BLOCK_M"] in heights]
+    pool = RAGGED_CONFIGS + (RAGGED_FP8_SMALL_M if key.dtype == "fp8" else [])
+    kept = [c for c in pool if c.kwargs["BLOCK_K"] == bk and c.kwargs["BLOCK_M"] in heights]
     if 64 < key.m < 256:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     if key.swiglu:

@@ -171,13 +171,22 @@ def _moe_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     # B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
     h = empty((P, I), dtype=x.dtype, device=x.device)
     _expert_gemm(x, w_gate_up, h, offs, a_rows=token, swiglu=True)
-    # GEMM2: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T), fp32 so the combine rounds once.
-    y_pairs = empty((P, H), dtype=torch.float32, device=x.device)
+    return _down_and_combine(h, w_down, offs, pair, topk_weights, x, k)
+
+
+def _down_and_combine(h, w_down, offs, pair, topk_weights, x, k, **kwargs):
+    """GEMM2 and the combine, ``kwargs``: the FP8 call's scales.
+
+    GEMM2 writes y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) in x's dtype: for 16-bit x
+    that halves the bytes GEMM2 writes and the combine reads, against an fp32 intermediate.
+    The combine is torch's sum over each token's k rows (fp32 accumulation, no atomics), so
+    the result has the same bits on every run.
+    """
+    T, H = x.shape
+    y_pairs = empty((T * k, H), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights)
-    # Combine: a plain sum over the k slots of each token, in slot order (no atomics), hence
-    # the same bits on every run.
-    return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
+    _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, **kwargs)
+    return y_pairs.view(T, k, H).sum(dim=1)
 
 
 def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> None:
@@ -223,12 +232,9 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     _expert_gemm(xq, w_gate_up, h, offs, a_rows=token, swiglu=True,
                  scales=Scales(a=Operand(xs, *xs.stride()), b=Stacked(w13s, *w13s.stride()), out=Operand(hs, *hs.stride())),
                  scaling="1x128,128x128" + configs.FP8_OUT)
-    y_pairs = empty((P, H), dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     w2s = w_down_scale.transpose(1, 2)
-    _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights,
-                 scales=Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())), scaling="1x128,128x128")
-    return y_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
+    return _down_and_combine(h, w_down, offs, pair, topk_weights, x, k, scaling="1x128,128x128",
+                             scales=Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
 
 
 def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
