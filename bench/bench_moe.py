@@ -13,8 +13,9 @@ the expert weight bytes it reads. Each FP8 output is checked against bf16 (calc_
 
 Part 2, the GEMM: onegemm.grouped_matmul with fp8 e4m3 operands and its two scale conventions,
 1x128 x 128x128 (DeepSeek's blocks) and row-wise x per-channel, against torch._grouped_mm in
-bf16 and torch._scaled_grouped_mm (row-wise x per-channel, where this torch has it), in GPU
-time on the same models' expert GEMMs at prefill, tokens spread evenly over the experts. Each
+bf16, torch._scaled_grouped_mm (row-wise x per-channel, where this torch has it) and plain
+torch (torch._scaled_mm per group in a Python loop), in GPU time on the same models' expert
+GEMMs at prefill, tokens spread evenly over the experts. Each
 result is checked against the dequantised float64 reference first.
 """
 
@@ -146,8 +147,17 @@ def measure(name, E, N, K, rows, device, timer):
             t_scaled = timer(peer)
         except Exception as e:  # a torch build without it, or a layout it refuses: a result too
             row["scaled_grouped_mm"] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    # Plain torch FP8: torch._scaled_mm (row-wise) per group in a Python loop over host offsets.
+    t_loop = math.nan
+    if device == "cuda":
+        ends = offs.tolist()
+        bounds = list(zip([0] + ends[:-1], ends))
+        loop = lambda: [torch._scaled_mm(qr[s:e], qc[g].t(), sr[s:e], sc[g][None, :], out_dtype=torch.bfloat16)  # noqa: E731
+                        for g, (s, e) in enumerate(bounds)]
+        t_loop = timer(loop)
     row.update(fp8_blocked_TFLOPs=flop / (t_blocked * 1e-3) / 1e12, blocked_vs_bf16=t_bf16 / t_blocked,
-               rowwise_vs_bf16=t_bf16 / t_row, rowwise_vs_scaled_grouped_mm=t_scaled / t_row)
+               rowwise_vs_bf16=t_bf16 / t_row, rowwise_vs_scaled_grouped_mm=t_scaled / t_row,
+               rowwise_vs_torch_scaled_mm_loop=t_loop / t_row)
     print(row, flush=True)
     return row
 
@@ -194,13 +204,15 @@ def main():
             "## 2. FP8 grouped GEMM (2D x 3D) vs torch, expert GEMMs at prefill\n\n"
             "GPU time; ratios are peer time / onegemm time (> 1: onegemm faster). blocked: 1x128 "
             "activations x 128x128 weights; rowwise: row-wise activations x per-channel weights, "
-            "the convention of torch._scaled_grouped_mm. Targets: >= 0.9x torch._scaled_grouped_mm "
+            "the convention of torch._scaled_grouped_mm; torch_scaled_mm_loop: plain torch, torch._scaled_mm "
+            "row-wise per group in a Python loop. Targets: >= 0.9x torch._scaled_grouped_mm "
             "row-wise and >= 1.4x bf16 torch._grouped_mm.\n\n"
         )
         text += markdown_table(rows) + "\n"
         text += (f"Geomeans: blocked vs bf16 {geomean([r['blocked_vs_bf16'] for r in rows]):.3f}, rowwise vs bf16 "
                  f"{geomean([r['rowwise_vs_bf16'] for r in rows]):.3f}, rowwise vs torch._scaled_grouped_mm "
-                 f"{geomean([r['rowwise_vs_scaled_grouped_mm'] for r in rows]):.3f}.\n\n")
+                 f"{geomean([r['rowwise_vs_scaled_grouped_mm'] for r in rows]):.3f}, rowwise vs the torch._scaled_mm loop "
+                 f"{geomean([r['rowwise_vs_torch_scaled_mm_loop'] for r in rows]):.3f}.\n\n")
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_moe.py regenerates everything else. -->\n")
     write_results("moe_fp8", text)
