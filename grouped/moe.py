@@ -133,23 +133,22 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     return MOE(x, w_gate_up, w_down, topk_weights, topk_ids, grad_inputs=(x, w_gate_up, w_down, topk_weights))
 
 
-def quantize_experts(w_gate_up, w_down, *, dtype=torch.float8_e4m3fn):
+def quantize_experts(w_gate_up, w_down):
     """Expert weights -> moe_ffn's FP8 format: (w_gate_up, w_gate_up_scale, w_down, w_down_scale).
 
     w_gate_up [E, 2I, H], w_down [E, H, I] (fp32, bf16, fp16). Each expert's matrix is
-    quantised in 128x128 blocks (quantize_fp8), the gate and up halves apart, as the DeepSeek-V3
-    format stores gate_proj and up_proj: scales [E, 2 * ceil(I/128), ceil(H/128)] and
-    [E, ceil(H/128), ceil(I/128)]. A one-time conversion, one launch per matrix.
+    quantised to float8_e4m3fn in 128x128 blocks (quantize_fp8), the gate and up halves
+    apart, as the DeepSeek-V3 format stores gate_proj and up_proj: scales
+    [E, 2 * ceil(I/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)]. A one-time
+    conversion, one launch per matrix.
     """
     checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=checks.FLOAT_DTYPES)
     checks.check_tensor("w_down", w_down, ndim=3, dtypes=(w_gate_up.dtype,))
     check_expert_weights(w_gate_up, w_down, w_gate_up.shape[2])
-    if dtype != torch.float8_e4m3fn:
-        raise checks.bad_dtype("dtype", "torch.float8_e4m3fn (moe_ffn's FP8 experts)", dtype)
     I = w_down.shape[2]
 
     def blocks(w):
-        qs = [quantize_fp8(m, (BLOCK, BLOCK), dtype=dtype) for m in w.detach()]
+        qs = [quantize_fp8(m, (BLOCK, BLOCK)) for m in w.detach()]
         return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
     with torch.no_grad():

@@ -160,7 +160,7 @@ def test_stored_layer_file():
     assert (w1.abs() > 6 * 256**-0.5).sum() >= 4
 
 
-@pytest.mark.parametrize("T", [1, 61])
+@pytest.mark.parametrize("T", [1, 33])
 def test_moeffn_stored_layer(T, device):
     layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, top_k=2, device=device)
     assert layer.num_experts == 8 and layer.w_gate_up.shape == (8, 1024, 256)
@@ -173,7 +173,7 @@ def test_moeffn_stored_layer(T, device):
 def test_moe_ffn_stored_layer_explicit_routing(device):
     """moe_ffn on the stored weights with routing decoupled from the router GEMM."""
     layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, device=device)
-    T = 48
+    T = 24
     x = torch.randn(T, 256, device=device).to(torch.bfloat16)
     w, ids = onegemm.route(torch.randn(T, 8, device=device), 2)
     y = onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, w, ids)
@@ -258,7 +258,7 @@ BF16, FP32 = torch.bfloat16, torch.float32
 FP8_MOE_CASES = [
     (1, 128, 128, 4, 2, BF16, ""),
     (37, 200, 136, 5, 2, BF16, ""),
-    (41, 256, 300, 3, 3, FP32, ""),
+    (29, 256, 300, 3, 3, FP32, ""),
     (17, 130, 64, 8, 1, FP32, "foreign ids"),
     (3, 256, 256, 16, 2, BF16, "empty experts"),
 ]
