@@ -279,6 +279,18 @@ def test_moe_ffn_fp8_matches_reference(T, H, I, E, k, dtype, extra, device):
     assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)
 
 
+def test_moe_ffn_fp8_views_and_empty(device):
+    """fp16 x as a transposed view, scales with transposed strides, int64 ids, no tokens."""
+    x, w13, w2, weights, ids, scales, _ = fp8_moe_inputs(11, 200, 136, 3, 2, torch.float16, device)
+    x = x.t().contiguous().t()
+    strided = {k: v.transpose(1, 2).contiguous().transpose(1, 2) for k, v in scales.items()}
+    y = onegemm.moe_ffn(x, w13, w2, weights, ids.long(), **strided)
+    assert y.dtype == torch.float16
+    assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
+    empty = onegemm.moe_ffn(x[:0], w13, w2, weights[:0], ids[:0], **scales)
+    assert empty.shape == (0, 200) and empty.dtype == torch.float16
+
+
 def test_quantize_experts_matches_reference(device):
     _, w13, w2, *_ = moe_inputs(1, 200, 136, 3, 1, torch.bfloat16, device)
     q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
