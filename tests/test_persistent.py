@@ -126,10 +126,13 @@ def test_matmul_schedule_knob(cfg_persistent, persistent, want_persistent, launc
     cfg = _cfg(32, 32, 32, 4, 2, group_m=2)
     if cfg_persistent is not None:
         cfg = with_meta(cfg, PERSISTENT=cfg_persistent)
-    a = make((160, 96), torch.float32, device)
-    b = make((96, 136), torch.float32, device, "transposed")
+    # More tiles than programs of a persistent grid (4 interpreted, one per SM on a GPU), so
+    # the two schedules launch different grids; 136 columns leave a partial column block.
+    M, N = (160, 136) if onegemm.INTERPRET else (512, 392)
+    a = make((M, 96), torch.float32, device)
+    b = make((96, N), torch.float32, device, "transposed")
     out = onegemm.matmul(a, b, config=cfg, persistent=persistent)
-    tiles = 5 * 5  # 136 columns: the last column block is partial
+    tiles = triton.cdiv(M, 32) * triton.cdiv(N, 32)
     assert launched_grids == [(min(default_programs(a.device.index), tiles) if want_persistent else tiles,)]
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
 
