@@ -148,7 +148,7 @@ def cases():
     for key, raw in table.get("ragged", {}).items():
         f, dt = parse(key)
         config = configs.from_json(raw)
-        dtype = dtypes[dt]
+        dtype = dtypes["e4m3" if dt == "fp8" else dt]
         rows, N, K = int(f["m"]), int(f["n"]), int(f["k"])
         tma = bool(config.kwargs.get("USE_TMA", False))
         if f["ragged"] != "M":
@@ -157,9 +157,13 @@ def cases():
         offs = torch.arange(1, G + 1, dtype=torch.int32) * rows
         swiglu, gather = f["swiglu"] == "1", f["gather"] == "1"
         b = operand(K, 2 * N if swiglu else N, dtype, f["b_k"] == "0", extra=(G,))
-        c = torch.empty(M, N, dtype=dtype)
+        scaling = f.get("scaling", "")
+        c = torch.empty(M, N, dtype=dtype if scaling.endswith(configs.FP8_OUT) else
+                        torch.bfloat16 if dtype.itemsize == 1 else dtype)
         common = dict(ragged="M", G=G, M=M, N=N, K=K, strides_b=tuple(b.stride()), strides_c=(0, *c.stride()),
                       rows_per_group=rows, config=config, tma=tma)
+        if scaling:
+            common.update(scales=_ragged_scales(scaling, G, M, N, K, swiglu), scaling=scaling)
         if gather:
             x = torch.empty(M // 2, K, dtype=dtype)
             idx = torch.zeros(M, dtype=torch.int32)
@@ -181,6 +185,32 @@ def cases():
         xs = [torch.empty(m, 64, dtype=dtype) for m in (17, 300)]
         ws = [torch.empty(64, n, dtype=dtype) for n in (33, 128)]
         yield f"list {dt}", lambda xs=xs, ws=ws: onegemm.grouped_matmul(xs, ws)
+
+
+def _ragged_scales(scaling, G, M, N, K, swiglu):
+    """tiles.Scales of an FP8 grouped key ("<a>,<b>[,fp8out]"), fp32 ones of the right shapes."""
+    import torch
+
+    from onegemm.core.tiles import Operand, Scales, Vector
+    from onegemm.grouped.kernels import Stacked
+
+    kind_a, kind_b, *out = scaling.split(",")
+    kb, nb = -(-K // 128), -(-N // 128)
+    parts = {}
+    if kind_a == "1x128":
+        sa = torch.ones(kb, M).t()
+        parts["a"] = Operand(sa, *sa.stride())
+    else:
+        parts["m"] = Vector(torch.ones(M), 1)
+    if kind_b == "128x128":
+        sb = torch.ones(G, kb, nb * (2 if swiglu else 1))
+        parts["b"] = Stacked(sb, *sb.stride())
+    else:
+        parts["n"] = Operand(torch.ones(G, N), N, 1)
+    if out:
+        so = torch.ones(nb, M).t()
+        parts["out"] = Operand(so, *so.stride())
+    return Scales(**parts)
 
 
 def snapshot(out: Path, only: str | None) -> None:
