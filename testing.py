@@ -207,7 +207,12 @@ def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):
 
     Ids outside [0, E) contribute nothing (onegemm's expert-parallel convention).
     """
-    x, w_gate_up, w_down = x.double(), w_gate_up.double(), w_down.double()
+    return _moe_sum(x.double(), w_gate_up.double(), w_down.double(), topk_weights, topk_ids)
+
+
+def _moe_sum(x, w_gate_up, w_down, topk_weights, topk_ids, round_h=None):
+    """The expert FFN in float64 on float64 x and weights, expert by expert; ``round_h``: what
+    happens to the SwiGLU output before the down projection (the FP8 pipeline quantises it)."""
     I = w_gate_up.shape[1] // 2
     y = torch.zeros_like(x)
     for e in range(w_gate_up.shape[0]):
@@ -216,6 +221,8 @@ def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):
             continue
         gu = x[t] @ w_gate_up[e].t()
         h = F.silu(gu[:, :I]) * gu[:, I:]
+        if round_h is not None:
+            h = round_h(h)
         y.index_add_(0, t, topk_weights[t, j].double()[:, None] * (h @ w_down[e].t()))
     return y
 
@@ -241,20 +248,13 @@ def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w
     """float64 of moe_ffn's FP8 pipeline on fp8 experts: x and each (token, slot)'s SwiGLU
     output quantised in 1x128 blocks (quantize_fp8_ref), the weights dequantised, every
     product and sum in float64. Ids outside [0, E) contribute nothing."""
-    W13 = dequantize_experts_ref(w_gate_up, w_gate_up_scale, gate_up=True)
-    W2 = dequantize_experts_ref(w_down, w_down_scale)
-    I = W13.shape[1] // 2
-    xd = dequantize_ref(*quantize_fp8_ref(x, (1, 128), w_gate_up.dtype), 1, 128)
-    y = torch.zeros_like(xd)
-    for e in range(W13.shape[0]):
-        t, j = torch.nonzero(topk_ids == e, as_tuple=True)
-        if t.numel() == 0:
-            continue
-        gu = xd[t] @ W13[e].t()
-        h = F.silu(gu[:, :I]) * gu[:, I:]
-        hd = dequantize_ref(*quantize_fp8_ref(h, (1, 128), w_gate_up.dtype), 1, 128)
-        y.index_add_(0, t, topk_weights[t, j].double()[:, None] * (hd @ W2[e].t()))
-    return y
+    fp8 = w_gate_up.dtype
+
+    def per_token_blocks(t):
+        return dequantize_ref(*quantize_fp8_ref(t, (1, 128), fp8), 1, 128)
+
+    return _moe_sum(per_token_blocks(x), dequantize_experts_ref(w_gate_up, w_gate_up_scale, gate_up=True),
+                    dequantize_experts_ref(w_down, w_down_scale), topk_weights, topk_ids, per_token_blocks)
 
 
 def moe_ffn_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, use_grouped_mm: bool = False):

@@ -409,10 +409,12 @@ def test_gpu_moe_ffn_real_sizes(T, H, I, E, k, device):
 
 
 @pytest.mark.gpu
-def test_gpu_moeffn_cuda_graph(device):
-    layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, device=device)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_moeffn_cuda_graph(fp8, device):
+    """The stored layer (or its FP8 twin) captured in a CUDA graph and replayed on new tokens."""
+    layer = onegemm.MoEFFN.from_safetensors(STORED_FP8_LAYER if fp8 else STORED_LAYER, device=device)
     x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
-    layer(x)  # autotune outside the capture
+    layer(x)  # plans and compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -420,7 +422,13 @@ def test_gpu_moeffn_cuda_graph(device):
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    assert_close(y, stored_ref(layer, x), 2 * TOL[torch.bfloat16])
+    if not fp8:
+        assert_close(y, stored_ref(layer, x), 2 * TOL[torch.bfloat16])
+        return
+    with torch.no_grad():
+        weights, ids = onegemm.route(layer.router_logits(x), 2)
+    assert_close(y, moe_fp8_ref(x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
+                                layer.w_down_scale), 1e-2)
 
 
 @pytest.mark.parametrize("use_grouped_mm", [False, True])
@@ -476,21 +484,3 @@ def test_gpu_moe_ffn_fp8_non_finite(device):
     assert torch.isfinite(y[~bad]).all()
     ref = moe_fp8_ref(x[~bad], w13, w2, weights[~bad], ids[~bad], **scales)
     assert_close(y[~bad], ref, 1e-2)
-
-
-@pytest.mark.gpu
-def test_gpu_moeffn_fp8_cuda_graph(device):
-    layer = onegemm.MoEFFN.from_safetensors(STORED_FP8_LAYER, device=device)
-    x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
-    layer(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = layer(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.no_grad():
-        weights, ids = onegemm.route(layer.router_logits(x), 2)
-    assert_close(y, moe_fp8_ref(x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
-                                layer.w_down_scale), 1e-2)
