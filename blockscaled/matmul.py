@@ -28,6 +28,7 @@ import triton
 
 from ..core import checks, configs
 from ..core.dispatch import Op
+from ..core.hopper_fp8 import run_wgmma, wgmma_body
 from ..core.launch import Launcher, Request
 from ..core.matmul import launch_dense, matmul_kernel
 from ..core.runtime import cdiv, empty
@@ -142,6 +143,11 @@ def run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None
     N = b.shape[1]
     c = empty((M, N), device=a.device, dtype=out_dtype)
     if M == 0 or N == 0:
+        return c
+
+    if wgmma_body(a, b, c, kind_a, kind_b, tma, config):
+        key = configs.WgmmaKey(configs.m_bucket(M), N, K, f"{kind_a},{kind_b}", configs.dtype_name(out_dtype))
+        run_wgmma(a, b, c, scale_a, scale_b, kind_a, kind_b, bias, activation, key, config)
         return c
 
     # Block scales -> the K loop (rows / columns per scale: 1 or 128); the others -> the

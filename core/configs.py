@@ -72,6 +72,8 @@ def label(c: triton.Config) -> str:
     """A config as tables print it, e.g. '128x256x64 w8 s3 pers TMA'."""
     k = c.kwargs
     tile = f"{k['BLOCK_M']}x{k.get('BLOCK_N', '-')}x{k['BLOCK_K']} " if "BLOCK_M" in k and "BLOCK_K" in k else ""
+    if "K_GROUP" in k:  # the Gluon body's (core/hopper_fp8.py): its ring depth and K unroll
+        return f"{tile}s{k['STAGES']} kg{k['K_GROUP']} gluon"
     text = f"{tile}w{c.num_warps} s{c.num_stages}"
     for flag, name in (("WARP_SPECIALIZE", "WS"), ("PERSISTENT", "pers")):
         if k.get(flag):
@@ -391,6 +393,64 @@ def blockscaled_heuristic(key: BlockscaledKey, sms: int) -> triton.Config:
     return blockscaled_cfg(64, bn, 4, 4, USE_TMA=key.tma == TMA_ONLY, **extra)
 
 
+# The sm_90 Gluon body of the same tiles (core/hopper_fp8.py): 128-row tiles of two 64-row
+# consumer warpgroups, one scale block per K step, a TMA ring of STAGES slots, the K loop
+# unrolled by K_GROUP blocks. A per-column scale (128x1, the weight gradient's) costs each
+# thread BLOCK_N / 4 more registers per K block: 128-wide tiles then spill unless K_GROUP = 1.
+
+
+class WgmmaKey(NamedTuple):
+    m: int
+    n: int
+    k: int
+    scaling: str    # "<kind of scale_a>,<kind of scale_b>", as BlockscaledKey's
+    out: str        # the output dtype: its staging tile in shared memory bounds STAGES
+
+    def __str__(self):
+        return f"m={self.m} n={self.n} k={self.k} {self.scaling} out={self.out}"
+
+
+def wgmma_cfg(bn, stages, k_group, regs=232):
+    return triton.Config({"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": SCALE_BLOCK, "GROUP_M": 8, "STAGES": stages,
+                          "K_GROUP": k_group, "CONSUMER_REGS": regs}, num_warps=4, num_stages=1)
+
+
+def is_wgmma(c: triton.Config) -> bool:
+    """Whether ``c`` is a config of the Gluon body (K_GROUP is its alone)."""
+    return "K_GROUP" in c.kwargs
+
+
+# Below this many rows the Triton body's 64-row and split-K tiles are used: a 128-row tile
+# multiplies padding on half its tensor-core time, and too few tiles fill the SMs
+# (bench/results/blockscaled.md).
+WGMMA_MIN_M = 128
+_SMEM = 232448  # bytes of shared memory a program may use on sm_90
+
+
+def _wgmma_fits(c: triton.Config, out: str) -> bool:
+    k = c.kwargs
+    ring = k["STAGES"] * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"]  # fp8 A and W tiles
+    staging = k["BLOCK_M"] * k["BLOCK_N"] * (4 if out == "fp32" else 2)  # the two consumers' C tiles
+    return ring + staging + 1024 <= _SMEM
+
+
+def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
+    if key.scaling.endswith("128x1"):
+        found = [wgmma_cfg(64, st, kg) for st in (4, 6) for kg in (2, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 6)]
+    else:
+        found = [wgmma_cfg(bn, st, kg) for bn in (128, 64) for st in (4, 5, 6) for kg in (2, 3, 4)]
+    return _with_pick([c for c in found if _wgmma_fits(c, key.out)], wgmma_heuristic(key, sms))
+
+
+def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
+    """The deepest ring that fits, three K blocks per unrolled group; 64-wide tiles when
+    128-wide ones would leave SMs idle, and for per-column weight scales (128x1)."""
+    narrow = key.scaling.endswith("128x1") or tiles(key.m, key.n, 128, 128) < sms
+    if narrow:
+        return wgmma_cfg(64, 6, 4)
+    return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out))
+
+
 # ---------------------------------------------------------------------------- grouped (ragged)
 # grouped/'s ragged_kernel: grouped_matmul's four offs modes and the two MoE GEMMs.
 
@@ -628,8 +688,10 @@ class Family(NamedTuple):
 
 MATMUL = Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET)
 BLOCKSCALED = Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET)
+# never under the interpreter (Gluon has no interpreter): its "interpret" config is unused
+BLOCKSCALED_WGMMA = Family("blockscaled_wgmma", wgmma_candidates, wgmma_heuristic, wgmma_cfg(128, 4, 3))
 RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret)
 LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
 QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
 SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1))
-FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, RAGGED, LIST, QUANT, SORT)}
+FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT)}

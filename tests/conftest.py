@@ -4,6 +4,7 @@
   CPU tensors there and on CUDA tensors on the H200: the ``device`` fixture picks.
 * ``@pytest.mark.gpu`` tests need a real GPU (bf16 tensor cores, autotune, TMA, in-kernel fp8
   casts); without one they are reported as SKIPPED with the reason, never as passed.
+  ``@pytest.mark.sm90`` (with ``gpu``) marks tests of the Gluon body, which runs on sm_90 only.
 * Every test draws fresh random inputs (a new seed per test, printed on failure) and runs with
   onegemm's output poisoning on, so an unwritten tile shows as NaN.
 """
@@ -22,13 +23,24 @@ HAS_GPU = torch.cuda.is_available() and not onegemm.INTERPRET
 
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
+        if torch.cuda.get_device_capability() != (9, 0):
+            other = pytest.mark.skip(reason="needs an sm_90 GPU: core's Gluon body (core/hopper_fp8.py) is Hopper's")
+            for item in items:
+                if "sm90" in item.keywords:
+                    item.add_marker(other)
         return
     skip = pytest.mark.skip(
         reason="needs a CUDA GPU: Triton's CPU interpreter cannot run this (bf16 MMA, autotune, "
         "TMA or fp8 casts); run `pytest -m gpu` on the H200"
     )
+    sm90 = pytest.mark.skip(
+        reason="needs an sm_90 GPU: this is core's Gluon body (core/hopper_fp8.py), and Gluon kernels have no "
+        "CPU interpreter; run `pytest -m gpu` on the H200"
+    )
     for item in items:
-        if "gpu" in item.keywords:
+        if "sm90" in item.keywords:
+            item.add_marker(sm90)
+        elif "gpu" in item.keywords:
             item.add_marker(skip)
 
 

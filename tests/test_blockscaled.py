@@ -14,7 +14,10 @@ import triton.language as tl
 
 import onegemm
 from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton
-from onegemm.core.configs import BLOCKSCALED_CONFIGS, warp_specialized
+from onegemm.core import configs, hopper_fp8, launch
+from onegemm.core.configs import (BLOCKSCALED_CONFIGS, WGMMA_MIN_M, WgmmaKey, warp_specialized, wgmma_candidates,
+                                  wgmma_cfg, wgmma_heuristic)
+from onegemm.core.launch import plans
 from onegemm.core.fp8 import fp8_cast
 from onegemm.core.runtime import default_programs
 from onegemm.testing import (
@@ -682,3 +685,141 @@ def test_gpu_int64_offsets(device):
     assert_close(out[tail], blockscaled_matmul_ref(a[tail], qw.t(), sa[tail], sw.t(), (1, 128), (128, 128)), KERNEL_TOL)
     del a, out
     torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- the sm_90 Gluon body
+# core/hopper_fp8.py: block-scaled FP8 on sm_90 runs a Gluon K loop. Gluon has no
+# interpreter, so its kernels run on the H200 only (the GPU tests below); the CPU tests check
+# the dispatch rule that decides between it and core's Triton body.
+
+WGMMA_PAIRS = [("1x128", "128x128"), ("128x128", "128x128"), ("1x128", "128x1"), ("128x128", "128x1")]
+
+
+def _dispatch_case(M, N, K, kinds=("1x128", "128x128"), a_layout="contig", b_layout="k_major", out=torch.bfloat16):
+    a = torch.empty((M, K) if a_layout == "contig" else (K, M), dtype=E4M3)
+    a = a if a_layout == "contig" else a.t()
+    b = torch.empty((N, K), dtype=E4M3).t() if b_layout == "k_major" else torch.empty((K, N), dtype=E4M3)
+    return a, b, torch.empty((M, N), dtype=out), *kinds
+
+
+# (what changes from a 512 x 256 x 256 1x128 x 128x128 call, tma, the rule's answer)
+DISPATCH_CASES = [
+    ({}, None, True),
+    ({}, True, True),
+    ({}, False, False),                                  # pointer loads asked for
+    ({"M": 127}, None, False),                           # below configs.WGMMA_MIN_M
+    ({"kinds": ("128x128", "128x1")}, None, True),
+    ({"kinds": ("row", "128x128")}, None, False),        # epilogue scales: the Triton body
+    ({"kinds": ("1x128", "tensor")}, None, False),
+    ({"a_layout": "transposed"}, None, False),           # fp8 wgmma reads K-major operands only
+    ({"b_layout": "row_major"}, None, False),
+    ({"K": 200}, None, False),                           # fp8 rows of 200 bytes: no TMA box
+    ({"N": 300}, None, False),                           # bf16 output rows of 600 bytes
+    ({"N": 300, "out": torch.float32}, None, True),      # 1200 bytes
+]
+
+
+@pytest.mark.parametrize("change,tma,expected", DISPATCH_CASES, ids=str)
+def test_wgmma_dispatch_rule(change, tma, expected, monkeypatch):
+    """On an sm_90 GPU (stood in for here), block scales on both operands, K-major TMA-able
+    operands and M >= WGMMA_MIN_M take the Gluon body; anything else core's Triton body."""
+    monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
+    args = dict(M=512, N=256, K=256)
+    args.update(change)
+    assert hopper_fp8.wgmma_body(*_dispatch_case(**args), tma, None) is expected
+    if expected is False and args["M"] >= WGMMA_MIN_M:
+        with pytest.raises(ValueError, match="config"):  # a forced Gluon config says why not
+            hopper_fp8.wgmma_body(*_dispatch_case(**args), tma, wgmma_cfg(128, 4, 4))
+
+
+def test_wgmma_dispatch_off_sm90(device):
+    """Off sm_90 (the interpreter, a CPU tensor, another GPU) every call takes the Triton
+    body, and forcing a Gluon config is a ValueError naming ``config``; a forced Triton
+    config always takes the Triton body."""
+    call = _dispatch_case(512, 256, 256)
+    if hopper_fp8.on_sm90(torch.empty(1, device=device)):
+        pytest.skip("this GPU is sm_90: the GPU tests below cover it")
+    assert hopper_fp8.wgmma_body(*call, None, None) is False
+    assert hopper_fp8.wgmma_body(*call, None, BLOCKSCALED_CONFIGS[0]) is False
+    with pytest.raises(ValueError, match="config.*sm_90"):
+        hopper_fp8.wgmma_body(*call, None, wgmma_cfg(128, 4, 4))
+    qa, sa, _ = quant_a(make_input((64, 128), device), "1x128")
+    qb, sb, _ = quant_b(make_input((64, 128), device), "128x128")
+    with pytest.raises(ValueError, match="config"):
+        onegemm.blockscaled_matmul(qa, qb, sa, sb, config=wgmma_cfg(128, 4, 4))
+
+
+def _wgmma_plans():
+    return [p for p in plans("blockscaled_wgmma").values()]
+
+
+# (M, N, K): M = 1..128 (forced: the rule gives these to the Triton body), N not a multiple of
+# 128, K not a multiple of 128 and K-block counts that leave each K_GROUP's remainder
+# (2, 3, 5, 7, 8, 9, 16 blocks), more tiles than SMs (each program walks several).
+WGMMA_SHAPES = [(1, 256, 256), (17, 200, 336), (64, 136, 1024), (127, 512, 640), (128, 2112, 896),
+                (300, 264, 1152), (2048, 7168, 2048), (1500, 1704, 784)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("M,N,K", WGMMA_SHAPES)
+@pytest.mark.parametrize("grans", WGMMA_PAIRS, ids=str)
+def test_gpu_wgmma_body(M, N, K, grans, device):
+    """The Gluon body (forced with its default config) against float64, with every edge
+    partial: TMA boxes past M, N and K arrive zero-filled and the stores clip."""
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    cfg = wgmma_heuristic(WgmmaKey(M, N, K, ",".join(grans), "fp32"), 132)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=cfg)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("cfg", sorted({configs.config_id(c): c for key in [
+    WgmmaKey(512, 512, 512, "1x128,128x128", "bf16"), WgmmaKey(512, 512, 512, "1x128,128x1", "bf16")]
+    for c in wgmma_candidates(key, 132)}.values(), key=configs.label), ids=configs.label)
+def test_gpu_wgmma_every_config(cfg, device):
+    """Each config the Gluon body is tuned over, on partial tiles, with bias and activation."""
+    M, N, K = 336, 560, 1168  # 10 K blocks: two groups of 4 and a remainder, or five of 2
+    grans = ("1x128", "128x1" if cfg.kwargs["BLOCK_N"] == 64 or cfg.kwargs["K_GROUP"] == 1 else "128x128")
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, bias=bias, activation="gelu", config=cfg)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "gelu"), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("activation", [None, "relu", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_wgmma_dispatch_epilogue(activation, out_dtype, device):
+    """An unforced call at M >= WGMMA_MIN_M reaches the Gluon body (a plan of its launcher
+    appears) and applies bias, activation and out dtype as the Triton body does."""
+    M, N, K = 384, 264, 400
+    qa, sa, ba = quant_a(make_input((M, K), device), "1x128")
+    qb, sb, bb = quant_b(make_input((N, K), device), "128x128")
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+    launch.clear_plans()
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=out_dtype, bias=bias, activation=activation)
+    assert len(_wgmma_plans()) == 1
+    ref = blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, activation)
+    assert_close(out, ref, max(KERNEL_TOL, TOL[out_dtype]))
+    triton_body = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=out_dtype, bias=bias, activation=activation, tma=False)
+    assert_close(out, triton_body, max(KERNEL_TOL, TOL[out_dtype]), "Gluon vs Triton body")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_gpu_fp8_linear_uses_wgmma_body(device):
+    """Fp8Linear's forward and both backward GEMMs (1x128 x 128x128, and the weight
+    gradient's 1x128 x 128x1) take the Gluon body at M >= WGMMA_MIN_M, and match the float64
+    reference of the same quantised operands."""
+    layer = onegemm.Fp8Linear(384, 264, bias=True, trainable=True).to(device)
+    x = torch.randn(512, 384, device=device, requires_grad=True)
+    launch.clear_plans()
+    layer(x).float().square().sum().backward()
+    kinds = {p.meta["SB_COLS"] for p in _wgmma_plans()}
+    assert kinds == {1, 128}, kinds
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
