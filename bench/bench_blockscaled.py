@@ -10,8 +10,11 @@ Inputs: x [M, K] and an nn.Linear-style weight W [N, K], random bf16. Each GEMM 
     cuBLAS-row    torch._scaled_mm row-wise (x per row, W per output channel)
     cuBLAS-tensor torch._scaled_mm tensor-wise
     cuBLAS-bf16   torch.matmul(x, W.t()) on the unquantised bf16 inputs
-Speed: each ratio is the peer's time / onegemm's time (above 1: onegemm faster); the times of
-the quantisers are outside the GEMM timings (Fp8Linear's column includes its activation one).
+Speed: each ratio is the peer's time / onegemm's time (above 1: onegemm faster), in GPU time
+(CUDA-graph replays); 'eager' columns time eager calls as a user makes them (host included), and
+'first call ms' is onegemm's first call at the shape (plan, and a compile where the kernel's
+specialisation is new). The quantisers' times are outside the GEMM timings (Fp8Linear's column
+includes its activation one). On the H200, M >= 128 runs core's Gluon body (core/hopper_fp8.py).
 Accuracy: calc_diff and SQNR of each output against the fp32 product of the unquantised bf16
 inputs (first 1024 rows), and calc_diff of onegemm with K up to 16384.
 Targets: >= 0.9x cuBLAS-block and >= 1.3x cuBLAS-bf16 at M >= 2048; calc_diff < 1e-3.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
@@ -30,7 +34,7 @@ from onegemm.testing import assert_close, blockscaled_matmul_ref, calc_diff, sqn
 
 LLM_NK = [(4096, 4096), (7168, 2048), (2112, 7168), (14336, 4096)]
 SHAPES = [("square", s, s, s) for s in (1024, 2048, 4096, 8192)] + [
-    ("LLM", m, n, k) for m in (16, 128, 2048, 8192) for (n, k) in LLM_NK
+    ("LLM", m, n, k) for m in (16, 64, 128, 2048, 8192) for (n, k) in LLM_NK
 ]
 QUICK_SHAPES = [("square", 128, 128, 128), ("LLM", 16, 160, 272), ("LLM", 70, 96, 300)]
 K_SWEEP = [(512, 1024, k) for k in (1024, 4096, 16384)]
@@ -86,6 +90,12 @@ def measure(kind, M, N, K, device, timer, quick):
     speed = dict(kind=kind, M=M, N=N, K=K)
     acc = dict(kind=kind, M=M, N=N, K=K)
     ms = {}
+    if not quick:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        gemms["onegemm"]()
+        torch.cuda.synchronize()
+        speed["first call ms"] = 1e3 * (time.perf_counter() - start)
     for name, fn in gemms.items():
         out, reason = (fn(), None) if name in ("onegemm", "Fp8Linear") else run_or_reason(fn)
         if out is None:
@@ -104,6 +114,10 @@ def measure(kind, M, N, K, device, timer, quick):
     for peer in PEERS:
         speed[f"vs {peer}"] = ms[peer] / ms["onegemm"]
     speed["Fp8Linear vs cuBLAS-bf16"] = ms["cuBLAS-bf16"] / ms["Fp8Linear"]
+    if not quick:
+        eager = {name: bench_ms(gemms[name], warmup_ms=10, rep_ms=50, graph=False) for name in ("onegemm", "cuBLAS-block")}
+        speed["eager us"] = 1e3 * eager["onegemm"]
+        speed["eager vs cuBLAS-block"] = eager["cuBLAS-block"] / eager["onegemm"]
     return speed, acc
 
 
@@ -127,8 +141,8 @@ def summarize(speed: list[dict]) -> list[dict]:
         ("M <= 128", [r for r in speed if r["M"] <= 128]),
     ]:
         row = dict(group=group, shapes=len(sel))
-        for col in [f"vs {p}" for p in PEERS] + ["Fp8Linear vs cuBLAS-bf16"]:
-            row[col] = geomean([r[col] for r in sel])
+        for col in [f"vs {p}" for p in PEERS] + ["Fp8Linear vs cuBLAS-bf16", "eager vs cuBLAS-block"]:
+            row[col] = geomean([r.get(col) for r in sel])
         out.append(row)
     return out
 
