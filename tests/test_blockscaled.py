@@ -798,8 +798,9 @@ def test_gpu_wgmma_dispatch_epilogue(activation, out_dtype, device):
     """An unforced call at M >= WGMMA_MIN_M reaches the Gluon body (a plan of its launcher
     appears) and applies bias, activation and out dtype as the Triton body does."""
     M, N, K = 384, 264, 400
-    qa, sa, ba = quant_a(make_input((M, K), device), "1x128")
-    qb, sb, bb = quant_b(make_input((N, K), device), "128x128")
+    # unit-scale inputs: make_input's spread of magnitudes would overflow a float16 output
+    qa, sa, ba = quant_a(make_input((M, K), device, spread=False), "1x128")
+    qb, sb, bb = quant_b(make_input((N, K), device, spread=False), "128x128")
     bias = torch.randn(N, device=device, dtype=torch.bfloat16)
     launch.clear_plans()
     out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=out_dtype, bias=bias, activation=activation)
@@ -816,7 +817,7 @@ def test_gpu_fp8_linear_uses_wgmma_body(device):
     """Fp8Linear's forward and both backward GEMMs (1x128 x 128x128, and the weight
     gradient's 1x128 x 128x1) take the Gluon body at M >= WGMMA_MIN_M, and match the float64
     reference of the same quantised operands."""
-    layer = onegemm.Fp8Linear(384, 264, bias=True, trainable=True).to(device)
+    layer = onegemm.Fp8Linear(384, 264, bias=True, trainable=True, device=device)
     x = torch.randn(512, 384, device=device, requires_grad=True)
     launch.clear_plans()
     layer(x).float().square().sum().backward()

@@ -1,0 +1,83 @@
+"""ptxas figures of core's Gluon FP8 body (core/hopper_fp8.py), compiled for sm_90 on any machine.
+
+Every config the body is tuned over (core/configs.py wgmma_candidates), per scale granularity
+and output dtype, compiled offline and run through ``ptxas -v --warn-on-spills``: registers,
+spill bytes, shared memory, wgmma count and any ptxas warning (C7515 says ptxas serialised
+the wgmmas). A change to the K loop should keep every row at 0 spills and no warning:
+
+    python tools/wgmma_ptxas.py                 # markdown table on stdout
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TRITON_INTERPRET", "0")  # compile for the GPU even without one
+
+import ptx_snapshot  # noqa: E402 - after the interpreter switch
+
+ptx_snapshot._fake_sm90_driver()
+
+import torch  # noqa: E402
+from triton.backends.nvidia import compiler as nv  # noqa: E402
+
+from onegemm.core import configs  # noqa: E402
+from onegemm.core.hopper_fp8 import SA_ROWS, SB_COLS, blockscaled_wgmma_kernel  # noqa: E402
+from onegemm.core.tiles import NO_VECTOR, Operand, Scales  # noqa: E402
+
+OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def compile_config(cfg, scaling: str, out: str, M=4096, N=4096, K=4096):
+    kind_a, kind_b = scaling.split(",")
+    a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+    b = torch.empty(N, K, dtype=torch.float8_e4m3fn).t()
+    c = torch.empty(M, N, dtype=OUT_DTYPES[out])
+    sa = torch.empty(M if SA_ROWS[kind_a] == 1 else M // 128, K // 128)
+    sb = torch.empty(K // 128, N if SB_COLS[kind_b] == 1 else N // 128)
+    return blockscaled_wgmma_kernel.warmup(
+        Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
+        Scales(a=Operand(sa, *sa.stride()), b=Operand(sb, *sb.stride())), NO_VECTOR,
+        ACTIVATION=None, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b], **cfg.kwargs,
+        grid=(132,), num_warps=cfg.num_warps)
+
+
+def ptxas_log(kernel) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        run = subprocess.run([str(Path(nv.__file__).parent / "bin" / "ptxas"), "-arch=sm_90a", "-v", "--warn-on-spills",
+                              f.name, "-o", os.devnull], capture_output=True, text=True)
+    return run.stdout + run.stderr
+
+
+def main() -> int:
+    print("| scaling | out | config | registers | spill bytes | shared bytes | wgmma | setmaxnreg | ptxas warnings |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    bad = 0
+    for scaling in ("1x128,128x128", "128x128,128x128", "1x128,128x1"):
+        for out in OUT_DTYPES:
+            key = configs.WgmmaKey(4096, 4096, 4096, scaling, out)
+            for cfg in configs.wgmma_candidates(key, 132):
+                kernel = compile_config(cfg, scaling, out)
+                log = ptxas_log(kernel)
+                fp = ptx_snapshot.fingerprint(kernel)
+                spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
+                warns = sorted({w.strip() for w in re.findall(r"ptxas warning\s*:(.*)", log)})
+                regs = "/".join(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])[:3])
+                wgmma = sum(v for op, v in fp["ops"].items() if "GMMA" in op)
+                bad += bool(spill or warns)
+                print(f"| {scaling} | {out} | {configs.label(cfg)} | {fp['regs']} | {spill} | {fp['shared']} | {wgmma} | "
+                      f"{regs} | {'; '.join(warns) or '-'} |", flush=True)
+    print(f"\n{bad} configs with spills or warnings")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
