@@ -1,7 +1,8 @@
 """onegemm.blockscaled_matmul: fp8 GEMM with torch._scaled_mm's scale conventions.
 
-It is core's dense kernel (core/matmul.py matmul_kernel, core/tiles.py gemm_tile) with its
-scales switched on:
+On an sm_90 GPU, block scales on both operands at M >= 128 run core's Gluon body
+(core/hopper_fp8.py; ``hopper_fp8.wgmma_body`` is the rule). Otherwise it is core's dense
+kernel (core/matmul.py matmul_kernel, core/tiles.py gemm_tile) with its scales switched on:
 - block scales (1x128 / 128x1 / 128x128) go to the K loop, which multiplies each K block's
   partial product by its scales and promotes it to the fp32 accumulator
   (acc += dot(a, b) * sa[:, None] * sb[None, :]); so BLOCK_K = 128 in every config;
