@@ -281,6 +281,8 @@ def wgmma_body(a, b, c, kind_a: str, kind_b: str, tma: bool | None, config) -> b
     """
     if config is not None and not configs.is_wgmma(config):
         return False
+    if config is None and a.shape[0] < configs.WGMMA_MIN_M:
+        return False  # decode-sized calls: decided before the layout checks, off their host time
     why = None
     if not on_sm90(a):
         why = "an sm_90 GPU (Triton's interpreter and other GPUs run core's Triton body)"
@@ -292,7 +294,7 @@ def wgmma_body(a, b, c, kind_a: str, kind_b: str, tma: bool | None, config) -> b
         why = ("K-major a [M, K] and b = W.t() with 16-byte aligned rows, K > 0, and an output row of a multiple "
                "of 16 bytes")
     if config is None:
-        return why is None and a.shape[0] >= configs.WGMMA_MIN_M
+        return why is None
     if why is not None:
         raise checks.bad_value("config", f"a Triton-body config: the Gluon body (K_GROUP) needs {why}", configs.label(config))
     return True
