@@ -400,18 +400,20 @@ def blockscaled_heuristic(key: BlockscaledKey, sms: int) -> triton.Config:
 
 
 class WgmmaKey(NamedTuple):
-    m: int
+    m: int          # rows (dense); rows per group (grouped modes)
     n: int
     k: int
     scaling: str    # "<kind of scale_a>,<kind of scale_b>", as BlockscaledKey's
     out: str        # the output dtype: its staging tile in shared memory bounds STAGES
+    mode: str = "dense"  # "dense", "grouped" (2D x 3D over offs) or "swiglu" (MoE GEMM1)
 
     def __str__(self):
-        return f"m={self.m} n={self.n} k={self.k} {self.scaling} out={self.out}"
+        return f"m={self.m} n={self.n} k={self.k} {self.scaling} out={self.out}" + (
+            "" if self.mode == "dense" else f" {self.mode}")
 
 
-def wgmma_cfg(bn, stages, k_group, regs=232):
-    return triton.Config({"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": SCALE_BLOCK, "GROUP_M": 8, "STAGES": stages,
+def wgmma_cfg(bn, stages, k_group, regs=232, bm=128):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": SCALE_BLOCK, "GROUP_M": 8, "STAGES": stages,
                           "K_GROUP": k_group, "CONSUMER_REGS": regs}, num_warps=4, num_stages=1)
 
 
@@ -424,31 +426,44 @@ def is_wgmma(c: triton.Config) -> bool:
 # multiplies padding on half its tensor-core time, and too few tiles fill the SMs
 # (bench/results/blockscaled.md).
 WGMMA_MIN_M = 128
+# Grouped FP8 GEMMs take the Gluon body from this many rows per group on average: its tiles
+# are 128 (SwiGLU: 64) rows, and a group's last tile is computed whole (bench/results/moe_fp8.md).
+WGMMA_MIN_GROUP_ROWS = 64
 _SMEM = 232448  # bytes of shared memory a program may use on sm_90
 
 
-def _wgmma_fits(c: triton.Config, out: str) -> bool:
+def _wgmma_fits(c: triton.Config, out: str, mode: str = "dense") -> bool:
     k = c.kwargs
-    ring = k["STAGES"] * (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"]  # fp8 A and W tiles
-    staging = k["BLOCK_M"] * k["BLOCK_N"] * (4 if out == "fp32" else 2)  # the two consumers' C tiles
+    b_rows = k["BLOCK_N"] * (2 if mode == "swiglu" else 1)  # SwiGLU: gate and up rows of W
+    ring = k["STAGES"] * (k["BLOCK_M"] + b_rows) * k["BLOCK_K"]  # fp8 A and W tiles
+    if mode == "dense":
+        staging = k["BLOCK_M"] * k["BLOCK_N"] * (4 if out == "fp32" else 2)  # the two consumers' C tiles
+    else:  # grouped tiles store through pointers, from a layout change in shared memory; SwiGLU
+        # hands the up tile over in fp32 and stores fp8
+        staging = 64 * k["BLOCK_N"] * 5 if mode == "swiglu" else 2 * 64 * k["BLOCK_N"] * (4 if out == "fp32" else 2)
     return ring + staging + 1024 <= _SMEM
 
 
 def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
-    if key.scaling.endswith("128x1"):
+    if key.mode == "swiglu":
+        found = [wgmma_cfg(128, st, kg, bm=64) for st in (3, 4) for kg in (1, 2, 3)]
+    elif key.scaling.endswith("128x1"):
         found = [wgmma_cfg(64, st, kg) for st in (4, 6) for kg in (2, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 6)]
     else:
         found = [wgmma_cfg(bn, st, kg) for bn in (128, 64) for st in (4, 5, 6) for kg in (2, 3, 4)]
-    return _with_pick([c for c in found if _wgmma_fits(c, key.out)], wgmma_heuristic(key, sms))
+    return _with_pick([c for c in found if _wgmma_fits(c, key.out, key.mode)], wgmma_heuristic(key, sms))
 
 
 def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
     """The deepest ring that fits, three K blocks per unrolled group; 64-wide tiles when
-    128-wide ones would leave SMs idle, and for per-column weight scales (128x1)."""
-    narrow = key.scaling.endswith("128x1") or tiles(key.m, key.n, 128, 128) < sms
+    128-wide ones would leave SMs idle, and for per-column weight scales (128x1). SwiGLU
+    tiles are 64 rows by 128 output columns (the 1x128 blocks of its fp8 output)."""
+    if key.mode == "swiglu":
+        return wgmma_cfg(128, 4, 2, bm=64)
+    narrow = key.scaling.endswith("128x1") or (key.mode == "dense" and tiles(key.m, key.n, 128, 128) < sms)
     if narrow:
         return wgmma_cfg(64, 6, 4)
-    return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out))
+    return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))
 
 
 # ---------------------------------------------------------------------------- grouped (ragged)
@@ -669,6 +684,27 @@ def sort_heuristic(key: SortKey, sms: int) -> triton.Config:
     return SORT_CONFIG
 
 
+# ---------------------------------------------------------------------------- grouped FP8 operands
+# grouped/'s row_tiles_kernel (the Gluon body's row-tile table) and gather_quantize_kernel
+# (MoE GEMM1's sorted fp8 rows): memory-light helpers, so a config is a block height and warps.
+
+
+class PrepKey(NamedTuple):
+    what: str       # "row_tiles", "gather_quantize" or "combine"
+    size: int       # row_tiles: G_BLOCK; gather_quantize: the m bucket of its rows; combine: H
+
+    def __str__(self):
+        return f"{self.what} {self.size}"
+
+
+def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
+    if key.what == "row_tiles":  # CHUNK tiles per program against G_BLOCK groups: one [CHUNK, G_BLOCK] pass
+        return triton.Config({"CHUNK": max(16, min(32, 8192 // key.size))}, num_warps=4, num_stages=1)
+    if key.what == "combine":  # one token's row per program, in 16-byte vectors
+        return triton.Config({"BLOCK_H": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
+    return triton.Config({"BLOCK_R": 32 if key.size >= 4096 else 16}, num_warps=4, num_stages=1)
+
+
 # ---------------------------------------------------------------------------- families
 
 
@@ -694,4 +730,8 @@ RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret)
 LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
 QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
 SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1))
-FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT)}
+ROW_TILES = Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
+GATHER_QUANTIZE = Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
+COMBINE = Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
+FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT, ROW_TILES,
+                                  GATHER_QUANTIZE, COMBINE)}

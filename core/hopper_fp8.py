@@ -25,6 +25,7 @@ Structure (one program per SM, persistent over 128 x BLOCK_N output tiles):
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -41,10 +42,35 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import checks, configs
 from .launch import Launcher, Request
 from .runtime import INTERPRET, cdiv, sm_count
-from .tiles import NO_VECTOR, Operand, Scales, Vector, epilogue, swizzle_tile
+from .fp8 import amax_input, fp8_grid, fp8_scale
+from .configs import SCALE_BLOCK
+from .tiles import NO_OPERAND, NO_VECTOR, Operand, Scales, Vector, activate, epilogue, swizzle_tile
 from .tma import tma_layout
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: the M of one warpgroup's wgmma
+
+
+class Groups(NamedTuple):
+    """The grouped flavour's per-call data (GROUPED); a dense call passes ``DENSE``.
+
+    sched: int32 [units, 4], one row per row-tile of the grouped dimension (core never reads
+       ``offs`` itself; grouped/ builds the table on the device): (group g, first row, end row
+       of the group, fill), fill 0 for a product, 1 for a tile of zeros (rows past the last
+       offset), 2 for NaN (bad offs). count: int32 [1], how many rows of ``sched`` are used.
+    G, b_rows: B's descriptor spans G * b_rows rows of W; group g's rows start at g * b_rows.
+    scale_b_g, bias_g: element strides of scale_b and bias between groups.
+    scatter: int32 [rows], the C row of each row (MoE GEMM2), or None (C row = row).
+    weight: fp32 multiplier per C row (the routing weight), or None.
+    """
+
+    sched: Any
+    count: Any
+    G: Any
+    b_rows: Any
+    scale_b_g: Any
+    bias_g: Any
+    scatter: Any = None
+    weight: Any = None
 
 
 @triton.constexpr_function
@@ -54,45 +80,72 @@ def _acc_layout(block_n):
 
 
 @gluon.jit
-def _tile_origin(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    pid_m, pid_n = swizzle_tile(tile, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
-    return pid_m * BLOCK_M, pid_n * BLOCK_N
+def _tile(tile, M, N, groups, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+          GROUPED: gl.constexpr):
+    """Output tile ``tile`` -> (group, first row, end row, fill, first column)."""
+    if GROUPED:
+        pid_m, pid_n = swizzle_tile(tile, gl.load(groups.count), gl.cdiv(N, BLOCK_N), GROUP_M)
+        entry = groups.sched + pid_m * 4
+        return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3), pid_n * BLOCK_N
+    else:
+        pid_m, pid_n = swizzle_tile(tile, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
+        return 0, pid_m * BLOCK_M, M, 0, pid_n * BLOCK_N
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+def _num_tiles(M, N, groups, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPED: gl.constexpr):
+    if GROUPED:
+        return gl.load(groups.count) * gl.cdiv(N, BLOCK_N)
+    else:
+        return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, groups,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """The TMA loader: every K block of every tile this program owns, in the consumers' order."""
-    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+                    STAGES: gl.constexpr, GROUPED: gl.constexpr, SWIGLU: gl.constexpr):
+    """The TMA loader: every K block of every tile this program owns, in the consumers' order.
+    SWIGLU: a slot holds the tile's gate rows of W, then its up rows (N further on)."""
+    num_tiles = _num_tiles(M, N, groups, BLOCK_M, BLOCK_N, GROUPED)
     k_blocks = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if SWIGLU else 1) * b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        for kb in range(k_blocks):
-            s = it % STAGES
-            # a fresh barrier has completed no phase: waiting for parity 1 passes at once
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [off_n, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
-            it += 1
+        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, BLOCK_N, GROUP_M, GROUPED)
+        w_row = g * groups.b_rows + off_n
+        if fill == 0:
+            for kb in range(k_blocks):
+                s = it % STAGES
+                # a fresh barrier has completed no phase: waiting for parity 1 passes at once
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
+                if SWIGLU:
+                    b = b_bufs.index(s)
+                    tma.async_copy_global_to_shared(b_desc, [w_row, kb * BLOCK_K], ready.index(s),
+                                                    b.slice(0, BLOCK_N, dim=0))
+                    tma.async_copy_global_to_shared(b_desc, [w_row + N, kb * BLOCK_K], ready.index(s),
+                                                    b.slice(BLOCK_N, BLOCK_N, dim=0))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [w_row, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
+                it += 1
 
 
 @gluon.jit
-def _block_scales(scales, kb, rows, mask_m, off_m, off_n, cols, mask_n, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr):
+def _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols, mask_n, SA_ROWS: gl.constexpr,
+                  SB_COLS: gl.constexpr):
     """K block kb's scales of these rows and columns: a vector for 1x128 / 128x1 blocks, a
-    scalar where one 128-wide block covers the tile (128x128: BLOCK_M and BLOCK_N <= 128)."""
+    scalar where one 128-wide block covers the tile (128x128: BLOCK_M and BLOCK_N <= 128).
+    ``sb_ptr``: scale_b at the tile's group and first column block."""
     if SA_ROWS == 1:
         sa = gl.load(scales.a.ptr + rows.to(gl.int64) * scales.a.stride0 + kb * scales.a.stride1, mask=mask_m,
                      other=0.0)
     else:
         sa = gl.load(scales.a.ptr + (off_m // SA_ROWS) * scales.a.stride0 + kb * scales.a.stride1)
     if SB_COLS == 1:
-        sb = gl.load(scales.b.ptr + kb * scales.b.stride0 + cols.to(gl.int64) * scales.b.stride1, mask=mask_n,
-                     other=0.0)
+        sb = gl.load(sb_ptr + kb * scales.b.stride0 + cols.to(gl.int64) * scales.b.stride1, mask=mask_n, other=0.0)
     else:
-        sb = gl.load(scales.b.ptr + kb * scales.b.stride0 + (off_n // SB_COLS) * scales.b.stride1)
+        sb = gl.load(sb_ptr + kb * scales.b.stride0)
     return sa, sb
 
 
@@ -113,134 +166,263 @@ def _promote(acc, raw, sa, sb, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr):
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start the wgmma of the K block in slot ``it % STAGES`` on this consumer's rows."""
+def _issue(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+           SWIGLU: gl.constexpr):
+    """Start the wgmma of the K block in slot ``it % STAGES`` on this consumer's part of the
+    tile: its 64 rows (SWIGLU: all 64 rows, and the gate (HALF 0) or up (HALF 1) rows of W)."""
     # use_acc=False ignores the accumulator's value; a zeros tensor kept live across the loop
     # would hold 64 more registers per thread
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
-    return warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if SWIGLU:
+        a = a_bufs.index(s)
+        b = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+    else:
+        a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
+        b = b_bufs.index(s)
+    return warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, scales, bias,
+def _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n,
+            HALF: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, K_GROUP: gl.constexpr, SWIGLU: gl.constexpr):
+    """One consumer's K loop over a tile: groups of K_GROUP blocks, unrolled: issue block j's
+    wgmma, wait until only it is in flight, promote block j-1. Returns (acc, it)."""
+    groups = k_blocks // K_GROUP
+    # Scales are loaded one K block ahead of their wgmma's issue (two ahead of their
+    # promotion): an L2 round trip is about as long as one block's wgmma.
+    last = k_blocks - 1
+    sa_n, sb_n = _block_scales(scales, sb_ptr, 0, rows, mask_m, off_m, cols, mask_n, SA_ROWS, SB_COLS)
+    for g in range(groups):
+        kb = g * K_GROUP
+        sa, sb = sa_n, sb_n
+        sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
+                                   SA_ROWS, SB_COLS)
+        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, SWIGLU)
+        for j in gl.static_range(1, K_GROUP):
+            next_sa, next_sb = sa_n, sb_n
+            sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + j + 1, last), rows, mask_m, off_m, cols,
+                                       mask_n, SA_ROWS, SB_COLS)
+            next_raw = _issue(a_bufs, b_bufs, ready, it + j, HALF, BLOCK_N, STAGES, SWIGLU)
+            # block j - 1 is done once at most one wgmma (block j's) is in flight
+            raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw, ))
+            mbarrier.arrive(empty.index((it + j - 1) % STAGES))
+            acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
+            # Pass acc through a wait that lets block j run on: the promotion cannot then
+            # sink below the next block's issue, where three raw tiles would be live (spills).
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            raw, sa, sb = next_raw, next_sa, next_sb
+        raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
+        mbarrier.arrive(empty.index((it + K_GROUP - 1) % STAGES))
+        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
+        it += K_GROUP
+    for kb in range(groups * K_GROUP, k_blocks):  # the K blocks left over, one at a time
+        sa, sb = sa_n, sb_n
+        sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
+                                   SA_ROWS, SB_COLS)
+        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, SWIGLU)
+        raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
+        mbarrier.arrive(empty.index(it % STAGES))
+        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
+        it += 1
+    return acc, it
+
+
+@triton.constexpr_function
+def _store_layout(block_n, dtype):
+    # 16 bytes per thread along a row: the accumulator's layout holds 2 adjacent elements
+    vec = 128 // dtype.primitive_bitwidth
+    tn = min(32, block_n // vec)
+    return gl.BlockedLayout([1, vec], [32 // tn, tn], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _store_rows(C, acc, off_m, off_n, row_end, N, scatter):
+    """C[row, off_n:] = acc for the tile's rows off_m.. below ``row_end`` (C row scatter[row]
+    when scattered), through pointers: a grouped tile's rows past its group belong to the
+    next group (or to another C row), which TMA's clipping cannot see. The tile is moved to
+    a layout of 16-byte stores first."""
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    layout: gl.constexpr = _store_layout(BLOCK_N, C.ptr.dtype.element_ty)
+    val = gl.convert_layout(acc.to(C.ptr.dtype.element_ty), layout)
+    rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    mask_m = rows < row_end
+    out_rows = rows
+    if scatter is not None:
+        out_rows = gl.load(scatter + rows, mask=mask_m, other=0)
+    ptrs = C.ptr + out_rows.to(gl.int64)[:, None] * C.stride0 + cols.to(gl.int64)[None, :] * C.stride1
+    gl.store(ptrs, val, mask=mask_m[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr):
+    """h [ROWS, 128] -> fp8 values on the grid (fp32) with one scale per row (core/fp8.py's
+    rule, quantize_fp8's 1x128 blocks), stored at S[out_rows, off_n / 128]. Columns past N are
+    zeroed first: they must not set an amax."""
+    h = gl.where(mask_n[None, :], h, 0.0)
+    scale = fp8_scale(gl.max(amax_input(h), axis=1), dtype)
+    gl.store(S.ptr + out_rows.to(gl.int64) * S.stride0 + (off_n // 128) * S.stride1, scale, mask=mask_m)
+    return fp8_grid(h, scale[:, None], dtype)
+
+
+@gluon.jit
+def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, xchg, xchg_full, xchg_empty, C, M, N, K,
+                       scales, bias, groups,
                        HALF: gl.constexpr, ACTIVATION: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr):
-    """One consumer warpgroup: rows HALF * 64 .. HALF * 64 + 63 of every tile, K loop and epilogue."""
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr,
+                       GROUPED: gl.constexpr, SWIGLU: gl.constexpr):
+    """One consumer warpgroup: its part of every tile (rows HALF * 64 .. HALF * 64 + 63; with
+    SWIGLU all 64 rows, HALF 0 the gate and HALF 1 the up product), K loop and epilogue."""
     layout: gl.constexpr = _acc_layout(BLOCK_N)
-    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    num_tiles = _num_tiles(M, N, groups, BLOCK_M, BLOCK_N, GROUPED)
     k_blocks = gl.cdiv(K, BLOCK_K)
-    groups = k_blocks // K_GROUP
     it = 0
+    swaps = 0  # SWIGLU: tiles whose up product went through ``xchg``
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = off_m + HALF * ROWS
+        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, BLOCK_N, GROUP_M, GROUPED)
+        if not SWIGLU:
+            off_m = off_m + HALF * ROWS
         rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        mask_m = rows < M
+        mask_m = rows < row_end
         mask_n = cols < N
+        # the tile's scale_b: its group's, and with SWIGLU the up rows' blocks after the gate's
+        sb_ptr = scales.b.ptr
+        if SB_COLS != 1:
+            sb_col = off_n // SB_COLS
+            if SWIGLU:
+                sb_col += HALF * gl.cdiv(N, SB_COLS)
+            sb_ptr += sb_col * scales.b.stride1
+        if GROUPED:
+            sb_ptr += g.to(gl.int64) * groups.scale_b_g
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-        # Scales are loaded one K block ahead of their wgmma's issue (two ahead of their
-        # promotion): an L2 round trip is about as long as one block's wgmma.
-        last = k_blocks - 1
-        sa_n, sb_n = _block_scales(scales, 0, rows, mask_m, off_m, off_n, cols, mask_n, SA_ROWS, SB_COLS)
-        for g in range(groups):
-            kb = g * K_GROUP
-            sa, sb = sa_n, sb_n
-            sa_n, sb_n = _block_scales(scales, gl.minimum(kb + 1, last), rows, mask_m, off_m, off_n, cols, mask_n,
-                                       SA_ROWS, SB_COLS)
-            raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES)
-            for j in gl.static_range(1, K_GROUP):
-                next_sa, next_sb = sa_n, sb_n
-                sa_n, sb_n = _block_scales(scales, gl.minimum(kb + j + 1, last), rows, mask_m, off_m, off_n, cols,
-                                           mask_n, SA_ROWS, SB_COLS)
-                next_raw = _issue(a_bufs, b_bufs, ready, it + j, HALF, BLOCK_N, STAGES)
-                # block j - 1 is done once at most one wgmma (block j's) is in flight
-                raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw, ))
-                mbarrier.arrive(empty.index((it + j - 1) % STAGES))
-                acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
-                # Pass acc through a wait that lets block j run on: the promotion cannot then
-                # sink below the next block's issue, where three raw tiles would be live (spills).
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                raw, sa, sb = next_raw, next_sa, next_sb
-            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
-            mbarrier.arrive(empty.index((it + K_GROUP - 1) % STAGES))
-            acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
-            it += K_GROUP
-        for kb in range(groups * K_GROUP, k_blocks):  # the K blocks left over, one at a time
-            sa, sb = sa_n, sb_n
-            sa_n, sb_n = _block_scales(scales, gl.minimum(kb + 1, last), rows, mask_m, off_m, off_n, cols, mask_n,
-                                       SA_ROWS, SB_COLS)
-            raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES)
-            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
-            mbarrier.arrive(empty.index(it % STAGES))
-            acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
-            it += 1
+        if fill == 0:
+            acc, it = _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m,
+                              cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_N, STAGES, K_GROUP, SWIGLU)
+        elif fill == 2:
+            acc = gl.full([ROWS, BLOCK_N], float("nan"), gl.float32, layout)
 
-        acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)
-        tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)  # clipped at M and N
-    tma.store_wait(pendings=0)
+        if GROUPED:
+            out_rows = rows
+            if groups.scatter is not None:
+                out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
+            if SWIGLU:
+                if fill == 0:
+                    if HALF == 1:  # hand the up product to the gate's warpgroup
+                        mbarrier.wait(xchg_empty, (swaps & 1) ^ 1)
+                        xchg.store(acc)
+                        mbarrier.arrive(xchg_full)
+                    else:
+                        mbarrier.wait(xchg_full, swaps & 1)
+                        up = xchg.load(layout)
+                        mbarrier.arrive(xchg_empty)
+                        acc = activate(acc, "silu") * up
+                    swaps += 1
+            if HALF == 0 or not SWIGLU:
+                bias_g = bias
+                if bias.ptr is not None:
+                    bias_g = Vector(bias.ptr + g.to(gl.int64) * groups.bias_g, bias.stride)
+                if fill == 0:  # a filled tile (rows past the last offset, bad offs) is stored as it is
+                    acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias_g, groups.weight, out_rows)
+                if scales.out.ptr is not None:
+                    acc = _quantize_rows(acc, scales.out, out_rows, off_n, N, mask_m, mask_n, C.ptr.dtype.element_ty)
+                _store_rows(C, acc, off_m, off_n, row_end, N, groups.scatter)
+        else:
+            acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)
+            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)  # clipped at M and N
+    if not GROUPED:
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias,
+def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
                              ACTIVATION: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                             K_GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                             K_GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             GROUPED: gl.constexpr = False, SWIGLU: gl.constexpr = False):
     """C = epilogue(sum over K blocks of (A_k @ B_k) * scale_a_k * scale_b_k), on sm_90.
 
     A: Operand over fp8 [M, K] with stride1 == 1 (row-major), 16-byte aligned rows.
     B: Operand over fp8 [K, N] with stride0 == 1: the transpose of a K-major weight W [N, K],
        which the kernel reads as W (rows of stride B.stride1), the layout fp8 wgmma takes.
-    C: Operand over [M, N] (bf16, fp16 or fp32) with stride1 == 1 and 16-byte aligned rows:
-       tiles leave through TMA stores, which clip at M and N.
+       GROUPED: W is [G * groups.b_rows, K] (experts stacked), group g's rows from g * b_rows.
+    C: Operand over [M, N] (bf16, fp16, fp32; fp8 with scales.out) with stride1 == 1. Dense:
+       16-byte aligned rows, tiles leave through TMA stores, which clip at M and N. GROUPED:
+       masked pointer stores of each group's rows (scattered by groups.scatter).
     scales: core's Scales. .a: Operand over scale_a [M or ceil(M/128), ceil(K/128)] (SA_ROWS
        rows per scale: 1 or 128); .b: Operand over scale_b [ceil(K/128), N or ceil(N/128)]
-       (SB_COLS = 1 or 128); .m / .n: epilogue Vectors (unused by onegemm's dispatch: None).
-    bias: Vector over [N] or a None pointer. ACTIVATION as tiles.activate.
-    BLOCK_M = 128 (two 64-row consumers), BLOCK_K = 128 (one scale block per K step);
-    BLOCK_N <= 128 when SB_COLS = 128. CONSUMER_REGS: registers per thread of the worker consumer.
+       (SB_COLS = 1 or 128; GROUPED: group g's at + g * groups.scale_b_g); .m / .n: epilogue
+       Vectors; .out: Operand over C's own 1x128 scales [M, ceil(N/128)] (written; GROUPED).
+    bias: Vector over [N] (GROUPED: group g's at + g * groups.bias_g) or a None pointer.
+    groups: Groups (GROUPED) or DENSE. ACTIVATION as tiles.activate.
+    SWIGLU (GROUPED): W holds each group's gate rows then its up rows (b_rows = 2N); C gets
+       silu(gate) * up. The two consumers compute the gate and the up product of the same 64
+       rows, and the up one hands its tile over through shared memory (``xchg``).
+    BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU), BLOCK_K = 128 (one scale block per
+    K step); BLOCK_N <= 128 when SB_COLS = 128. CONSUMER_REGS: registers per thread of the
+    worker consumer.
     Grid: (min(tiles, SMs),); each program walks tiles pid, pid + grid, ... in GROUP_M order.
     """
-    gl.static_assert(BLOCK_M == 2 * ROWS)
+    gl.static_assert(BLOCK_M == (1 if SWIGLU else 2) * ROWS)
     gl.static_assert(BLOCK_K == 128)
     gl.static_assert(SA_ROWS == 1 or SA_ROWS % BLOCK_M == 0)
     gl.static_assert(SB_COLS == 1 or SB_COLS % BLOCK_N == 0)
+    gl.static_assert(GROUPED or not SWIGLU)
     dtype: gl.constexpr = A.ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], B.ptr.dtype.element_ty)
     a_desc = tma.make_tensor_descriptor(A.ptr, [M, K], [A.stride0, 1], [BLOCK_M, BLOCK_K], a_layout)
-    b_desc = tma.make_tensor_descriptor(B.ptr, [N, K], [B.stride1, 1], [BLOCK_N, BLOCK_K], b_layout)
+    b_desc = tma.make_tensor_descriptor(B.ptr, [groups.G * groups.b_rows, K], [B.stride1, 1], [BLOCK_N, BLOCK_K],
+                                        b_layout)
+    B_TILE: gl.constexpr = (2 if SWIGLU else 1) * BLOCK_N
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(B.ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+    b_bufs = gl.allocate_shared_memory(B.ptr.dtype.element_ty, [STAGES, B_TILE, BLOCK_K], b_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer
+    xchg_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    xchg_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(xchg_full, count=1)
+    mbarrier.init(xchg_empty, count=1)
 
     out_dtype: gl.constexpr = C.ptr.dtype.element_ty
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], out_dtype)
-    c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [ROWS, BLOCK_N], c_layout)
-    c_smem0 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
-    c_smem1 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
+    if GROUPED:
+        # Grouped tiles store through pointers: no C descriptor or staging tiles. SWIGLU's
+        # up product crosses between the warpgroups in an fp32 tile (a placeholder otherwise).
+        c_desc = 0
+        c_smem0 = 0
+        c_smem1 = 0
+        XROWS: gl.constexpr = ROWS if SWIGLU else 8
+        XCOLS: gl.constexpr = BLOCK_N if SWIGLU else 8
+        xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], out_dtype)
+        c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [ROWS, BLOCK_N], c_layout)
+        c_smem0 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
+        c_smem1 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
+        xchg = 0
 
     # Partition arguments are written inline: a tuple bound to a name first turns its
     # constexprs into runtime values (Gluon 3.6).
     gl.warp_specialize([
-        (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem0, M, N, K, scales, bias, 0, ACTIVATION,
-                              SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP)),
-        (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem1, M, N, K, scales, bias, 1, ACTIVATION,
-                              SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, STAGES)),
+        (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem0, xchg, xchg_full, xchg_empty, C, M, N, K,
+                              scales, bias, groups, 0, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
+                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU)),
+        (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem1, xchg, xchg_full, xchg_empty, C, M, N, K,
+                              scales, bias, groups, 1, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
+                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, groups, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GROUP_M, STAGES, GROUPED, SWIGLU)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -316,8 +498,73 @@ def run_wgmma(a, b, c, scale_a, scale_b, kind_a, kind_b, bias, activation, key: 
         BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
             Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
             Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, *scale_b.stride())),
-            NO_VECTOR if bias is None else Vector(bias, bias.stride(0)),
+            NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), Groups(None, None, 1, N, 0, 0),
         ))
 
     plan_key = (key, a.dtype, b.dtype, c.dtype, bias is None or bias.dtype, activation, a.get_device(), config)
+    launch(BLOCKSCALED_WGMMA.plan(plan_key, request))
+
+
+def rows_layout(a: torch.Tensor) -> bool:
+    """Whether TMA can read a [M, K] by rows: K-major, 16-byte aligned rows and base, K > 0."""
+    return (a.shape[1] > 0 and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0
+            and a.data_ptr() % 16 == 0)
+
+
+def experts_layout(w: torch.Tensor) -> bool:
+    """Whether TMA can read experts w [G, rows, K] as one [G * rows, K] matrix: K-major rows,
+    evenly spaced across experts, 16-byte aligned rows and base."""
+    return (w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1) and (w.stride(1) * w.element_size()) % 16 == 0
+            and w.data_ptr() % 16 == 0)
+
+
+def wgmma_grouped(w, M: int, G: int, kind_a: str = "1x128", kind_b: str = "128x128", a=None, tma: bool | None = None,
+                  config=None) -> bool:
+    """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
+    FP8 moe_ffn's GEMMs): an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128 scale_b,
+    the experts w [G, N, K] TMA-readable (``experts_layout``), a [M, K] too (``rows_layout``;
+    ``a`` None: a row-major copy the caller writes, whose rows are K bytes), and at least
+    configs.WGMMA_MIN_GROUP_ROWS rows per group on average. Anything else, a forced config
+    (the Triton body's family) or tma=False runs core's Triton body."""
+    if config is not None or tma is False or M < configs.WGMMA_MIN_GROUP_ROWS * max(G, 1):
+        return False
+    if not (on_sm90(w) and kind_a == "1x128" and kind_b == "128x128" and w.dtype == torch.float8_e4m3fn):
+        return False
+    a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))
+    return a_ok and experts_layout(w)
+
+
+def run_wgmma_grouped(a, w, c, sched, count, scale_a, scale_b, *, N: int, key: configs.WgmmaKey, bias=None,
+                      activation=None, scatter=None, weight=None, out_scale=None, config=None):
+    """The grouped flavour: C rows of group g = epilogue((a rows of g * scale_a) @ (W_g * scale_b_g)^T).
+
+    a fp8 [M, K] row-major; w fp8 [G, rows, K] (``wgmma_grouped``; rows = N, or 2N gate then
+    up rows when ``key.mode`` is "swiglu"); c [M or scattered rows, N]; sched, count: the row
+    tiles of the groups for key's BLOCK_M (grouped/ builds them from offs on the device);
+    scale_a [M, ceil(K/128)] (1x128); scale_b [G, ceil(K/128), ceil(rows/128)] (128x128 of W^T,
+    any strides); bias [G, N]; scatter int32 [M]: c row of each row; weight fp32 per c row;
+    out_scale: c's own 1x128 scales [M, ceil(N/128)] when c is fp8 (written).
+    """
+    M, K = a.shape
+    G = w.shape[0]
+    groups = Groups(sched, count, G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter, weight)
+    swiglu = key.mode == "swiglu"
+
+    def request():
+        return Request(key, dict(ACTIVATION=activation, SA_ROWS=1, SB_COLS=SCALE_BLOCK, GROUPED=True, SWIGLU=swiglu),
+                       a.device, config, lambda plan: launch(plan))
+
+    def launch(plan):
+        meta = plan.meta
+        # an upper bound on the tiles (the table's count is on the device): persistent programs
+        tiles = (cdiv(M, meta["BLOCK_M"]) + G + 1) * cdiv(N, meta["BLOCK_N"])
+        BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
+            Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K,
+            Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, scale_b.stride(1), scale_b.stride(2)),
+                   out=NO_OPERAND if out_scale is None else Operand(out_scale, *out_scale.stride())),
+            NO_VECTOR if bias is None else Vector(bias, bias.stride(1)), groups,
+        ))
+
+    plan_key = (key, a.dtype, c.dtype, bias is None or bias.dtype, activation, scatter is None, weight is None,
+                out_scale is None, a.get_device(), config)
     launch(BLOCKSCALED_WGMMA.plan(plan_key, request))

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
+from ..core.fp8 import amax_input, fp8_grid, fp8_scale
 from ..core.tiles import (
     Fill,
     Operand,
@@ -311,3 +312,94 @@ def sort_by_expert_kernel(
         tl.store(pair_ptr + pos, i, mask=i < P)
         tl.store(token_ptr + pos, i // k, mask=i < P)
         base += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def row_tiles_kernel(offs, sched, count, G, M, BLOCK_M: tl.constexpr, G_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                     TAIL: tl.constexpr = True):
+    """The row tiles of a ragged M, as core's Gluon body walks them (hopper_fp8.Groups).
+
+    offs: Vector over int32 [G] (group g's rows [offs[g-1], offs[g]) of M).
+    sched (out): int32 [cdiv(M, BLOCK_M) + G + 1, 4]; row t = (group, first row, end row of
+        the group, fill) of row tile t, tiles numbered group after group as ``locate_tile``
+        numbers them (the tail group G, rows past offs[-1], last: fill 1, zeros); bad offs
+        make every row one tail group of fill 2 (NaN). A fill tile's group is clamped into
+        [0, G) so that the body's per-group pointers stay inside their tensors. TAIL False:
+        the tail group gets no tiles (the MoE's rows of experts on other ranks, which its
+        combine skips).
+    count (out): int32 [1], the number of row tiles (program 0 writes it).
+    Grid: (cdiv(cdiv(M, BLOCK_M) + G + 1, CHUNK),): each program places CHUNK tiles.
+    """
+    idx, starts, sizes, bad = group_spans(offs, G, M, G_BLOCK)
+    starts = tl.where(bad, 0, starts)
+    sizes = tl.where(bad, tl.where(idx == G, M, 0), sizes)
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    if not TAIL:
+        tiles = tl.where(idx == G, 0, tiles)
+    ends = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles)
+    t = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    g = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    own = idx[None, :] == g[:, None]
+    first = tl.sum(tl.where(own, (ends - tiles)[None, :], 0), axis=1)
+    start = tl.sum(tl.where(own, starts[None, :], 0), axis=1)
+    size = tl.sum(tl.where(own, sizes[None, :], 0), axis=1)
+    fill = tl.where(bad, 2, tl.where(g == G, 1, 0))
+    live = t < total
+    row = sched + t.to(tl.int64) * 4
+    tl.store(row, tl.minimum(g, G - 1), mask=live)
+    tl.store(row + 1, start + (t - first) * BLOCK_M, mask=live)
+    tl.store(row + 2, start + size, mask=live)
+    tl.store(row + 3, fill, mask=live)
+    if tl.program_id(0) == 0:
+        tl.store(count, total)
+
+
+@triton.jit
+def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, BLOCK_R: tl.constexpr):
+    """Q[r] = X[rows[r]] in fp8 with 1x128 block scales S[r, :] (core/fp8.py's rule): the MoE
+    GEMM1 operand written once in expert-sorted order, which TMA then reads as whole rows.
+
+    X: Operand over [T, H] (fp32, bf16, fp16, any strides); rows: int32 [P] (the sort's token
+    of each row); Q: Operand over fp8 [P, H]; S: Operand over fp32 [P, ceil(H/128)].
+    offs: int32 [G] expert end offsets (contiguous), or None: only rows before offs[G - 1] are
+    written (the later ones belong to experts on other ranks, which no GEMM tile reads).
+    Grid: (cdiv(P, BLOCK_R),); a program walks its rows' 128-column blocks.
+    """
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    end = P
+    if offs is not None:
+        end = tl.minimum(tl.load(offs + G - 1), P)
+    if tl.program_id(0) * BLOCK_R < end:  # programs past the last live row leave at once
+        live = r < end
+        src = tl.load(rows + r, mask=live, other=0).to(tl.int64)
+        r64 = r.to(tl.int64)
+        dtype: tl.constexpr = Q.ptr.dtype.element_ty
+        for kb in range(0, tl.cdiv(H, 128)):
+            cols = kb * 128 + tl.arange(0, 128)
+            mask = live[:, None] & (cols < H)[None, :]
+            x = tl.load(X.ptr + src[:, None] * X.stride0 + cols[None, :] * X.stride1, mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype)
+            q = fp8_grid(x, scale[:, None], dtype)
+            tl.store(Q.ptr + r64[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q.to(dtype), mask=mask)
+            tl.store(S.ptr + r64 * S.stride0 + kb * S.stride1, scale, mask=live)
+
+
+@triton.jit
+def combine_kernel(Y, ids, Out, E, H, k: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Out[t] = sum over slots j of Y[t * k + j] where 0 <= ids[t, j] < E, in slot order, in
+    fp32: the MoE combine that never reads the rows of experts on other ranks (unwritten).
+
+    Y: Operand over [T * k, H] (each (token, slot) pair's weighted expert output); ids: int32
+    or int64 [T, k] contiguous; Out: Operand over [T, H]. Grid: (T, cdiv(H, BLOCK_H)).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(k):
+        e = tl.load(ids + t * k + j)
+        if (e >= 0) & (e < E):
+            acc += tl.load(Y.ptr + (t * k + j) * Y.stride0 + cols * Y.stride1, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out.ptr + t * Out.stride0 + cols * Out.stride1, acc.to(Out.ptr.dtype.element_ty), mask=mask)

@@ -13,10 +13,61 @@ from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2
 from ..core.tiles import NO_OPERAND, NO_SCALES, Operand, Routing, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
-from .kernels import Stacked, list_kernel, ragged_kernel
+from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
+from .kernels import Stacked, combine_kernel, gather_quantize_kernel, list_kernel, ragged_kernel, row_tiles_kernel
 
 RAGGED = Launcher(ragged_kernel, configs.RAGGED)
 LIST = Launcher(list_kernel, configs.LIST)
+ROW_TILES = Launcher(row_tiles_kernel, configs.ROW_TILES)
+GATHER_QUANTIZE = Launcher(gather_quantize_kernel, configs.GATHER_QUANTIZE)
+COMBINE = Launcher(combine_kernel, configs.COMBINE)
+
+
+def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True):
+    """The row tiles of M rows cut by offs into G groups, as core's Gluon body walks them:
+    (sched int32 [cdiv(M, block_m) + G + 1, 4], count int32 [1]), built on the device
+    (row_tiles_kernel), so no offs value reaches the host. ``tail`` False: no tiles for the
+    rows past offs[-1] (their output is never read)."""
+    units = cdiv(M, block_m) + G + 1
+    sched = torch.empty((units, 4), dtype=torch.int32, device=offs.device)
+    count = torch.empty(1, dtype=torch.int32, device=offs.device)
+    g_block = next_pow2(G + 1)
+    key = configs.PrepKey("row_tiles", g_block)
+    plan = ROW_TILES.plan((key, block_m, tail, offs.get_device()),
+                          lambda: Request(key, dict(BLOCK_M=block_m, G_BLOCK=g_block, TAIL=tail), offs.device))
+    ROW_TILES.launch(plan, (cdiv(units, plan.meta["CHUNK"]),), (Vector(offs, offs.stride(0)), sched, count, G, M))
+    return sched, count
+
+
+def gather_quantize(x, rows, dtype=torch.float8_e4m3fn, offs=None):
+    """(q [P, H] fp8, scales fp32 [P, ceil(H/128)]) of x[rows] in 1x128 blocks, rows int32 [P]:
+    quantize_fp8's values and scales of the gathered rows, in one pass. The scales are a
+    transposed view of [ceil(H/128), P], so a GEMM reads a K block's scales of its rows in one
+    coalesced line. ``offs`` (int32 [G] group end offsets): rows past offs[-1] are left unwritten."""
+    P, H = rows.shape[0], x.shape[1]
+    q = empty((P, H), dtype=dtype, device=x.device)
+    s = empty((cdiv(H, BLOCK), P), dtype=torch.float32, device=x.device).t()
+    key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
+    plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, x.get_device()), lambda: Request(key, {}, x.device))
+    GATHER_QUANTIZE.launch(plan, (cdiv(P, plan.meta["BLOCK_R"]),), (
+        Operand(interpretable(x), *x.stride()), rows, Operand(q, *q.stride()), Operand(s, *s.stride()), P, H, offs,
+        0 if offs is None else offs.shape[0]))
+    return q, s
+
+
+def combine(y_pairs, topk_ids, E: int, dtype):
+    """[T, H] in ``dtype``: the sum over each token's k slots of y_pairs [T * k, H], in slot
+    order in fp32, skipping the slots whose id is outside [0, E) (rows never written)."""
+    T, k = topk_ids.shape
+    H = y_pairs.shape[1]
+    out = empty((T, H), dtype=dtype, device=y_pairs.device)
+    key = configs.PrepKey("combine", H)
+    plan = COMBINE.plan((key, k, y_pairs.dtype, dtype, topk_ids.dtype, y_pairs.get_device()),
+                        lambda: Request(key, dict(k=k), y_pairs.device))
+    ids = topk_ids.contiguous()
+    COMBINE.launch(plan, (T, cdiv(H, plan.meta["BLOCK_H"])),
+                   (Operand(y_pairs, *y_pairs.stride()), ids, Operand(out, *out.stride()), E, H))
+    return out
 
 
 def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
@@ -285,6 +336,15 @@ def _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma, s
     c = empty(shape, dtype=out_dtype, device=a.device)
     if c.numel() == 0 or args["G"] == 0:
         return c.zero_()
+    if "scaling" in args:
+        G, M, N, K = args["G"], args["M"], args["N"], args["K"]
+        kind_a, kind_b = args["scaling"].split(",")
+        w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
+        if wgmma_grouped(w, M, G, kind_a, kind_b, a=a, tma=tma, config=config):
+            sched, count = row_tiles(offs, G, M, 128)
+            key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(c.dtype), "grouped")
+            run_wgmma_grouped(a, w, c, sched, count, scale_a, scale_b, N=N, key=key, bias=bias, activation=activation)
+            return c
     # The group stride of a 2-D operand is 0: offs cuts it instead.
     sa, sb, sc = ((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()) for t in (a, b, c))
     return launch_ragged(a, b, c, offs, strides_a=sa, strides_b=sb, strides_c=sc, bias=bias, activation=activation,

@@ -28,23 +28,42 @@ import torch  # noqa: E402
 from triton.backends.nvidia import compiler as nv  # noqa: E402
 
 from onegemm.core import configs  # noqa: E402
-from onegemm.core.hopper_fp8 import SA_ROWS, SB_COLS, blockscaled_wgmma_kernel  # noqa: E402
-from onegemm.core.tiles import NO_VECTOR, Operand, Scales  # noqa: E402
+from onegemm.core.hopper_fp8 import SA_ROWS, SB_COLS, Groups, blockscaled_wgmma_kernel  # noqa: E402
+from onegemm.core.tiles import NO_OPERAND, NO_VECTOR, Operand, Scales  # noqa: E402
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def compile_config(cfg, scaling: str, out: str, M=4096, N=4096, K=4096):
+def compile_config(cfg, scaling: str, out: str, M=4096, N=4096, K=4096, mode="dense"):
+    """Compile the body for ``cfg``: dense, or a grouped mode over G = 16 groups ("grouped":
+    bf16 out scattered with routing weights, as MoE GEMM2; "swiglu": fp8 out, as GEMM1)."""
     kind_a, kind_b = scaling.split(",")
     a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
-    b = torch.empty(N, K, dtype=torch.float8_e4m3fn).t()
-    c = torch.empty(M, N, dtype=OUT_DTYPES[out])
-    sa = torch.empty(M if SA_ROWS[kind_a] == 1 else M // 128, K // 128)
-    sb = torch.empty(K // 128, N if SB_COLS[kind_b] == 1 else N // 128)
+    if mode == "dense":
+        b = torch.empty(N, K, dtype=torch.float8_e4m3fn).t()
+        c = torch.empty(M, N, dtype=OUT_DTYPES[out])
+        sa = torch.empty(M if SA_ROWS[kind_a] == 1 else M // 128, K // 128)
+        sb = torch.empty(K // 128, N if SB_COLS[kind_b] == 1 else N // 128)
+        return blockscaled_wgmma_kernel.warmup(
+            Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
+            Scales(a=Operand(sa, *sa.stride()), b=Operand(sb, *sb.stride())), NO_VECTOR, Groups(None, None, 1, N, 0, 0),
+            ACTIVATION=None, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b], **cfg.kwargs,
+            grid=(132,), num_warps=cfg.num_warps)
+    G = 16
+    rows = 2 * N if mode == "swiglu" else N
+    w = torch.empty(G, rows, K, dtype=torch.float8_e4m3fn)
+    c = torch.empty(M, N, dtype=torch.float8_e4m3fn if mode == "swiglu" else OUT_DTYPES[out])
+    sa = torch.empty(K // 128, M).t()
+    sb = torch.empty(G, rows // 128, K // 128).transpose(1, 2)
+    so = torch.empty(N // 128, M).t()
+    sched, count = torch.empty(64, 4, dtype=torch.int32), torch.empty(1, dtype=torch.int32)
+    scatter, weight = (torch.empty(M, dtype=torch.int32), torch.empty(M)) if mode == "grouped" else (None, None)
     return blockscaled_wgmma_kernel.warmup(
-        Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
-        Scales(a=Operand(sa, *sa.stride()), b=Operand(sb, *sb.stride())), NO_VECTOR,
-        ACTIVATION=None, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b], **cfg.kwargs,
+        Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K,
+        Scales(a=Operand(sa, *sa.stride()), b=Operand(sb, sb.stride(1), sb.stride(2)),
+               out=Operand(so, *so.stride()) if mode == "swiglu" else NO_OPERAND),
+        NO_VECTOR, Groups(sched, count, G, rows, sb.stride(0), 0, scatter, weight),
+        ACTIVATION=None, SA_ROWS=1, SB_COLS=128, GROUPED=True, SWIGLU=mode == "swiglu", **cfg.kwargs,
         grid=(132,), num_warps=cfg.num_warps)
 
 
@@ -58,23 +77,24 @@ def ptxas_log(kernel) -> str:
 
 
 def main() -> int:
-    print("| scaling | out | config | registers | spill bytes | shared bytes | wgmma | setmaxnreg | ptxas warnings |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| scaling | out | mode | config | registers | spill bytes | shared bytes | wgmma | setmaxnreg | ptxas warnings |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     bad = 0
-    for scaling in ("1x128,128x128", "128x128,128x128", "1x128,128x1"):
-        for out in OUT_DTYPES:
-            key = configs.WgmmaKey(4096, 4096, 4096, scaling, out)
-            for cfg in configs.wgmma_candidates(key, 132):
-                kernel = compile_config(cfg, scaling, out)
-                log = ptxas_log(kernel)
-                fp = ptx_snapshot.fingerprint(kernel)
-                spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
-                warns = sorted({w.strip() for w in re.findall(r"ptxas warning\s*:(.*)", log)})
-                regs = "/".join(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])[:3])
-                wgmma = sum(v for op, v in fp["ops"].items() if "GMMA" in op)
-                bad += bool(spill or warns)
-                print(f"| {scaling} | {out} | {configs.label(cfg)} | {fp['regs']} | {spill} | {fp['shared']} | {wgmma} | "
-                      f"{regs} | {'; '.join(warns) or '-'} |", flush=True)
+    cases = [(s, out, "dense") for s in ("1x128,128x128", "128x128,128x128", "1x128,128x1") for out in OUT_DTYPES]
+    cases += [("1x128,128x128", "bf16", "grouped"), ("1x128,128x128", "fp8", "swiglu")]
+    for scaling, out, mode in cases:
+        key = configs.WgmmaKey(4096, 4096, 4096, scaling, out, mode)
+        for cfg in configs.wgmma_candidates(key, 132):
+            kernel = compile_config(cfg, scaling, out, mode=mode)
+            log = ptxas_log(kernel)
+            fp = ptx_snapshot.fingerprint(kernel)
+            spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
+            warns = sorted({w.strip() for w in re.findall(r"ptxas warning\s*:(.*)", log)})
+            regs = "/".join(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])[:3])
+            wgmma = sum(v for op, v in fp["ops"].items() if "GMMA" in op)
+            bad += bool(spill or warns)
+            print(f"| {scaling} | {out} | {mode} | {configs.label(cfg)} | {fp['regs']} | {spill} | {fp['shared']} | {wgmma} | "
+                  f"{regs} | {'; '.join(warns) or '-'} |", flush=True)
     print(f"\n{bad} configs with spills or warnings")
     return 0
 

@@ -1,0 +1,276 @@
+"""The grouped flavour of core's Gluon FP8 body (core/hopper_fp8.py, GROUPED / SWIGLU) and
+what grouped/ builds for it: the row-tile table (row_tiles), the expert-sorted fp8 rows
+(gather_quantize) and the dispatch rule (hopper_fp8.wgmma_grouped).
+
+Gluon has no interpreter: the kernels run on the H200 (``sm90`` tests); on CPU the table, the
+quantised gather and the rule are checked against torch.
+"""
+
+import pytest
+import torch
+
+import onegemm
+from onegemm.core import configs, hopper_fp8
+from onegemm.core.launch import plans
+from onegemm.grouped.ops import combine, gather_quantize, row_tiles
+from onegemm.testing import (
+    assert_close,
+    calc_diff,
+    dequantize_ref,
+    grouped_mm_ref,
+    moe_fp8_ref,
+    moe_ref,
+    quantize_experts_ref,
+    quantize_fp8_ref,
+)
+
+E4M3 = torch.float8_e4m3fn
+
+
+def offs_of(sizes, device):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def row_tiles_ref(sizes, M, block_m):
+    """(group, first row, end row, fill) of every row tile, group after group, then the rows
+    past the last offset (fill 1, group clamped to G - 1)."""
+    G, rows, start = len(sizes), [], 0
+    for g, size in enumerate(list(sizes) + [M - sum(sizes)]):
+        for t in range(-(-size // block_m)):
+            rows.append((min(g, G - 1), start + t * block_m, start + size, int(g == G)))
+        start += size
+    return rows
+
+
+# (group sizes, rows M, tile height): empty groups, one row, sizes around a tile, rows past
+# offs[-1], more groups than a CHUNK of tiles
+ROW_TILE_CASES = [
+    pytest.param([0, 1, 127, 129, 300], 560, 128, id="odd-sizes"),
+    pytest.param([64, 0, 0, 65], 140, 64, id="empty-groups-and-tail"),
+    pytest.param([5] * 40, 200, 64, id="40-groups"),
+    pytest.param([0, 0], 0, 128, id="no-rows"),
+]
+
+
+@pytest.mark.parametrize("sizes,M,block_m", ROW_TILE_CASES)
+def test_row_tiles(sizes, M, block_m, device):
+    offs = offs_of(sizes, device)
+    sched, count = row_tiles(offs, len(sizes), M, block_m)
+    want = row_tiles_ref(sizes, M, block_m)
+    assert int(count.item()) == len(want)
+    assert sched[: len(want)].tolist() == [list(r) for r in want]
+
+
+def test_row_tiles_without_tail(device):
+    """tail=False (the MoE's rows of experts on other ranks): the table ends with the last group."""
+    sizes = [3, 0, 130]
+    sched, count = row_tiles(offs_of(sizes, device), 3, 300, 64, tail=False)
+    want = [r for r in row_tiles_ref(sizes, 300, 64) if r[3] == 0]
+    assert int(count.item()) == len(want) == 4
+    assert sched[:4].tolist() == [list(r) for r in want]
+
+
+def test_row_tiles_bad_offs(device):
+    """Decreasing offs: the whole of M is one NaN-filled group (fill 2), as the ragged kernel does."""
+    sched, count = row_tiles(torch.tensor([50, 20, 90], dtype=torch.int32, device=device), 3, 100, 64)
+    assert int(count.item()) == 2
+    assert sched[:2].tolist() == [[2, 0, 100, 2], [2, 64, 100, 2]]
+
+
+# (tokens T, hidden H, rows P, x dtype, layout): H not a multiple of 128, a transposed x
+GATHER_CASES = [
+    pytest.param(7, 300, 17, torch.float32, "contig", id="fp32"),
+    pytest.param(5, 256, 12, torch.bfloat16, "contig", id="bf16"),
+    pytest.param(9, 136, 1, torch.float16, "transposed", id="fp16-transposed"),
+]
+
+
+@pytest.mark.parametrize("T,H,P,dtype,layout", GATHER_CASES)
+def test_gather_quantize_is_quantize_fp8_of_the_rows(T, H, P, dtype, layout, device):
+    x = (torch.randn(T, H, device=device) * 3).to(dtype)
+    if layout == "transposed":
+        x = x.t().contiguous().t()
+    x[0, :5] = 0.0  # a partly zero block
+    rows = torch.randint(0, T, (P,), device=device, dtype=torch.int32)
+    q, s = gather_quantize(x, rows)
+    want_q, want_s = quantize_fp8_ref(x[rows.long()], (1, 128))
+    assert q.dtype == E4M3 and s.shape == want_s.shape and s.stride(0) == 1
+    assert torch.equal(q.float(), want_q.float())
+    assert torch.equal(s, want_s)
+
+
+def test_gather_quantize_stops_at_the_last_offset(device):
+    """With offs, rows past offs[-1] (experts on other ranks) are left as they were (poisoned)."""
+    x = torch.randn(6, 256, device=device)
+    rows = torch.randint(0, 6, (10,), device=device, dtype=torch.int32)
+    q, s = gather_quantize(x, rows, offs=torch.tensor([4, 7], dtype=torch.int32, device=device))
+    want_q, want_s = quantize_fp8_ref(x[rows.long()], (1, 128))
+    assert torch.equal(q[:7].float(), want_q[:7].float()) and torch.equal(s[:7], want_s[:7])
+    assert s[7:].isnan().all()  # runtime.empty poisons outputs in tests
+
+
+# (tokens, k, H, out dtype, ids): ids of other ranks (-1, E and past) are skipped
+COMBINE_CASES = [
+    pytest.param(5, 2, 300, torch.float32, "foreign", id="fp32-foreign-ids"),
+    pytest.param(3, 4, 128, torch.bfloat16, "local", id="bf16-k4"),
+    pytest.param(1, 1, 17, torch.float16, "foreign", id="one-token"),
+]
+
+
+@pytest.mark.parametrize("T,k,H,dtype,ids_kind", COMBINE_CASES)
+def test_combine_skips_foreign_slots(T, k, H, dtype, ids_kind, device):
+    E = 4
+    ids = torch.randint(0, E, (T, k), device=device)
+    if ids_kind == "foreign":
+        ids[0, 0], ids[-1, -1] = -1, E + 3
+    y_pairs = torch.randn(T * k, H, device=device).to(dtype)
+    valid = (ids >= 0) & (ids < E)
+    y_pairs[~valid.reshape(-1)] = float("nan")  # never written rows
+    out = combine(y_pairs, ids, E, dtype)
+    want = torch.where(valid[..., None], y_pairs.double().view(T, k, H), 0.0).sum(1)
+    assert out.dtype == dtype
+    assert_close(out, want, 1e-2 if dtype != torch.float32 else 1e-6)
+
+
+def _expert_weights(G, N, K, dtype=E4M3):
+    return torch.empty(G, N, K, dtype=dtype)
+
+
+# (what changes from 1024 rows of K = 256 over 8 experts of N = 512, the rule's answer)
+GROUPED_DISPATCH_CASES = [
+    pytest.param({}, True, id="eligible"),
+    pytest.param({"M": 8 * configs.WGMMA_MIN_GROUP_ROWS - 1}, False, id="too-few-rows-per-group"),
+    pytest.param({"kind_a": "row"}, False, id="row-wise-scale_a"),
+    pytest.param({"kind_b": "col"}, False, id="per-channel-scale_b"),
+    pytest.param({"tma": False}, False, id="tma-False"),
+    pytest.param({"config": configs.cfg(64, 128, 128, 4, 3)}, False, id="forced-triton-config"),
+    pytest.param({"K": 200}, False, id="rows-of-200-bytes"),
+    pytest.param({"w": "sliced"}, False, id="experts-not-evenly-spaced"),
+    pytest.param({"w": "n_major"}, False, id="experts-n-major"),
+    pytest.param({"a": "transposed"}, False, id="a-column-major"),
+    pytest.param({"dtype": torch.float8_e5m2}, False, id="e5m2"),
+]
+
+
+@pytest.mark.parametrize("change,expected", GROUPED_DISPATCH_CASES)
+def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
+    """On an sm_90 GPU (stood in for here): e4m3 with 1x128 x 128x128 scales, TMA-readable
+    rows and experts, enough rows per group take the Gluon body; anything else the Triton body."""
+    monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
+    args = dict(M=1024, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
+                a="contig", dtype=E4M3)
+    args.update(change)
+    M, K, N, G = args["M"], args["K"], args["N"], args["G"]
+    w = {"plain": lambda: _expert_weights(G, N, K, args["dtype"]),
+         "sliced": lambda: _expert_weights(G, N + 16, K, args["dtype"])[:, :N],
+         "n_major": lambda: _expert_weights(G, K, N, args["dtype"]).transpose(1, 2)}[args["w"]]()
+    a = torch.empty(M, K, dtype=args["dtype"]) if args["a"] == "contig" else torch.empty(K, M, dtype=args["dtype"]).t()
+    assert hopper_fp8.wgmma_grouped(w, M, G, args["kind_a"], args["kind_b"], a=a, tma=args["tma"],
+                                    config=args["config"]) is expected
+
+
+def test_wgmma_grouped_off_sm90(device):
+    """Off sm_90 (the interpreter, a CPU tensor, another GPU) the grouped GEMMs run core's Triton body."""
+    w = torch.empty(8, 512, 256, dtype=E4M3, device=device)
+    if hopper_fp8.on_sm90(w):
+        pytest.skip("this GPU is sm_90: the GPU tests below cover it")
+    assert hopper_fp8.wgmma_grouped(w, 4096, 8) is False
+
+
+# ---------------------------------------------------------------- on the H200
+
+def _grouped_wgmma_plans(mode):
+    return [k for k in plans("blockscaled_wgmma") if k[0].mode == mode]
+
+
+def fp8_grouped(sizes, K, N, device, tail=3):
+    """(qa, qb, scale_a, scale_b, offs, a_deq, b_deq): per-token 1x128 activations, 128x128
+    expert weights [G, N, K] handed over transposed, as checkpoints store them."""
+    G = len(sizes)
+    x = torch.randn(sum(sizes) + tail, K, device=device)
+    qa, sa = onegemm.quantize_fp8(x, (1, 128))
+    w = torch.randn(G, N, K, device=device) * K**-0.5
+    qw, sw = (torch.stack(t) for t in zip(*[onegemm.quantize_fp8(w[g], (128, 128)) for g in range(G)]))
+    b_deq = torch.stack([dequantize_ref(qw[g], sw[g], 128, 128) for g in range(G)]).transpose(1, 2)
+    return qa, qw.transpose(1, 2), sa, sw.transpose(1, 2), offs_of(sizes, device), dequantize_ref(qa, sa, 1, 128), b_deq
+
+
+# (group sizes, K, N): empty groups, 1, 127, 129, 300 rows; K and N not multiples of 128 (K a
+# multiple of 16: TMA rows); skewed (one group holds most rows)
+GROUPED_GPU_CASES = [
+    pytest.param([0, 1, 127, 129, 300], 400, 200, id="odd-groups-K400-N200"),
+    pytest.param([2000, 3, 0, 45, 0, 0, 12, 500], 2048, 768, id="skewed-8-experts"),
+    pytest.param([64] * 32, 7168, 256, id="32-experts-deepseek-K"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("sizes,K,N", GROUPED_GPU_CASES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias-silu"])
+def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, device):
+    qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped(sizes, K, N, device)
+    G = len(sizes)
+    bias = torch.randn(G, N, device=device) if with_bias else None
+    act = "silu" if with_bias else None
+    before = len(_grouped_wgmma_plans("grouped"))
+    out = onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, bias=bias, activation=act)
+    assert len(_grouped_wgmma_plans("grouped")) >= max(before, 1), "the Gluon body did not run"
+    assert out.dtype == torch.bfloat16
+    assert_close(out, grouped_mm_ref(a_deq, b_deq, offs, bias, act), 1e-2)
+    assert (out[sum(sizes):] == 0).all()
+    again = onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, bias=bias, activation=act)
+    assert torch.equal(out, again)  # bitwise on a rerun
+    # the Triton body computes the same products (tma=False takes it)
+    triton_body = onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, bias=bias, activation=act, tma=False)
+    assert_close(out, triton_body.double(), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_gpu_grouped_fp8_wgmma_bad_offs(device):
+    qa, qb, sa, sb, _, _, _ = fp8_grouped([300, 300], 256, 256, device, tail=0)
+    bad = torch.tensor([400, 100], dtype=torch.int32, device=device)
+    out = onegemm.grouped_matmul(qa, qb, bad, scale_a=sa, scale_b=sb)
+    assert out.isnan().all()
+
+
+def fp8_experts(T, H, I, E, k, device, dtype=torch.bfloat16, skew=False, foreign=False):
+    x = torch.randn(T, H, device=device).to(dtype)
+    w13 = torch.randn(E, 2 * I, H, device=device) * H**-0.5
+    w2 = torch.randn(E, H, I, device=device) * I**-0.5
+    logits = torch.randn(T, E, device=device)
+    if skew:  # most tokens to expert 0 and 1
+        logits[:, :2] += 4.0
+    weights, ids = onegemm.route(logits, k)
+    if foreign:  # experts on other ranks contribute nothing
+        ids[::3, 0] = E + 2
+        ids[1::5, -1] = -1
+    gate_q, gate_s = quantize_experts_ref(w13[:, :I])
+    up_q, up_s = quantize_experts_ref(w13[:, I:])
+    w2q, w2s = quantize_experts_ref(w2)
+    scales = dict(w_gate_up_scale=torch.cat([gate_s, up_s], 1), w_down_scale=w2s)
+    return x, torch.cat([gate_q, up_q], 1), w2q, weights, ids, scales, (w13, w2)
+
+
+# (T, H, I, E, k, routing): I not a multiple of 128 (the up half's scale blocks start after
+# the gate's partial one); H not one either; skewed routing; ids of other ranks
+MOE_GPU_CASES = [
+    pytest.param(512, 512, 384, 8, 2, "uniform", id="T512-E8"),
+    pytest.param(700, 400, 208, 4, 2, "skewed", id="odd-H400-I208-skewed"),
+    pytest.param(1024, 1024, 256, 16, 4, "foreign", id="foreign-ids"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("T,H,I,E,k,routing", MOE_GPU_CASES)
+def test_gpu_moe_ffn_fp8_on_wgmma(T, H, I, E, k, routing, device):
+    x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_experts(
+        T, H, I, E, k, device, skew=routing == "skewed", foreign=routing == "foreign")
+    before = len(_grouped_wgmma_plans("swiglu"))
+    y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
+    assert len(_grouped_wgmma_plans("swiglu")) >= max(before, 1), "the Gluon body did not run"
+    assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
+    assert calc_diff(y, moe_ref(x, w13_hp, w2_hp, weights, ids)) < 5e-3
+    assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)  # bitwise on a rerun
