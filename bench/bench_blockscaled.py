@@ -29,7 +29,7 @@ import time
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
-from common import bench_ms, config_of, geomean, header, markdown_table, plot_ratios, tflops, write_results
+from common import bench_ms, config_of, geomean, header, markdown_table, plot_ratios, tflops, write_results, update_summary
 from onegemm.testing import assert_close, blockscaled_matmul_ref, calc_diff, sqnr_db
 
 LLM_NK = [(4096, 4096), (7168, 2048), (2112, 7168), (14336, 4096)]
@@ -197,6 +197,12 @@ def run(quick: bool):
         print(f"quick: onegemm and Fp8Linear ran and matched the reference on {len(speed)} shapes; no files written")
         return
     write_results("blockscaled", text)
+    groups = {g["group"]: g for g in summarize(speed)}
+    update_summary([
+        dict(name="blockscaled_vs_cublas_blockwise_large_m", value=groups["M >= 2048 (targets)"]["vs cuBLAS-block"],
+             peer="torch._scaled_mm blockwise 1x128 x 128x128 (cuBLAS), GPU time, M >= 2048"),
+        dict(name="blockscaled_vs_cublas_blockwise_small_m", value=groups["M <= 128"]["vs cuBLAS-block"],
+             peer="torch._scaled_mm blockwise 1x128 x 128x128 (cuBLAS), GPU time, M <= 128")])
     path = plot_ratios("blockscaled", labels, series, "speed-up (peer time / onegemm time)",
                        f"blockscaled_matmul (1x128 x 128x128) vs cuBLAS on {torch.cuda.get_device_name()}")
     print(f"wrote {path}")

@@ -12,10 +12,12 @@ The float64 references and timing helpers are onegemm.testing's, shared with the
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,6 +85,34 @@ def write_results(name: str, text: str) -> Path:
     path.write_text(text)
     print(text)
     print(f"wrote {path}")
+    return path
+
+
+def commit() -> str:
+    """The measured checkout's commit: $ONEGEMM_COMMIT (a copy without .git), else git's."""
+    if os.environ.get("ONEGEMM_COMMIT"):
+        return os.environ["ONEGEMM_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def update_summary(entries: list[dict]) -> Path:
+    """Put this run's headline figures into bench/results/summary.json, replacing entries of
+    the same name: each {name, value (geomean of peer time / onegemm time), peer} gets the
+    command, commit, GPU and date of this run."""
+    path = RESULTS / "summary.json"
+    data = json.loads(path.read_text()) if path.exists() else []
+    cmd = " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+    stamp = dict(command=cmd, commit=commit(), gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}")
+    names = {e["name"] for e in entries}
+    data = [e for e in data if e["name"] not in names] + [
+        dict(name=e["name"], value=round(float(e["value"]), 4), peer=e["peer"], **stamp) for e in entries]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
     return path
 
 
