@@ -426,9 +426,10 @@ def is_wgmma(c: triton.Config) -> bool:
 # multiplies padding on half its tensor-core time, and too few tiles fill the SMs
 # (bench/results/blockscaled.md).
 WGMMA_MIN_M = 128
-# Grouped FP8 GEMMs take the Gluon body from this many rows per group on average: its tiles
-# are 128 (SwiGLU: 64) rows, and a group's last tile is computed whole (bench/results/moe_fp8.md).
-WGMMA_MIN_GROUP_ROWS = 64
+# Grouped FP8 GEMMs take the Gluon body from this many rows per group on average: below it
+# the Triton body's 16-64-row tiles beat 128-row (SwiGLU: 64-row) ones, which compute a
+# group's last tile whole (the decode sweep in bench/results/moe_fp8.md).
+WGMMA_MIN_GROUP_ROWS = 256
 _SMEM = 232448  # bytes of shared memory a program may use on sm_90
 
 
