@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..core import checks
-from ..core.dispatch import Op
+from ..core.dispatch import Op, first_order_only
 from .matmul import run_blockscaled
 from .quantize import _BLOCKS_BY_NAME, BLOCK, QUANTIZE_OP, _scale_view, quantize_fp8
 
@@ -76,7 +76,9 @@ def _fp8_linear_backward_fake(dy, x, weight, weight_scale, need_weight):
 
 
 FP8_LINEAR_BACKWARD = Op("fp8_linear_backward", _fp8_linear_backward_impl, _fp8_linear_backward_fake)
-FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup, _fp8_linear_backward)
+# The backward quantises dy and runs FP8 GEMMs: no second derivative, and an error says so.
+FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup,
+                first_order_only(_fp8_linear_backward, "Fp8Linear"))
 
 
 class Fp8Linear(nn.Module):
