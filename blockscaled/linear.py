@@ -127,7 +127,9 @@ class Fp8Linear(nn.Module):
     def _init_weight(self, w: torch.Tensor, name: str, device) -> None:
         if self.trainable:
             checks.check_tensor(name, w, ndim=2, dtypes=checks.FLOAT_DTYPES)
-            self.weight = nn.Parameter(w.detach().clone())
+            # A Parameter is kept as it is (from_linear: the Linear's own), so its optimizer
+            # state, its ties to other modules and its requires_grad carry over.
+            self.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w.detach())
             self.register_buffer("weight_scale", None)
         else:
             self.register_buffer("weight", torch.empty(0, device=device, dtype=torch.float8_e4m3fn))
@@ -166,8 +168,12 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, trainable: bool = False) -> "Fp8Linear":
-        """An Fp8Linear with linear's weight (quantised, or copied if ``trainable``) and bias
-        (copied), on its device."""
+        """An Fp8Linear with linear's weight and bias, on its device: the bias Parameter is
+        linear's own, and so is the weight Parameter if ``trainable`` (else the weight is
+        quantised into the fp8 buffers). Reusing the Parameters keeps what a model's training
+        set-up holds on to: an optimizer built before the swap, ties (two layers sharing one
+        weight, an output head tied to an embedding), requires_grad=False on frozen layers,
+        and the state_dict keys (weight, bias), so an unconverted checkpoint loads as it is."""
         if not isinstance(linear, nn.Linear):
             raise checks.bad_type("linear", "a torch.nn.Linear", linear)
         checks.check_bool("trainable", trainable)
@@ -178,7 +184,7 @@ class Fp8Linear(nn.Module):
         module.trainable = trainable
         module._init_weight(w, "linear.weight", w.device)
         if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().clone())
+            module.bias = linear.bias
         else:
             module.register_parameter("bias", None)
         return module
