@@ -282,7 +282,7 @@ def _second_order_case(case, device):
         ts = [torch.randn(m, k, device=device) for m, k, _ in shapes] + [torch.randn(k, n, device=device) for _, k, n in shapes]
         return (lambda *t: onegemm.grouped_matmul(list(t[:2]), list(t[2:]), activation="silu"),
                 lambda *t: [F.silu(a @ b) for a, b in zip(t[:2], t[2:])], ts)
-    x, w13, w2, weights, ids = _moe_inputs(5, 16, 8, 3, 2, torch.float32, device)  # "moe_ffn"
+    x, w13, w2, weights, ids = _moe_inputs(5, 8, 4, 3, 2, torch.float32, device)  # "moe_ffn"
     return (lambda *t: onegemm.moe_ffn(*t, ids), lambda *t: moe_ref(*t, ids), [x, w13, w2, weights])
 
 
@@ -370,6 +370,10 @@ def test_errors_instead_of_dropped_gradients(device):
     qb, sb = onegemm.quantize_fp8(b.t().contiguous())
     with pytest.raises(ValueError, match="bias must be free of requires_grad: blockscaled_matmul has no gradient"):
         onegemm.blockscaled_matmul(qa, qb.t(), sa, sb.t(), bias=leaf(torch.zeros(4, device=device)))
+    with pytest.raises(ValueError, match="config must be None when gradients are recorded"):
+        onegemm.grouped_matmul([a], [b], config=onegemm.core.configs.MATMUL_INTERPRET)
+    with pytest.raises(ValueError, match="a\\[1\\] must be free of requires_grad for a float8 tensor"):
+        onegemm.grouped_matmul([a.detach(), q], [b, b.to(torch.float8_e4m3fn)])
     with torch.no_grad():
         onegemm.quantize_fp8(a)  # no gradient recorded: fine
 
