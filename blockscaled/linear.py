@@ -96,6 +96,9 @@ class Fp8Linear(nn.Module):
     every forward; the forward, dgrad and wgrad GEMMs all run in FP8 (docs/autograd.md), as
     torchao's Float8Linear does with tensor-wise scales. ``weight_scale`` is then None.
 
+    No second derivative (frozen or trainable): with create_graph=True the gradients are the
+    usual ones, and differentiating them again raises ValueError (docs/autograd.md).
+
     ``bias`` [out_features] is a Parameter in ``dtype``, or None.
 
     x [..., in_features] of float32 / bfloat16 / float16 -> y [..., out_features], x's dtype.
@@ -226,7 +229,8 @@ def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str],
 
     module_filter_fn(linear, fully_qualified_name) -> bool picks the layers to swap (default:
     all), as torchao's convert_to_float8_training takes it: keep a model's output head in high
-    precision, for instance.
+    precision, for instance. Each new layer holds its Linear's own weight and bias Parameters
+    (Fp8Linear.from_linear), so optimizers, ties, frozen weights and state_dict keys carry over.
     """
     if not isinstance(module, nn.Module):
         raise checks.bad_type("module", "a torch.nn.Module", module)
