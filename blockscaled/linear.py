@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..core import checks
-from ..core.dispatch import Op
+from ..core.dispatch import Op, first_order_only
 from .matmul import run_blockscaled
 from .quantize import _BLOCKS_BY_NAME, BLOCK, QUANTIZE_OP, _scale_view, quantize_fp8
 
@@ -76,7 +76,9 @@ def _fp8_linear_backward_fake(dy, x, weight, weight_scale, need_weight):
 
 
 FP8_LINEAR_BACKWARD = Op("fp8_linear_backward", _fp8_linear_backward_impl, _fp8_linear_backward_fake)
-FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup, _fp8_linear_backward)
+# The backward quantises dy and runs FP8 GEMMs: no second derivative, and an error says so.
+FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup,
+                first_order_only(_fp8_linear_backward, "Fp8Linear"))
 
 
 class Fp8Linear(nn.Module):
@@ -93,6 +95,9 @@ class Fp8Linear(nn.Module):
     trainable=True: ``weight`` is a high-precision Parameter (``dtype``), quantised 128x128 in
     every forward; the forward, dgrad and wgrad GEMMs all run in FP8 (docs/autograd.md), as
     torchao's Float8Linear does with tensor-wise scales. ``weight_scale`` is then None.
+
+    No second derivative (frozen or trainable): with create_graph=True the gradients are the
+    usual ones, and differentiating them again raises ValueError (docs/autograd.md).
 
     ``bias`` [out_features] is a Parameter in ``dtype``, or None.
 
@@ -125,7 +130,9 @@ class Fp8Linear(nn.Module):
     def _init_weight(self, w: torch.Tensor, name: str, device) -> None:
         if self.trainable:
             checks.check_tensor(name, w, ndim=2, dtypes=checks.FLOAT_DTYPES)
-            self.weight = nn.Parameter(w.detach().clone())
+            # A Parameter is kept as it is (from_linear: the Linear's own), so its optimizer
+            # state, its ties to other modules and its requires_grad carry over.
+            self.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w.detach())
             self.register_buffer("weight_scale", None)
         else:
             self.register_buffer("weight", torch.empty(0, device=device, dtype=torch.float8_e4m3fn))
@@ -164,8 +171,12 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, trainable: bool = False) -> "Fp8Linear":
-        """An Fp8Linear with linear's weight (quantised, or copied if ``trainable``) and bias
-        (copied), on its device."""
+        """An Fp8Linear with linear's weight and bias, on its device: the bias Parameter is
+        linear's own, and so is the weight Parameter if ``trainable`` (else the weight is
+        quantised into the fp8 buffers). Reusing the Parameters keeps what a model's training
+        set-up holds on to: an optimizer built before the swap, ties (two layers sharing one
+        weight, an output head tied to an embedding), requires_grad=False on frozen layers,
+        and the state_dict keys (weight, bias), so an unconverted checkpoint loads as it is."""
         if not isinstance(linear, nn.Linear):
             raise checks.bad_type("linear", "a torch.nn.Linear", linear)
         checks.check_bool("trainable", trainable)
@@ -176,7 +187,7 @@ class Fp8Linear(nn.Module):
         module.trainable = trainable
         module._init_weight(w, "linear.weight", w.device)
         if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().clone())
+            module.bias = linear.bias
         else:
             module.register_parameter("bias", None)
         return module
@@ -218,7 +229,8 @@ def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str],
 
     module_filter_fn(linear, fully_qualified_name) -> bool picks the layers to swap (default:
     all), as torchao's convert_to_float8_training takes it: keep a model's output head in high
-    precision, for instance.
+    precision, for instance. Each new layer holds its Linear's own weight and bias Parameters
+    (Fp8Linear.from_linear), so optimizers, ties, frozen weights and state_dict keys carry over.
     """
     if not isinstance(module, nn.Module):
         raise checks.bad_type("module", "a torch.nn.Module", module)

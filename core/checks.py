@@ -76,6 +76,14 @@ def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
     check_device(name, t)
 
 
+def check_optional_tensors(**values) -> None:
+    """TypeError for any value that is neither a tensor nor None: the type check that comes
+    before anything reads a tensor attribute (requires_grad, dtype), with gradients or without."""
+    for name, t in values.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise bad_type(name, "a torch.Tensor", t)
+
+
 def check_device(name: str, t: torch.Tensor) -> None:
     # Under the interpreter kernels read host memory; on a GPU they read device memory.
     if INTERPRET:
@@ -205,6 +213,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def check_differentiable(**tensors) -> None:
     """Gradients are not offered through fp8 operands (they are quantised values): an fp8 input
     that requires grad is an error, never a silently dropped gradient."""
+    check_optional_tensors(**tensors)
     for name, t in tensors.items():
         if t is not None and t.requires_grad and t.dtype in FP8_DTYPES:
             raise bad_value(name, "free of requires_grad for a float8 tensor (onegemm differentiates 16- and 32-bit "
@@ -214,6 +223,7 @@ def check_differentiable(**tensors) -> None:
 def check_not_differentiable(op: str, **tensors) -> None:
     """An op without a gradient refuses inputs that require one (never a silently dropped
     gradient); detach them or call under torch.no_grad()."""
+    check_optional_tensors(**tensors)
     if not torch.is_grad_enabled():
         return
     for name, t in tensors.items():

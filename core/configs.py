@@ -123,7 +123,7 @@ def flavour_mode(tma, eligible: bool) -> int:
 
 
 def schedule_mode(persistent) -> int:
-    if persistent not in (None, True, False):
+    if persistent is not None and persistent is not True and persistent is not False:  # 1.0 == True: not a bool
         raise checks.bad_type("persistent", "None (automatic), True or False", persistent)
     return ANY_SCHEDULE if persistent is None else (PERSISTENT_ONLY if persistent else PER_TILE)
 

@@ -73,6 +73,45 @@ def fused(op: "Op", args: Callable, activation, grad: bool):
     return op.run(args(activation), grad)
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes first-order gradients through; differentiating them again raises (first_order_only)."""
+
+    @staticmethod
+    def forward(ctx, op: str, count: int, *tensors):
+        ctx.op = op
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise checks.bad_value("create_graph", f"False for gradients through {ctx.op} (its backward runs on quantised "
+                               "values and has no derivative)", "a second derivative of them",
+                               "take them with create_graph=False, or detach them")
+
+
+def first_order_only(backward: Callable, op: str) -> Callable:
+    """``backward`` for an op that has no second derivative (its backward runs on quantised
+    values): under create_graph=True its gradients come out of a node that raises ValueError
+    naming ``op`` once something differentiates them, never a gradient missing its second-order
+    terms. The check covers the saved inputs too: a gradient depends on them even when the
+    incoming gradient is a constant."""
+
+    def wrapped(ctx, *grads):
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return out
+        sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        given = [i for i, g in enumerate(out) if isinstance(g, torch.Tensor)]
+        if not sources or not given:
+            return out
+        out = list(out)
+        for i, g in zip(given, _NoSecondDerivative.apply(op, len(given), *(out[i] for i in given), *sources)):
+            out[i] = g
+        return tuple(out)
+
+    return wrapped
+
+
 class Op:
     """One onegemm op in its three forms (module docstring).
 

@@ -126,7 +126,9 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     before the gather, the SwiGLU output inside GEMM1's epilogue (GEMM1 writes it as fp8 plus
     scales). Not differentiable.
     """
-    if w_gate_up_scale is not None or w_down_scale is not None or w_gate_up.dtype in checks.FP8_DTYPES:
+    checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
+                                  w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+    if w_gate_up_scale is not None or w_down_scale is not None or (w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES):
         checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                         topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
                                         w_down_scale=w_down_scale)
@@ -298,13 +300,22 @@ def _moe_setup(ctx, inputs, output):
 
 
 def _moe_backward(ctx, dy):
-    dx, dw13, dw2, dweights = MOE_BACKWARD(dy, *ctx.saved_tensors)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: these gradients are differentiated in turn, so every piece of
+        # them must be differentiable (GEMM1's recompute included).
+        dx, dw13, dw2, dweights = _moe_grads(dy, *ctx.saved_tensors, differentiable=True)
+    else:
+        dx, dw13, dw2, dweights = MOE_BACKWARD(dy, *ctx.saved_tensors)
     return dx, dw13, dw2, dweights, None
 
 
 def _moe_backward_impl(dy: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable=False)
+
+
+def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable: bool):
     """moe_ffn's gradients (dx, dw_gate_up, dw_down, dtopk_weights) in the same sorted order
     as the forward, with onegemm's grouped GEMMs; every sum runs in a fixed order, so two
     backward passes give the same bits. A registered op of its own: under torch.compile the
@@ -316,14 +327,20 @@ def _moe_backward_impl(dy: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tenso
       dh_u = dy[token] @ W2_e;  dw[pair] = <dh_u, h>;  dh = w * dh_u
       dg = dh * u * silu'(g);  du = dh * silu(g);  dx[token] += [dg, du] @ W13_e
       dW13_e = [dg, du]_e^T @ x[token]_e;  dW2_e = (w * dy[token])_e^T @ h_e
+    ``differentiable`` (double backward): GEMM1 runs as grouped_matmul on the gathered rows
+    x[token] (one [P, H] copy) instead of the gathering kernel, which autograd cannot see
+    into; every other step is already a differentiable op.
     """
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
     if P == 0:
         return torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down), torch.zeros_like(topk_weights)
     pair, token, offs = sort_by_expert(topk_ids, E)
     pair = pair.long()
-    h_pre = empty((P, 2 * I), dtype=x.dtype, device=x.device)
-    _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
+    if differentiable:
+        h_pre = grouped_matmul(x[token], w_gate_up.transpose(1, 2), offs)
+    else:
+        h_pre = empty((P, 2 * I), dtype=x.dtype, device=x.device)
+        _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
     g, u = h_pre[:, :I].float(), h_pre[:, I:].float()
     sig = torch.sigmoid(g)
     silu = g * sig

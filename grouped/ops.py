@@ -8,7 +8,7 @@ import torch
 
 from ..blockscaled.quantize import BLOCK
 from ..core import checks, configs
-from ..core.dispatch import Op, begin, fused
+from ..core.dispatch import Op, activate, begin, fused, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2
 from ..core.tiles import NO_OPERAND, NO_SCALES, Operand, Routing, Scales, Vector
@@ -219,7 +219,8 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     channel). Output bf16 by default; bias and activation as above. Not differentiable.
 
     Differentiable in a, b and bias in every mode; each mode's backward is two other modes
-    (docs/autograd.md). Traceable by torch.compile, list mode excepted (eager only).
+    (docs/autograd.md); list mode in every a_i and b_i (each pair's backward is two list-mode
+    calls). Traceable by torch.compile, list mode excepted (eager only).
     """
     checks.check_config(config)
     checks.check_tma(tma)
@@ -229,7 +230,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
         for name, value in (("offs", offs), ("bias", bias), ("tma", tma or None), ("scale_a", scale_a), ("scale_b", scale_b)):
             if value is not None:
                 raise checks.bad_value(name, "None in list mode (grouped_matmul([a0, ...], [b0, ...]))", type(value).__name__)
-        return grouped_list(a, b, activation, out_dtype, config)
+        return _list_mode(a, b, activation, out_dtype, config)
     if scale_a is not None or scale_b is not None:
         checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a,
                                         scale_b=scale_b, bias=bias)
@@ -429,11 +430,58 @@ GROUPED = Op("grouped_mm", _grouped_impl, _grouped_fake, _grouped_setup, _groupe
 GROUPED_FP8 = Op("grouped_mm_fp8", _grouped_fp8_impl, _grouped_fp8_fake)
 
 
-def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):
-    """List mode (see grouped_matmul): one launch of list_kernel over every pair's tiles."""
+def _list_mode(As, Bs, activation, out_dtype, config):
+    """List mode's entry: the kernel directly, or with gradients through _ListGrad (eager
+    only: a list of tensors is no op schema type, so list mode has no registered op). With
+    gradients an activation follows the GEMM as a torch op, as in core.dispatch.fused."""
     for name, value in (("a", As), ("b", Bs)):
         if not isinstance(value, (list, tuple)):
             raise checks.bad_type(name, "a list of tensors in list mode (a and b both lists)", value)
+    if not wants_grad(*As, *Bs):
+        return grouped_list(As, Bs, activation, out_dtype, config)
+    checks.check_differentiable(**{f"a[{i}]": x for i, x in enumerate(As)}, **{f"b[{i}]": w for i, w in enumerate(Bs)})
+    begin(config, next(t for t in (*As, *Bs) if t.requires_grad), None, None)  # config's rule under gradients
+    checks.check_activation(activation)
+    if len(As) != len(Bs):
+        raise checks.bad_value("b", f"a list of as many b's as a's ({len(As)})", len(Bs))
+    return [activate(z, activation) for z in _ListGrad.apply(len(As), out_dtype, *As, *Bs)]
+
+
+class _ListGrad(torch.autograd.Function):
+    """List mode with gradients: pair i is the plain product z_i = a_i @ b_i, so
+    da_i = dz_i @ b_i^T and db_i = a_i^T @ dz_i, each set one list-mode call over the pairs
+    that need it (grouped_matmul itself, so the backward is differentiable in turn)."""
+
+    @staticmethod
+    def forward(ctx, n: int, out_dtype, *tensors):
+        As, Bs = list(tensors[:n]), list(tensors[n:])
+        ctx.save_for_backward(*tensors)
+        ctx.n = n
+        return tuple(grouped_list(As, Bs, None, out_dtype))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, saved = ctx.n, ctx.saved_tensors
+        As, Bs = saved[:n], saved[n:]
+        need = ctx.needs_input_grad[2:]
+        out = [None] * (2 * n)
+        pick_a = [i for i in range(n) if need[i]]
+        pick_b = [i for i in range(n) if need[n + i]]
+        if pick_a:
+            das = grouped_matmul([grads[i].to(Bs[i].dtype) for i in pick_a], [Bs[i].t() for i in pick_a],
+                                 out_dtype=As[0].dtype)
+            for i, da in zip(pick_a, das):
+                out[i] = da
+        if pick_b:
+            dbs = grouped_matmul([As[i].t() for i in pick_b], [grads[i].to(As[i].dtype) for i in pick_b],
+                                 out_dtype=Bs[0].dtype)
+            for i, db in zip(pick_b, dbs):
+                out[n + i] = db
+        return (None, None, *out)
+
+
+def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):
+    """List mode (see grouped_matmul): one launch of list_kernel over every pair's tiles."""
     if len(As) != len(Bs):
         raise checks.bad_value("b", f"a list of as many b's as a's ({len(As)})", len(Bs))
     checks.check_activation(activation)

@@ -240,6 +240,119 @@ def test_fp8_training_swaps_linears(device):
     assert all(p.grad is not None for p in model.parameters())
 
 
+# ---- double backward: create_graph=True against float64 torch ----
+#
+# torch.autograd.gradgradcheck needs float64 inputs, which no onegemm op takes (its finite
+# differences in float32 need loose bounds and cost seconds per op on the interpreter), so
+# each op's second-order gradients are compared with float64 torch's double backward of the
+# same inputs instead.
+
+
+def second_order(fn, inputs, u, v):
+    """dL2/d(inputs) for L2 = sum_i <v_i, dL1/d(input_i)> and L1 = <u, y> + |y|^2 / 2: the
+    first-order gradients are differentiated again, and their incoming gradient u + y depends
+    on the inputs too (the loss of issue 31: |dx|^2 + |y|^2 has both kinds of term)."""
+    ys = fn(*inputs)
+    ys = list(ys) if isinstance(ys, (list, tuple)) else [ys]
+    first = sum((y * w).sum() + 0.5 * (y * y).sum() for y, w in zip(ys, u))
+    grads = torch.autograd.grad(first, inputs, create_graph=True)
+    return torch.autograd.grad(sum((g * w).sum() for g, w in zip(grads, v)), inputs)
+
+
+def _second_order_case(case, device):
+    """(onegemm function, its float64 torch reference, the inputs to differentiate)."""
+    if case == "matmul":
+        a, b, bias = make((17, 9), torch.float32, device), make((9, 5), torch.float32, device, "transposed"), torch.randn(5)
+        return (lambda a, b, bias: onegemm.matmul(a, b, bias=bias, activation="gelu"),
+                lambda a, b, bias: matmul_ref(a, b, bias, "gelu"), [a, b, bias.to(device)])
+    if case == "persistent_matmul":
+        return (lambda a, b: onegemm.persistent_matmul(a, b, activation="silu", num_programs=2),
+                lambda a, b: matmul_ref(a, b, None, "silu"), [torch.randn(6, 33, device=device), torch.randn(33, 7, device=device)])
+    if case == "linear":
+        return (lambda x, w, bias: onegemm.linear(x, w, bias, activation="gelu_tanh"),
+                lambda x, w, bias: F.gelu(F.linear(x, w, bias), approximate="tanh"),
+                [torch.randn(2, 3, 8, device=device), torch.randn(5, 8, device=device), torch.randn(5, device=device)])
+    if case in ("2Dx3D", "3Dx3D", "2Dx2D", "3Dx2D"):
+        sizes = {"2Dx3D": [5, 0, 7], "3Dx3D": None, "2Dx2D": [6, 0, 5], "3Dx2D": [4, 0, 7]}[case]
+        a, b, bias, offs = _grouped_inputs(case, sizes, 3, 8, 6, torch.float32, device)
+        return (lambda a, b, bias: onegemm.grouped_matmul(a, b, offs, bias=bias, activation="silu"),
+                lambda a, b, bias: grouped_mm_ref(a, b, offs, bias, "silu"), [a.detach(), b.detach(), bias.detach()])
+    if case == "list":
+        shapes = [(17, 8, 5), (1, 3, 30)]
+        ts = [torch.randn(m, k, device=device) for m, k, _ in shapes] + [torch.randn(k, n, device=device) for _, k, n in shapes]
+        return (lambda *t: onegemm.grouped_matmul(list(t[:2]), list(t[2:]), activation="silu"),
+                lambda *t: [F.silu(a @ b) for a, b in zip(t[:2], t[2:])], ts)
+    x, w13, w2, weights, ids = _moe_inputs(5, 8, 4, 3, 2, torch.float32, device)  # "moe_ffn"
+    return (lambda *t: onegemm.moe_ffn(*t, ids), lambda *t: moe_ref(*t, ids), [x, w13, w2, weights])
+
+
+# Every differentiable op with a second derivative. Fp8Linear has none: the test below.
+SECOND_ORDER_CASES = [pytest.param(c, id=c) for c in (
+    "matmul", "persistent_matmul", "linear", "2Dx3D", "3Dx3D", "2Dx2D", "3Dx2D", "list", "moe_ffn")]
+
+
+@pytest.mark.parametrize("case", SECOND_ORDER_CASES)
+def test_double_backward(case, device):
+    fn, ref, inputs = _second_order_case(case, device)
+    inputs = [leaf(t) for t in inputs]
+    ys = fn(*inputs)
+    ys = list(ys) if isinstance(ys, (list, tuple)) else [ys]
+    u = [torch.randn_like(y) for y in ys]
+    v = [torch.randn_like(t) for t in inputs]
+    got = second_order(fn, inputs, u, v)
+    want = second_order(ref, [leaf(t.double()) for t in inputs], [w.double() for w in u], [w.double() for w in v])
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, GRAD_TOL[torch.float32], f"second-order gradient of input {i}")
+
+
+@pytest.mark.parametrize("trainable,loss", [
+    pytest.param(True, "dx2+y2", id="trainable-|dx|^2+|y|^2"),
+    pytest.param(True, "dx2", id="trainable-|dx|^2"),
+    pytest.param(False, "dx2+y2", id="frozen-|dx|^2+|y|^2"),
+])
+def test_fp8_linear_refuses_second_derivatives(trainable, loss, device):
+    """Fp8Linear's backward quantises dy and runs FP8 GEMMs: it has no second derivative, so
+    differentiating its gradients raises ValueError naming create_graph and Fp8Linear (never
+    a loss whose second-order terms are dropped, never torch's "does not require grad")."""
+    layer = onegemm.Fp8Linear(128, 16, device=device, trainable=trainable)
+    x = leaf(torch.randn(3, 128, device=device))
+    y = layer(x)
+    first = (y * y).sum() if loss == "dx2+y2" else y.sum()
+    gx, = torch.autograd.grad(first, x, create_graph=True)
+    second = (gx * gx).sum() + ((y * y).sum() if loss == "dx2+y2" else 0)
+    with pytest.raises(ValueError, match="create_graph must be False for gradients through Fp8Linear"):
+        second.backward()
+    # create_graph=True alone (the gradients not differentiated) gives the usual gradients.
+    again = torch.autograd.grad(layer(x).sum(), x, create_graph=True)[0]
+    assert_close(again, torch.autograd.grad(layer(x).sum(), x)[0], 0.0)
+
+
+# ---- list mode: each pair's gradients ----
+
+
+@pytest.mark.parametrize("shapes,act", [
+    pytest.param([(17, 8, 5), (1, 33, 3), (127, 16, 1)], None, id="three-pairs"),
+    pytest.param([(0, 4, 6), (5, 0, 3), (9, 7, 2)], "gelu", id="empty-pairs-gelu"),
+])
+def test_list_mode_gradients(shapes, act, device):
+    """grouped_matmul([a_i], [b_i]) differentiates every a_i and b_i (one list-mode call for
+    the a's, one for the b's); an input that does not require grad gets none."""
+    As = [leaf(make((m, k), torch.float32, device, "transposed" if i == 1 else "contig")) for i, (m, k, _) in enumerate(shapes)]
+    Bs = [leaf(torch.randn(k, n, device=device)) for _, k, n in shapes]
+    Bs[0].requires_grad_(False)
+    ys = onegemm.grouped_matmul(As, Bs, activation=act)
+    assert all(y.requires_grad for y in ys)
+    grads = [torch.randn_like(y) for y in ys]
+    torch.autograd.backward(ys, grads)
+    for i, (a, b, g) in enumerate(zip(As, Bs, grads)):
+        want = ref_grads(lambda a, b: matmul_ref(a, b, None, act), [a, b], g)
+        assert_close(a.grad, want[0], GRAD_TOL[torch.float32], f"grad of a[{i}]")
+        if i == 0:
+            assert b.grad is None
+        else:
+            assert_close(b.grad, want[1], GRAD_TOL[torch.float32], f"grad of b[{i}]")
+
+
 # ---- errors where no gradient can be given ----
 
 
@@ -257,6 +370,10 @@ def test_errors_instead_of_dropped_gradients(device):
     qb, sb = onegemm.quantize_fp8(b.t().contiguous())
     with pytest.raises(ValueError, match="bias must be free of requires_grad: blockscaled_matmul has no gradient"):
         onegemm.blockscaled_matmul(qa, qb.t(), sa, sb.t(), bias=leaf(torch.zeros(4, device=device)))
+    with pytest.raises(ValueError, match="config must be None when gradients are recorded"):
+        onegemm.grouped_matmul([a], [b], config=onegemm.core.configs.MATMUL_INTERPRET)
+    with pytest.raises(ValueError, match="a\\[1\\] must be free of requires_grad for a float8 tensor"):
+        onegemm.grouped_matmul([a.detach(), q], [b, b.to(torch.float8_e4m3fn)])
     with torch.no_grad():
         onegemm.quantize_fp8(a)  # no gradient recorded: fine
 

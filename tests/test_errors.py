@@ -212,3 +212,72 @@ def test_inputs_are_not_written(op, device):
     for i, (t, old) in enumerate(zip(inputs, before)):
         assert torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t, old.view(torch.uint8) if old.dtype.itemsize == 1 else old), \
             f"{name} changed its input {i}"
+
+
+# ---- a wrong type is a TypeError naming the argument, with gradients or without ----
+
+
+def _fp8_args(device):
+    """Quantised operands: blockscaled (a [4, 128] 1x128, b = W.t() 128x128) and grouped 2D x 3D."""
+    qa, sa = quantize_fp8_ref(_f(4, 128, device=device), (1, 128))
+    qw, sw = quantize_fp8_ref(_f(16, 128, device=device), (128, 128))
+    offs = torch.tensor([1, 4], dtype=torch.int32, device=device)
+    return dict(qa=qa, sa=sa, qb=qw.t(), sb=sw.t(), gb=torch.stack([qw.t(), qw.t()]), gsb=sw.t().expand(2, 1, 1).contiguous(),
+                offs=offs)
+
+
+def _moe_fp8_args(device):
+    moe = _moe_args(device)
+    q13, s13, q2, s2 = onegemm.quantize_experts(moe["w_gate_up"], moe["w_down"])
+    return moe | dict(w_gate_up=q13, w_down=q2, w_gate_up_scale=s13, w_down_scale=s2)
+
+
+def _grad_leaf(*shape, device):
+    return _f(*shape, device=device).requires_grad_()
+
+
+# (case, call, the message's start). The calls hold a tensor that requires grad where the
+# path with gradients differs from the one without.
+BAD_TYPES = [
+    ("grouped scale_a float", lambda d, q: onegemm.grouped_matmul(q["qa"], q["gb"], q["offs"], scale_a=1.0, scale_b=q["gsb"]),
+     "scale_a must be a torch.Tensor, got float"),
+    ("grouped scale_b list", lambda d, q: onegemm.grouped_matmul(q["qa"], q["gb"], q["offs"], scale_a=q["sa"], scale_b=[1.0]),
+     "scale_b must be a torch.Tensor, got list"),
+    ("grouped b float", lambda d, q: onegemm.grouped_matmul(_grad_leaf(6, 8, device=d), 2.0, q["offs"]),
+     "b must be a torch.Tensor, got float"),
+    ("grouped list a[0] float", lambda d, q: onegemm.grouped_matmul([1.0], [_grad_leaf(8, 4, device=d)]),
+     "a\\[0\\] must be a torch.Tensor, got float"),
+    ("grouped list b[1] None", lambda d, q: onegemm.grouped_matmul([_grad_leaf(3, 8, device=d)] * 2, [_f(8, 4, device=d), None]),
+     "b\\[1\\] must be a torch.Tensor, got NoneType"),
+    ("blockscaled scale_a float", lambda d, q: onegemm.blockscaled_matmul(q["qa"], q["qb"], 1.0, q["sb"]),
+     "scale_a must be a torch.Tensor, got float"),
+    ("blockscaled bias list", lambda d, q: onegemm.blockscaled_matmul(q["qa"], q["qb"], q["sa"], q["sb"], bias=[0.0] * 16),
+     "bias must be a torch.Tensor, got list"),
+    ("moe_ffn fp8 w_down_scale float", lambda d, q: onegemm.moe_ffn(**_moe_fp8_args(d) | dict(w_down_scale=1.0)),
+     "w_down_scale must be a torch.Tensor, got float"),
+    ("moe_ffn fp8 w_gate_up_scale list", lambda d, q: onegemm.moe_ffn(**_moe_fp8_args(d) | dict(w_gate_up_scale=[1.0])),
+     "w_gate_up_scale must be a torch.Tensor, got list"),
+    ("moe_ffn fp8 x list", lambda d, q: onegemm.moe_ffn(**_moe_fp8_args(d) | dict(x=[[0.0] * 16] * 6)),
+     "x must be a torch.Tensor, got list"),
+    ("moe_ffn fp8 topk_weights list", lambda d, q: onegemm.moe_ffn(**_moe_fp8_args(d) | dict(topk_weights=[[0.5, 0.5]] * 6)),
+     "topk_weights must be a torch.Tensor, got list"),
+    ("moe_ffn w_gate_up None", lambda d, q: onegemm.moe_ffn(**_moe_args(d) | dict(x=_grad_leaf(6, 16, device=d), w_gate_up=None)),
+     "w_gate_up must be a torch.Tensor, got NoneType"),
+    ("moe_ffn w_gate_up list", lambda d, q: onegemm.moe_ffn(**_moe_args(d) | dict(w_gate_up=[[[0.0]]])),
+     "w_gate_up must be a torch.Tensor, got list"),
+    ("moe_ffn bf16 experts w_down_scale float", lambda d, q: onegemm.moe_ffn(**_moe_args(d), w_down_scale=1.0),
+     "w_down_scale must be a torch.Tensor, got float"),
+    ("matmul a list", lambda d, q: onegemm.matmul([[1.0] * 8] * 4, _grad_leaf(8, 4, device=d)), "a must be a torch.Tensor, got list"),
+    ("persistent_matmul b float", lambda d, q: onegemm.persistent_matmul(_grad_leaf(4, 8, device=d), 1.0),
+     "b must be a torch.Tensor, got float"),
+    ("matmul persistent 1.0", lambda d, q: onegemm.matmul(_grad_leaf(4, 8, device=d), _f(8, 4, device=d), persistent=1.0),
+     "persistent must be None \\(automatic\\), True or False, got float"),
+]
+
+
+@pytest.mark.parametrize("grad", [pytest.param(True, id="grad"), pytest.param(False, id="no_grad")])
+@pytest.mark.parametrize("case,call,match", BAD_TYPES, ids=[row[0] for row in BAD_TYPES])
+def test_bad_type_with_and_without_gradients(case, call, match, grad, device):
+    q = _fp8_args(device)
+    with torch.set_grad_enabled(grad), pytest.raises(TypeError, match=match):
+        call(device, q)

@@ -1,6 +1,7 @@
 """onegemm.Fp8Linear: against the blockscaled reference, against the bf16 model it replaces,
 through a safetensors round trip, and on the stored Mixtral expert weights."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,120 @@ def test_gpu_llm_sized(lead, device):
     y = layer(x)
     assert_close(y, fp8_reference(layer, x), 1e-2)
     assert calc_diff(y, linear(x)) < 2e-3
+
+
+# ---- fp8_training keeps the model's own Parameters ----
+
+
+class TiedLM(nn.Module):
+    """A model with what a training set-up holds on to: an lm_head tied to the embedding, two
+    Linears sharing one weight, a frozen Linear."""
+
+    def __init__(self, device, V=40, H=32):
+        super().__init__()
+        self.emb = nn.Embedding(V, H, device=device)
+        self.up = nn.Linear(H, H, device=device)
+        self.share = nn.Linear(H, H, device=device)
+        self.share.weight = self.up.weight
+        self.frozen = nn.Linear(H, H, device=device)
+        self.frozen.weight.requires_grad_(False)
+        self.head = nn.Linear(H, V, bias=False, device=device)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.frozen(self.share(nn.functional.silu(self.up(self.emb(ids))))))
+
+
+def _float64_grads(model, ids):
+    """The unconverted model's gradients in float64 (by parameter name)."""
+    ref = copy.deepcopy(model).double()
+    ref(ids).square().sum().backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _tied(model, ids):
+    return model.head.weight is model.emb.weight and model.share.weight is model.up.weight
+
+
+def _case_frozen(model, ids, before):
+    assert not model.frozen.weight.requires_grad and model.frozen.bias.requires_grad
+    model(ids).square().sum().backward()
+    assert model.frozen.weight.grad is None and model.frozen.bias.grad is not None
+
+
+def _case_ties(model, ids, before):
+    """Tied weights stay one Parameter, so each gets the gradient of both its uses."""
+    assert _tied(model, ids)
+    want = _float64_grads(before["model"], ids)
+    model(ids).square().sum().backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close(p.grad, want[name], 0.1, f"grad of {name}")  # FP8 error ~2e-2; a lost tie ~0.5
+
+
+def _case_optimizer(model, ids, before):
+    """An optimizer built before the swap steps the converted model's Parameters."""
+    opt = before["opt"]
+    model(ids).square().sum().backward()
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.detach(), old[name].add(p.grad, alpha=-0.1)), name  # SGD's own arithmetic
+
+
+def _case_state_dict(model, ids, before):
+    """The keys stay nn.Linear's, and a checkpoint of the unconverted model loads as it is."""
+    sd = before["state_dict"]
+    assert set(model.state_dict()) == set(sd)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(sd)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, sd[name]), name
+    assert _tied(model, ids)
+
+
+def _case_deepcopy(model, ids, before):
+    twin = copy.deepcopy(model)
+    assert _tied(twin, ids) and twin.up.weight is not model.up.weight
+    assert not twin.frozen.weight.requires_grad
+    assert torch.equal(twin(ids), model(ids))
+
+
+def _case_to_dtype(model, ids, before):
+    model.to(torch.bfloat16)
+    assert _tied(model, ids) and model.up.weight.dtype == torch.bfloat16
+    assert not model.frozen.weight.requires_grad
+    y = model(ids)
+    assert y.dtype == torch.bfloat16
+    assert calc_diff(y, before["model"].double()(ids)) < 1e-2  # FP8 and bf16 error, not a broken layer
+
+
+@pytest.mark.parametrize("check", [
+    pytest.param(_case_frozen, id="frozen-stays-frozen"),
+    pytest.param(_case_ties, id="ties-stay-tied"),
+    pytest.param(_case_optimizer, id="optimizer-built-before"),
+    pytest.param(_case_state_dict, id="state-dict-and-unconverted-checkpoint"),
+    pytest.param(_case_deepcopy, id="deepcopy"),
+    pytest.param(_case_to_dtype, id="to-bfloat16"),
+])
+def test_fp8_training_keeps_the_parameters(check, device):
+    model = TiedLM(device)
+    before = dict(model=copy.deepcopy(model), state_dict={k: v.clone() for k, v in model.state_dict().items()},
+                  opt=torch.optim.SGD(model.parameters(), lr=0.1))
+    params = dict(model.named_parameters())
+    onegemm.fp8_training(model)
+    assert isinstance(model.up, onegemm.Fp8Linear) and isinstance(model.head, onegemm.Fp8Linear)
+    after = dict(model.named_parameters())
+    assert after.keys() == params.keys() and all(after[n] is p for n, p in params.items())  # the same objects
+    check(model, torch.randint(0, 40, (2, 5), device=device), before)
+
+
+def test_from_linear_reuses_the_parameters(device):
+    linear = nn.Linear(64, 24, device=device)
+    trainable = onegemm.Fp8Linear.from_linear(linear, trainable=True)
+    assert trainable.weight is linear.weight and trainable.bias is linear.bias
+    frozen = onegemm.Fp8Linear.from_linear(linear)
+    assert frozen.bias is linear.bias and frozen.weight.dtype == torch.float8_e4m3fn
