@@ -405,7 +405,8 @@ class WgmmaKey(NamedTuple):
     k: int
     scaling: str    # "<kind of scale_a>,<kind of scale_b>", as BlockscaledKey's
     out: str        # the output dtype: its staging tile in shared memory bounds STAGES
-    mode: str = "dense"  # "dense", "grouped" (2D x 3D over offs) or "swiglu" (MoE GEMM1)
+    mode: str = "dense"  # "dense", "grouped" (2D x 3D over offs), "swiglu" (MoE GEMM1), or their
+    #                      decode forms "decode" / "decode_swiglu" (tiles computed transposed)
 
     def __str__(self):
         return f"m={self.m} n={self.n} k={self.k} {self.scaling} out={self.out}" + (
@@ -430,23 +431,39 @@ WGMMA_MIN_M = 128
 # the Triton body's 16-64-row tiles beat 128-row (SwiGLU: 64-row) ones, which compute a
 # group's last tile whole (the decode sweep in bench/results/moe_fp8.md).
 WGMMA_MIN_GROUP_ROWS = 256
+# ... and its decode form (SWAP: the weights' rows on wgmma's M side) up to this many: 0, since
+# at every decode size measured the Triton body's thin tiles were faster (bench/results/moe_fp8.md).
+WGMMA_DECODE_MAX_ROWS = 0
 _SMEM = 232448  # bytes of shared memory a program may use on sm_90
 
 
 def _wgmma_fits(c: triton.Config, out: str, mode: str = "dense") -> bool:
     k = c.kwargs
-    b_rows = k["BLOCK_N"] * (2 if mode == "swiglu" else 1)  # SwiGLU: gate and up rows of W
-    ring = k["STAGES"] * (k["BLOCK_M"] + b_rows) * k["BLOCK_K"]  # fp8 A and W tiles
+    bm, bn = k["BLOCK_M"], k["BLOCK_N"]
+    b_rows = bn * (1 if mode in ("dense", "grouped") else 2)  # SwiGLU's gate and up rows; SWAP's two consumers'
+    ring = k["STAGES"] * (bm + b_rows) * k["BLOCK_K"]  # fp8 A and W tiles
+    out_bytes = 4 if out == "fp32" else 1 if out == "fp8" else 2
     if mode == "dense":
-        staging = k["BLOCK_M"] * k["BLOCK_N"] * (4 if out == "fp32" else 2)  # the two consumers' C tiles
-    else:  # grouped tiles store through pointers, from a layout change in shared memory; SwiGLU
-        # hands the up tile over in fp32 and stores fp8
-        staging = 64 * k["BLOCK_N"] * 5 if mode == "swiglu" else 2 * 64 * k["BLOCK_N"] * (4 if out == "fp32" else 2)
+        staging = bm * bn * out_bytes  # the two consumers' C tiles
+    elif mode.endswith("swiglu"):  # the up tile handed over in fp32, one consumer's fp8 store
+        staging = (64 if mode == "swiglu" else bm) * bn * 5
+    else:  # each consumer's layout change before its pointer stores
+        staging = 2 * (64 if mode == "grouped" else bm) * bn * out_bytes
     return ring + staging + 1024 <= _SMEM
 
 
+def decode_tokens(m: int, swiglu: bool = False) -> int:
+    """Tokens per SWAP tile (wgmma's N side) for m rows per group; SwiGLU's two 128-feature
+    accumulators spill past 32."""
+    return 16 if m <= 16 else 32 if m <= 32 or swiglu else 64
+
+
 def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
-    if key.mode == "swiglu":
+    if key.mode.startswith("decode"):
+        bn = 128 if key.mode == "decode_swiglu" else 64
+        found = [wgmma_cfg(bn, st, kg, bm=bt) for bt in ((16, 32) if bn == 128 else (16, 32, 64)) for st in (4, 6, 8)
+                 for kg in (1, 2, 4)]
+    elif key.mode == "swiglu":
         found = [wgmma_cfg(128, st, kg, bm=64) for st in (3, 4) for kg in (1, 2, 3)]
     elif key.scaling.endswith("128x1"):
         found = [wgmma_cfg(64, st, kg) for st in (4, 6) for kg in (2, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 6)]
@@ -458,7 +475,13 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
 def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
     """The deepest ring that fits, three K blocks per unrolled group; 64-wide tiles when
     128-wide ones would leave SMs idle, and for per-column weight scales (128x1). SwiGLU
-    tiles are 64 rows by 128 output columns (the 1x128 blocks of its fp8 output)."""
+    tiles are 64 rows by 128 output columns (the 1x128 blocks of its fp8 output). Decode
+    (SWAP) tiles hold the group's tokens on wgmma's N side and keep many weight bytes in
+    flight: a deep ring of thin slots."""
+    if key.mode.startswith("decode"):
+        bn = 128 if key.mode == "decode_swiglu" else 64
+        bt = decode_tokens(key.m, key.mode == "decode_swiglu")
+        return next(c for c in (wgmma_cfg(bn, st, 2, bm=bt) for st in (8, 6, 4)) if _wgmma_fits(c, key.out, key.mode))
     if key.mode == "swiglu":
         return wgmma_cfg(128, 4, 2, bm=64)
     narrow = key.scaling.endswith("128x1") or (key.mode == "dense" and tiles(key.m, key.n, 128, 128) < sms)

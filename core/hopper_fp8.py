@@ -79,6 +79,13 @@ def _acc_layout(block_n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 32])
 
 
+@triton.constexpr_function
+def _tile_n(block_n, swiglu, swap):
+    """Output columns per tile: BLOCK_N, or both consumers' BLOCK_N features side by side
+    when SWAP (without SWIGLU) splits a tile's features between them."""
+    return 2 * block_n if swap and not swiglu else block_n
+
+
 @gluon.jit
 def _tile(tile, M, N, groups, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
           GROUPED: gl.constexpr):
@@ -103,15 +110,18 @@ def _num_tiles(M, N, groups, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, groups,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, GROUPED: gl.constexpr, SWIGLU: gl.constexpr):
+                    STAGES: gl.constexpr, GROUPED: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr):
     """The TMA loader: every K block of every tile this program owns, in the consumers' order.
-    SWIGLU: a slot holds the tile's gate rows of W, then its up rows (N further on)."""
-    num_tiles = _num_tiles(M, N, groups, BLOCK_M, BLOCK_N, GROUPED)
+    SWIGLU: a slot holds the tile's gate rows of W, then its up rows (N further on); SWAP
+    alone: the tile's 2 * BLOCK_N rows of W, one consumer's BLOCK_N after the other's."""
+    TILE_N: gl.constexpr = _tile_n(BLOCK_N, SWIGLU, SWAP)
+    num_tiles = _num_tiles(M, N, groups, BLOCK_M, TILE_N, GROUPED)
     k_blocks = gl.cdiv(K, BLOCK_K)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if SWIGLU else 1) * b_desc.block_type.nbytes
+    TWO: gl.constexpr = SWIGLU or SWAP
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if TWO else 1) * b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, BLOCK_N, GROUP_M, GROUPED)
+        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, TILE_N, GROUP_M, GROUPED)
         w_row = g * groups.b_rows + off_n
         if fill == 0:
             for kb in range(k_blocks):
@@ -120,12 +130,12 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, group
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
-                if SWIGLU:
+                if TWO:
                     b = b_bufs.index(s)
                     tma.async_copy_global_to_shared(b_desc, [w_row, kb * BLOCK_K], ready.index(s),
                                                     b.slice(0, BLOCK_N, dim=0))
-                    tma.async_copy_global_to_shared(b_desc, [w_row + N, kb * BLOCK_K], ready.index(s),
-                                                    b.slice(BLOCK_N, BLOCK_N, dim=0))
+                    tma.async_copy_global_to_shared(b_desc, [w_row + (N if SWIGLU else BLOCK_N), kb * BLOCK_K],
+                                                    ready.index(s), b.slice(BLOCK_N, BLOCK_N, dim=0))
                 else:
                     tma.async_copy_global_to_shared(b_desc, [w_row, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
                 it += 1
@@ -150,44 +160,55 @@ def _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols, mask_n, SA_ROWS
 
 
 @gluon.jit
-def _promote(acc, raw, sa, sb, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr):
+def _promote(acc, raw, sa, sb, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, SWAP: gl.constexpr = False):
     """acc + raw * sa[rows] * sb[cols], with the two scale factors folded first where one is a
-    scalar (one multiply-add per element)."""
-    if SB_COLS == 1:
+    scalar (one multiply-add per element). SWAP: the tile is transposed (W's rows by the
+    tokens), so A's per-token scales run along its columns."""
+    if SWAP:
+        out = acc + raw * (sa * sb)[None, :]
+    elif SB_COLS == 1:
         if SA_ROWS == 1:
-            return acc + raw * sa[:, None] * sb[None, :]
+            out = acc + raw * sa[:, None] * sb[None, :]
         else:
-            return acc + raw * (sb * sa)[None, :]
+            out = acc + raw * (sb * sa)[None, :]
     else:
         if SA_ROWS == 1:
-            return acc + raw * (sa * sb)[:, None]
+            out = acc + raw * (sa * sb)[:, None]
         else:
-            return acc + raw * (sa * sb)
+            out = acc + raw * (sa * sb)
+    return out
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-           SWIGLU: gl.constexpr):
+def _issue(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr):
     """Start the wgmma of the K block in slot ``it % STAGES`` on this consumer's part of the
-    tile: its 64 rows (SWIGLU: all 64 rows, and the gate (HALF 0) or up (HALF 1) rows of W)."""
-    # use_acc=False ignores the accumulator's value; a zeros tensor kept live across the loop
-    # would hold 64 more registers per thread
-    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
+    tile: its 64 rows (SWIGLU: all 64 rows, and the gate (HALF 0) or up (HALF 1) rows of W).
+    SWAP: W's rows are the wgmma's M side and the tile's BLOCK_M tokens its N side."""
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    if SWIGLU:
-        a = a_bufs.index(s)
-        b = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+    # use_acc=False ignores the accumulator's value; a zeros tensor kept live across the loop
+    # would hold 64 more registers per thread
+    if SWAP:
+        zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, _acc_layout(BLOCK_M))
+        a = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+        b = a_bufs.index(s)
     else:
-        a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
-        b = b_bufs.index(s)
+        zero = gl.zeros([ROWS, BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
+        if SWIGLU:
+            a = a_bufs.index(s)
+            b = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+        else:
+            a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
+            b = b_bufs.index(s)
     return warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n,
-            HALF: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, K_GROUP: gl.constexpr, SWIGLU: gl.constexpr):
+            HALF: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr, SWIGLU: gl.constexpr,
+            SWAP: gl.constexpr):
     """One consumer's K loop over a tile: groups of K_GROUP blocks, unrolled: issue block j's
     wgmma, wait until only it is in flight, promote block j-1. Returns (acc, it)."""
     groups = k_blocks // K_GROUP
@@ -200,32 +221,32 @@ def _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, row
         sa, sb = sa_n, sb_n
         sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
                                    SA_ROWS, SB_COLS)
-        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, SWIGLU)
+        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP)
         for j in gl.static_range(1, K_GROUP):
             next_sa, next_sb = sa_n, sb_n
             sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + j + 1, last), rows, mask_m, off_m, cols,
                                        mask_n, SA_ROWS, SB_COLS)
-            next_raw = _issue(a_bufs, b_bufs, ready, it + j, HALF, BLOCK_N, STAGES, SWIGLU)
+            next_raw = _issue(a_bufs, b_bufs, ready, it + j, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP)
             # block j - 1 is done once at most one wgmma (block j's) is in flight
             raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw, ))
             mbarrier.arrive(empty.index((it + j - 1) % STAGES))
-            acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
+            acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS, SWAP)
             # Pass acc through a wait that lets block j run on: the promotion cannot then
             # sink below the next block's issue, where three raw tiles would be live (spills).
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             raw, sa, sb = next_raw, next_sa, next_sb
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
         mbarrier.arrive(empty.index((it + K_GROUP - 1) % STAGES))
-        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
+        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS, SWAP)
         it += K_GROUP
     for kb in range(groups * K_GROUP, k_blocks):  # the K blocks left over, one at a time
         sa, sb = sa_n, sb_n
         sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
                                    SA_ROWS, SB_COLS)
-        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, SWIGLU)
+        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
         mbarrier.arrive(empty.index(it % STAGES))
-        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS)
+        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS, SWAP)
         it += 1
     return acc, it
 
@@ -247,7 +268,7 @@ def _store_rows(C, acc, off_m, off_n, row_end, N, scatter):
     BLOCK_N: gl.constexpr = acc.shape[1]
     layout: gl.constexpr = _store_layout(BLOCK_N, C.ptr.dtype.element_ty)
     val = gl.convert_layout(acc.to(C.ptr.dtype.element_ty), layout)
-    rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     mask_m = rows < row_end
     out_rows = rows
@@ -259,7 +280,7 @@ def _store_rows(C, acc, off_m, off_n, row_end, N, scatter):
 
 @gluon.jit
 def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr):
-    """h [ROWS, 128] -> fp8 values on the grid (fp32) with one scale per row (core/fp8.py's
+    """h [rows, 128] -> fp8 values on the grid (fp32) with one scale per row (core/fp8.py's
     rule, quantize_fp8's 1x128 blocks), stored at S[out_rows, off_n / 128]. Columns past N are
     zeroed first: they must not set an amax."""
     h = gl.where(mask_n[None, :], h, 0.0)
@@ -274,20 +295,37 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, xchg, xchg_
                        HALF: gl.constexpr, ACTIVATION: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr,
-                       GROUPED: gl.constexpr, SWIGLU: gl.constexpr):
-    """One consumer warpgroup: its part of every tile (rows HALF * 64 .. HALF * 64 + 63; with
-    SWIGLU all 64 rows, HALF 0 the gate and HALF 1 the up product), K loop and epilogue."""
-    layout: gl.constexpr = _acc_layout(BLOCK_N)
-    num_tiles = _num_tiles(M, N, groups, BLOCK_M, BLOCK_N, GROUPED)
+                       GROUPED: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr):
+    """One consumer warpgroup: its part of every tile, K loop and epilogue. Its part: rows
+    HALF * 64 .. HALF * 64 + 63; with SWIGLU all 64 rows, HALF 0 the gate and HALF 1 the up
+    product; with SWAP all BLOCK_M rows (tokens) and BLOCK_N features (the HALF-th BLOCK_N of
+    the tile's; with SWIGLU the gate's or the up's), computed transposed."""
+    TILE_N: gl.constexpr = _tile_n(BLOCK_N, SWIGLU, SWAP)
+    if SWAP:  # the accumulator is [features, tokens]
+        layout: gl.constexpr = _acc_layout(BLOCK_M)
+        ACC_M: gl.constexpr = BLOCK_N
+        ACC_N: gl.constexpr = BLOCK_M
+    else:
+        layout: gl.constexpr = _acc_layout(BLOCK_N)
+        ACC_M: gl.constexpr = ROWS
+        ACC_N: gl.constexpr = BLOCK_N
+    num_tiles = _num_tiles(M, N, groups, BLOCK_M, TILE_N, GROUPED)
     k_blocks = gl.cdiv(K, BLOCK_K)
     it = 0
     swaps = 0  # SWIGLU: tiles whose up product went through ``xchg``
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, BLOCK_N, GROUP_M, GROUPED)
-        if not SWIGLU:
-            off_m = off_m + HALF * ROWS
-        rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, TILE_N, GROUP_M, GROUPED)
+        if SWAP:
+            if not SWIGLU:
+                off_n = off_n + HALF * BLOCK_N  # this consumer's features
+            # the scales' index vectors follow the tokens, the accumulator's columns
+            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        else:
+            if not SWIGLU:
+                off_m = off_m + HALF * ROWS
+            rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         mask_m = rows < row_end
         mask_n = cols < N
         # the tile's scale_b: its group's, and with SWIGLU the up rows' blocks after the gate's
@@ -299,30 +337,37 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, xchg, xchg_
             sb_ptr += sb_col * scales.b.stride1
         if GROUPED:
             sb_ptr += g.to(gl.int64) * groups.scale_b_g
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
+        acc = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
         if fill == 0:
             acc, it = _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m,
-                              cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_N, STAGES, K_GROUP, SWIGLU)
+                              cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, STAGES, K_GROUP, SWIGLU, SWAP)
         elif fill == 2:
-            acc = gl.full([ROWS, BLOCK_N], float("nan"), gl.float32, layout)
+            acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
+        if SWIGLU:
+            if fill == 0:
+                if HALF == 1:  # hand the up product to the gate's warpgroup
+                    mbarrier.wait(xchg_empty, (swaps & 1) ^ 1)
+                    xchg.store(acc)
+                    mbarrier.arrive(xchg_full)
+                else:
+                    mbarrier.wait(xchg_full, swaps & 1)
+                    up = xchg.load(layout)
+                    mbarrier.arrive(xchg_empty)
+                    acc = activate(acc, "silu") * up
+                swaps += 1
 
         if GROUPED:
-            out_rows = rows
-            if groups.scatter is not None:
-                out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
-            if SWIGLU:
-                if fill == 0:
-                    if HALF == 1:  # hand the up product to the gate's warpgroup
-                        mbarrier.wait(xchg_empty, (swaps & 1) ^ 1)
-                        xchg.store(acc)
-                        mbarrier.arrive(xchg_full)
-                    else:
-                        mbarrier.wait(xchg_full, swaps & 1)
-                        up = xchg.load(layout)
-                        mbarrier.arrive(xchg_empty)
-                        acc = activate(acc, "silu") * up
-                    swaps += 1
+            if SWAP:  # back to [tokens, features]: a register relabelling, no data moves
+                acc = gl.permute(acc, (1, 0))
+                out_layout: gl.constexpr = acc.type.layout
+                rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+                mask_m = rows < row_end
+                mask_n = cols < N
             if HALF == 0 or not SWIGLU:
+                out_rows = rows
+                if groups.scatter is not None:
+                    out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
                 bias_g = bias
                 if bias.ptr is not None:
                     bias_g = Vector(bias.ptr + g.to(gl.int64) * groups.bias_g, bias.stride)
@@ -347,7 +392,8 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                              K_GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             GROUPED: gl.constexpr = False, SWIGLU: gl.constexpr = False):
+                             GROUPED: gl.constexpr = False, SWIGLU: gl.constexpr = False,
+                             SWAP: gl.constexpr = False):
     """C = epilogue(sum over K blocks of (A_k @ B_k) * scale_a_k * scale_b_k), on sm_90.
 
     A: Operand over fp8 [M, K] with stride1 == 1 (row-major), 16-byte aligned rows.
@@ -366,12 +412,17 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     SWIGLU (GROUPED): W holds each group's gate rows then its up rows (b_rows = 2N); C gets
        silu(gate) * up. The two consumers compute the gate and the up product of the same 64
        rows, and the up one hands its tile over through shared memory (``xchg``).
-    BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU), BLOCK_K = 128 (one scale block per
-    K step); BLOCK_N <= 128 when SB_COLS = 128. CONSUMER_REGS: registers per thread of the
-    worker consumer.
+    SWAP (GROUPED, decode): each tile is computed transposed, C^T = W_g @ A^T, so that W's
+       rows fill wgmma's 64-row M side and the few tokens of a group its N side (BLOCK_M =
+       16, 32 or 64 tokens per tile); each consumer takes BLOCK_N of the tile's features (with
+       SWIGLU: the gate's or the up's BLOCK_N = 128).
+    BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU; tokens with SWAP), BLOCK_K = 128
+    (one scale block per K step); BLOCK_N <= 128 when SB_COLS = 128. CONSUMER_REGS:
+    registers per thread of the worker consumer.
     Grid: (min(tiles, SMs),); each program walks tiles pid, pid + grid, ... in GROUP_M order.
     """
-    gl.static_assert(BLOCK_M == (1 if SWIGLU else 2) * ROWS)
+    gl.static_assert(SWAP or BLOCK_M == (1 if SWIGLU else 2) * ROWS)
+    gl.static_assert(GROUPED or not SWAP)
     gl.static_assert(BLOCK_K == 128)
     gl.static_assert(SA_ROWS == 1 or SA_ROWS % BLOCK_M == 0)
     gl.static_assert(SB_COLS == 1 or SB_COLS % BLOCK_N == 0)
@@ -382,7 +433,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     a_desc = tma.make_tensor_descriptor(A.ptr, [M, K], [A.stride0, 1], [BLOCK_M, BLOCK_K], a_layout)
     b_desc = tma.make_tensor_descriptor(B.ptr, [groups.G * groups.b_rows, K], [B.stride1, 1], [BLOCK_N, BLOCK_K],
                                         b_layout)
-    B_TILE: gl.constexpr = (2 if SWIGLU else 1) * BLOCK_N
+    B_TILE: gl.constexpr = (2 if SWIGLU or SWAP else 1) * BLOCK_N
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(B.ptr.dtype.element_ty, [STAGES, B_TILE, BLOCK_K], b_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -402,8 +453,8 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
         c_desc = 0
         c_smem0 = 0
         c_smem1 = 0
-        XROWS: gl.constexpr = ROWS if SWIGLU else 8
-        XCOLS: gl.constexpr = BLOCK_N if SWIGLU else 8
+        XROWS: gl.constexpr = (BLOCK_N if SWAP else ROWS) if SWIGLU else 8
+        XCOLS: gl.constexpr = (BLOCK_M if SWAP else BLOCK_N) if SWIGLU else 8
         xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], out_dtype)
@@ -417,12 +468,12 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     gl.warp_specialize([
         (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem0, xchg, xchg_full, xchg_empty, C, M, N, K,
                               scales, bias, groups, 0, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
-                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU)),
+                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP)),
         (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem1, xchg, xchg_full, xchg_empty, C, M, N, K,
                               scales, bias, groups, 1, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
-                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU)),
+                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, groups, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, STAGES, GROUPED, SWIGLU)),
+                           GROUP_M, STAGES, GROUPED, SWIGLU, SWAP)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -519,45 +570,53 @@ def experts_layout(w: torch.Tensor) -> bool:
 
 
 def wgmma_grouped(w, M: int, G: int, kind_a: str = "1x128", kind_b: str = "128x128", a=None, tma: bool | None = None,
-                  config=None) -> bool:
+                  config=None) -> str | None:
     """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
-    FP8 moe_ffn's GEMMs): an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128 scale_b,
-    the experts w [G, N, K] TMA-readable (``experts_layout``), a [M, K] too (``rows_layout``;
-    ``a`` None: a row-major copy the caller writes, whose rows are K bytes), and at least
-    configs.WGMMA_MIN_GROUP_ROWS rows per group on average. Anything else, a forced config
-    (the Triton body's family) or tma=False runs core's Triton body."""
-    if config is not None or tma is False or M < configs.WGMMA_MIN_GROUP_ROWS * max(G, 1):
-        return False
-    if not (on_sm90(w) and kind_a == "1x128" and kind_b == "128x128" and w.dtype == torch.float8_e4m3fn):
-        return False
+    FP8 moe_ffn's GEMMs): on an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128
+    scale_b, the experts w [G, N, K] TMA-readable (``experts_layout``) and a [M, K] too
+    (``rows_layout``; ``a`` None: a row-major copy the caller writes, whose rows are K bytes):
+    "grouped" from configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles
+    computed transposed, SWAP) up to configs.WGMMA_DECODE_MAX_ROWS. None (core's Triton
+    body): anything else, between the two, a forced config (the Triton body's family) or
+    tma=False."""
+    if config is not None or tma is False or M == 0:
+        return None
+    rows = M / max(G, 1)
+    mode = "grouped" if rows >= configs.WGMMA_MIN_GROUP_ROWS else "decode" if rows <= configs.WGMMA_DECODE_MAX_ROWS else None
+    if mode is None or not (on_sm90(w) and kind_a == "1x128" and kind_b == "128x128" and w.dtype == torch.float8_e4m3fn):
+        return None
     a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))
-    return a_ok and experts_layout(w)
+    return mode if a_ok and experts_layout(w) else None
 
 
-def run_wgmma_grouped(a, w, c, sched, count, scale_a, scale_b, *, N: int, key: configs.WgmmaKey, bias=None,
+def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: configs.WgmmaKey, bias=None,
                       activation=None, scatter=None, weight=None, out_scale=None, config=None):
     """The grouped flavour: C rows of group g = epilogue((a rows of g * scale_a) @ (W_g * scale_b_g)^T).
 
     a fp8 [M, K] row-major; w fp8 [G, rows, K] (``wgmma_grouped``; rows = N, or 2N gate then
-    up rows when ``key.mode`` is "swiglu"); c [M or scattered rows, N]; sched, count: the row
-    tiles of the groups for key's BLOCK_M (grouped/ builds them from offs on the device);
+    up rows when ``key.mode`` is "swiglu" or "decode_swiglu"; the "decode" modes compute each
+    tile transposed, SWAP); c [M or scattered rows, N]; schedule(block_m) -> (sched, count):
+    the groups' row tiles of the plan's BLOCK_M (grouped/ builds them from offs on the device);
     scale_a [M, ceil(K/128)] (1x128); scale_b [G, ceil(K/128), ceil(rows/128)] (128x128 of W^T,
     any strides); bias [G, N]; scatter int32 [M]: c row of each row; weight fp32 per c row;
     out_scale: c's own 1x128 scales [M, ceil(N/128)] when c is fp8 (written).
     """
     M, K = a.shape
     G = w.shape[0]
-    groups = Groups(sched, count, G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter, weight)
-    swiglu = key.mode == "swiglu"
+    swiglu, swap = key.mode.endswith("swiglu"), key.mode.startswith("decode")
 
     def request():
-        return Request(key, dict(ACTIVATION=activation, SA_ROWS=1, SB_COLS=SCALE_BLOCK, GROUPED=True, SWIGLU=swiglu),
-                       a.device, config, lambda plan: launch(plan))
+        return Request(key, dict(ACTIVATION=activation, SA_ROWS=1, SB_COLS=SCALE_BLOCK, GROUPED=True, SWIGLU=swiglu,
+                                 SWAP=swap), a.device, config, lambda plan: launch(plan))
 
     def launch(plan):
         meta = plan.meta
         # an upper bound on the tiles (the table's count is on the device): persistent programs
-        tiles = (cdiv(M, meta["BLOCK_M"]) + G + 1) * cdiv(N, meta["BLOCK_N"])
+        tile_n = meta["BLOCK_N"] * (2 if swap and not swiglu else 1)
+        tiles = (cdiv(M, meta["BLOCK_M"]) + G + 1) * cdiv(N, tile_n)
+        sched, count = schedule(meta["BLOCK_M"])
+        groups = Groups(sched, count, G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter,
+                        weight)
         BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
             Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K,
             Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, scale_b.stride(1), scale_b.stride(2)),

@@ -224,9 +224,10 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         return torch.zeros_like(x)
     pair, token, offs = sort_by_expert(topk_ids, E)
     fp8 = w_gate_up.dtype
-    if wgmma_grouped(w_gate_up, P, E) and wgmma_grouped(w_down, P, E):
+    mode = wgmma_grouped(w_gate_up, P, E)
+    if mode is not None and wgmma_grouped(w_down, P, E) == mode:
         return _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token,
-                              offs)
+                              offs, mode)
     # x is quantised once per token (T rows, not T * k); GEMM1 gathers fp8 rows and their scales.
     xq, xs = quantize_fp8(x, dtype=fp8)
     # GEMM1 writes silu(gate) * up as fp8 with its 1x128 scales, stored [ceil(I/128), P] (the
@@ -242,12 +243,15 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                              scales=Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
 
 
-def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs):
-    """The FP8 expert FFN on core's Gluon body (sm_90): TMA cannot gather rows, so x is
-    quantised once in expert-sorted order (one row per pair), then GEMM1 (64-row tiles, its
-    two warpgroups the gate and the up product) writes silu(gate) * up as fp8 with 1x128
-    scales, and GEMM2 (128-row tiles) scatters each pair's weighted row; the combine sums
-    each token's rows in slot order (fp32). The rows of experts on other ranks get no tiles."""
+def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs,
+                   mode):
+    """The FP8 expert FFN on core's Gluon body (sm_90; ``mode`` "grouped" or "decode", from
+    hopper_fp8.wgmma_grouped): TMA cannot gather rows, so x is quantised once in
+    expert-sorted order (one row per pair), then GEMM1 (its two warpgroups the gate and the up
+    product) writes silu(gate) * up as fp8 with 1x128 scales, and GEMM2 scatters each pair's
+    weighted row; the combine sums each token's rows in slot order (fp32). The rows of experts
+    on other ranks get no tiles. At decode both GEMMs compute their tiles transposed (the
+    weights' rows on wgmma's 64-row side, the few tokens of an expert on its N side)."""
     (T, H), (E, two_i, _), k = x.shape, w_gate_up.shape, topk_weights.shape[1]
     I, P = two_i // 2, T * k
     # Rows past offs[-1] (ids of experts on other ranks) get no tiles and are never read.
@@ -256,14 +260,19 @@ def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
     hs = empty((-(-I // BLOCK), P), dtype=torch.float32, device=x.device).t()
     scaling = "1x128,128x128"
     m = configs.m_bucket(P // E)
-    sched, count = row_tiles(offs, E, P, 64, tail=False)
-    run_wgmma_grouped(xq, w_gate_up, h, sched, count, xs, w_gate_up_scale.transpose(1, 2), N=I, out_scale=hs,
-                      key=configs.WgmmaKey(m, I, H, scaling, "fp8", "swiglu"))
+    tables = {}
+
+    def schedule(block_m):  # the row tiles of a tile height, shared by the two GEMMs
+        if block_m not in tables:
+            tables[block_m] = row_tiles(offs, E, P, block_m, tail=False)
+        return tables[block_m]
+
+    run_wgmma_grouped(xq, w_gate_up, h, schedule, xs, w_gate_up_scale.transpose(1, 2), N=I, out_scale=hs,
+                      key=configs.WgmmaKey(m, I, H, scaling, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
     y_pairs = empty((T * k, H), dtype=x.dtype, device=x.device)
-    sched, count = row_tiles(offs, E, P, 128, tail=False)
-    run_wgmma_grouped(h, w_down, y_pairs, sched, count, hs, w_down_scale.transpose(1, 2), N=H,
+    run_wgmma_grouped(h, w_down, y_pairs, schedule, hs, w_down_scale.transpose(1, 2), N=H,
                       scatter=pair, weight=topk_weights.reshape(-1).to(torch.float32).contiguous(),
-                      key=configs.WgmmaKey(m, H, I, scaling, configs.dtype_name(x.dtype), "grouped"))
+                      key=configs.WgmmaKey(m, H, I, scaling, configs.dtype_name(x.dtype), mode))
     return combine(y_pairs, topk_ids, E, x.dtype)
 
 

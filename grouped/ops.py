@@ -341,10 +341,11 @@ def _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma, s
         G, M, N, K = args["G"], args["M"], args["N"], args["K"]
         kind_a, kind_b = args["scaling"].split(",")
         w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
-        if wgmma_grouped(w, M, G, kind_a, kind_b, a=a, tma=tma, config=config):
-            sched, count = row_tiles(offs, G, M, 128)
-            key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(c.dtype), "grouped")
-            run_wgmma_grouped(a, w, c, sched, count, scale_a, scale_b, N=N, key=key, bias=bias, activation=activation)
+        mode = wgmma_grouped(w, M, G, kind_a, kind_b, a=a, tma=tma, config=config)
+        if mode is not None:
+            key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(c.dtype), mode)
+            run_wgmma_grouped(a, w, c, lambda block_m: row_tiles(offs, G, M, block_m), scale_a, scale_b, N=N, key=key,
+                              bias=bias, activation=activation)
             return c
     # The group stride of a 2-D operand is 0: offs cuts it instead.
     sa, sb, sc = ((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()) for t in (a, b, c))

@@ -137,19 +137,25 @@ def _expert_weights(G, N, K, dtype=E4M3):
     return torch.empty(G, N, K, dtype=dtype)
 
 
-# (what changes from WGMMA_MIN_GROUP_ROWS rows per group of K = 256 over 8 experts of N = 512, the rule's answer)
+# (what changes from 256 rows per group of K = 256 over 8 experts of N = 512, the rule's
+# answer: the flavour's mode, or None for core's Triton body), with the thresholds at
+# 256 rows per group for "grouped" and 64 for "decode" (the tuned ones may differ)
+ROWS, DECODE_ROWS = 256, 64
 GROUPED_DISPATCH_CASES = [
-    pytest.param({}, True, id="eligible"),
-    pytest.param({"M": 8 * configs.WGMMA_MIN_GROUP_ROWS - 1}, False, id="too-few-rows-per-group"),
-    pytest.param({"kind_a": "row"}, False, id="row-wise-scale_a"),
-    pytest.param({"kind_b": "col"}, False, id="per-channel-scale_b"),
-    pytest.param({"tma": False}, False, id="tma-False"),
-    pytest.param({"config": configs.cfg(64, 128, 128, 4, 3)}, False, id="forced-triton-config"),
-    pytest.param({"K": 200}, False, id="rows-of-200-bytes"),
-    pytest.param({"w": "sliced"}, False, id="experts-not-evenly-spaced"),
-    pytest.param({"w": "n_major"}, False, id="experts-n-major"),
-    pytest.param({"a": "transposed"}, False, id="a-column-major"),
-    pytest.param({"dtype": torch.float8_e5m2}, False, id="e5m2"),
+    pytest.param({}, "grouped", id="eligible"),
+    pytest.param({"M": 8 * DECODE_ROWS}, "decode", id="decode-rows-per-group"),
+    pytest.param({"M": 8}, "decode", id="one-row-per-group"),
+    pytest.param({"M": 8 * ROWS - 1}, None, id="between-decode-and-grouped"),
+    pytest.param({"M": 0}, None, id="no-rows"),
+    pytest.param({"kind_a": "row"}, None, id="row-wise-scale_a"),
+    pytest.param({"kind_b": "col"}, None, id="per-channel-scale_b"),
+    pytest.param({"tma": False}, None, id="tma-False"),
+    pytest.param({"config": configs.cfg(64, 128, 128, 4, 3)}, None, id="forced-triton-config"),
+    pytest.param({"K": 200}, None, id="rows-of-200-bytes"),
+    pytest.param({"w": "sliced"}, None, id="experts-not-evenly-spaced"),
+    pytest.param({"w": "n_major"}, None, id="experts-n-major"),
+    pytest.param({"a": "transposed"}, None, id="a-column-major"),
+    pytest.param({"dtype": torch.float8_e5m2}, None, id="e5m2"),
 ]
 
 
@@ -158,7 +164,9 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
     """On an sm_90 GPU (stood in for here): e4m3 with 1x128 x 128x128 scales, TMA-readable
     rows and experts, enough rows per group take the Gluon body; anything else the Triton body."""
     monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
-    args = dict(M=8 * configs.WGMMA_MIN_GROUP_ROWS, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
+    monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", ROWS)
+    monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", DECODE_ROWS)
+    args = dict(M=8 * ROWS, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
                 a="contig", dtype=E4M3)
     args.update(change)
     M, K, N, G = args["M"], args["K"], args["N"], args["G"]
@@ -167,7 +175,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
          "n_major": lambda: _expert_weights(G, K, N, args["dtype"]).transpose(1, 2)}[args["w"]]()
     a = torch.empty(M, K, dtype=args["dtype"]) if args["a"] == "contig" else torch.empty(K, M, dtype=args["dtype"]).t()
     assert hopper_fp8.wgmma_grouped(w, M, G, args["kind_a"], args["kind_b"], a=a, tma=args["tma"],
-                                    config=args["config"]) is expected
+                                    config=args["config"]) == expected
 
 
 def test_wgmma_grouped_off_sm90(device):
@@ -175,7 +183,7 @@ def test_wgmma_grouped_off_sm90(device):
     w = torch.empty(8, 512, 256, dtype=E4M3, device=device)
     if hopper_fp8.on_sm90(w):
         pytest.skip("this GPU is sm_90: the GPU tests below cover it")
-    assert hopper_fp8.wgmma_grouped(w, 4096, 8) is False
+    assert hopper_fp8.wgmma_grouped(w, 4096, 8) is None and hopper_fp8.wgmma_grouped(w, 8, 8) is None
 
 
 # ---------------------------------------------------------------- on the H200
@@ -186,11 +194,17 @@ def _runs_wgmma(fn, mode):
     return "blockscaled_wgmma" in families and any(k[0].mode == mode for k in plans("blockscaled_wgmma"))
 
 
-@pytest.fixture
-def any_group_size(monkeypatch):
-    """The kernels' tests run the Gluon body on small groups too (the rule sends those to the
-    Triton body for speed, not for correctness)."""
-    monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", 0)
+@pytest.fixture(params=["grouped", "decode"])
+def flavour(request, monkeypatch):
+    """Both forms of the flavour on any group size: the rule picks them by rows per group for
+    speed, not for correctness, so the kernels' tests force each."""
+    big = 10**9
+    if request.param == "grouped":
+        monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", 0)
+    else:
+        monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", big)
+        monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", big)
+    return request.param
 
 
 def fp8_grouped(sizes, K, N, device, tail=3):
@@ -218,14 +232,14 @@ GROUPED_GPU_CASES = [
 @pytest.mark.sm90
 @pytest.mark.parametrize("sizes,K,N", GROUPED_GPU_CASES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias-silu"])
-def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, device, any_group_size):
+def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, device, flavour):
     qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped(sizes, K, N, device)
     G = len(sizes)
     bias = torch.randn(G, N, device=device) if with_bias else None
     act = "silu" if with_bias else None
     out = onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, bias=bias, activation=act)
     assert _runs_wgmma(lambda: onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, bias=bias, activation=act),
-                       "grouped"), "the Gluon body did not run"
+                       flavour), "the Gluon body did not run"
     assert out.dtype == torch.bfloat16
     assert_close(out, grouped_mm_ref(a_deq, b_deq, offs, bias, act), 1e-2)
     assert (out[sum(sizes):] == 0).all()
@@ -238,7 +252,7 @@ def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, device, any_group_size
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_gpu_grouped_fp8_wgmma_bad_offs(device, any_group_size):
+def test_gpu_grouped_fp8_wgmma_bad_offs(device, flavour):
     qa, qb, sa, sb, _, _, _ = fp8_grouped([300, 300], 256, 256, device, tail=0)
     bad = torch.tensor([400, 100], dtype=torch.int32, device=device)
     out = onegemm.grouped_matmul(qa, qb, bad, scale_a=sa, scale_b=sb)
@@ -269,17 +283,20 @@ MOE_GPU_CASES = [
     pytest.param(512, 512, 384, 8, 2, "uniform", id="T512-E8"),
     pytest.param(700, 400, 208, 4, 2, "skewed", id="odd-H400-I208-skewed"),
     pytest.param(1024, 1024, 256, 16, 4, "foreign", id="foreign-ids"),
+    pytest.param(1, 256, 128, 8, 2, "uniform", id="T1"),
+    pytest.param(37, 512, 256, 16, 4, "skewed", id="T37-skewed"),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("T,H,I,E,k,routing", MOE_GPU_CASES)
-def test_gpu_moe_ffn_fp8_on_wgmma(T, H, I, E, k, routing, device, any_group_size):
+def test_gpu_moe_ffn_fp8_on_wgmma(T, H, I, E, k, routing, device, flavour):
     x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_experts(
         T, H, I, E, k, device, skew=routing == "skewed", foreign=routing == "foreign")
     y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
-    assert _runs_wgmma(lambda: onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), "swiglu"), "the Gluon body did not run"
+    gemm1 = "swiglu" if flavour == "grouped" else "decode_swiglu"
+    assert _runs_wgmma(lambda: onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), gemm1), "the Gluon body did not run"
     assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
     assert calc_diff(y, moe_ref(x, w13_hp, w2_hp, weights, ids)) < 5e-3
     assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)  # bitwise on a rerun

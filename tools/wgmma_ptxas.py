@@ -35,8 +35,9 @@ OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def compile_config(cfg, scaling: str, out: str, M=4096, N=4096, K=4096, mode="dense"):
-    """Compile the body for ``cfg``: dense, or a grouped mode over G = 16 groups ("grouped":
-    bf16 out scattered with routing weights, as MoE GEMM2; "swiglu": fp8 out, as GEMM1)."""
+    """Compile the body for ``cfg``: dense, or a grouped mode over G = 16 groups ("grouped" /
+    "decode": bf16 out scattered with routing weights, as MoE GEMM2; "swiglu" /
+    "decode_swiglu": fp8 out, as GEMM1)."""
     kind_a, kind_b = scaling.split(",")
     a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
     if mode == "dense":
@@ -50,20 +51,22 @@ def compile_config(cfg, scaling: str, out: str, M=4096, N=4096, K=4096, mode="de
             ACTIVATION=None, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b], **cfg.kwargs,
             grid=(132,), num_warps=cfg.num_warps)
     G = 16
-    rows = 2 * N if mode == "swiglu" else N
+    swiglu = mode.endswith("swiglu")
+    rows = 2 * N if swiglu else N
     w = torch.empty(G, rows, K, dtype=torch.float8_e4m3fn)
-    c = torch.empty(M, N, dtype=torch.float8_e4m3fn if mode == "swiglu" else OUT_DTYPES[out])
+    c = torch.empty(M, N, dtype=torch.float8_e4m3fn if swiglu else OUT_DTYPES[out])
     sa = torch.empty(K // 128, M).t()
     sb = torch.empty(G, rows // 128, K // 128).transpose(1, 2)
     so = torch.empty(N // 128, M).t()
     sched, count = torch.empty(64, 4, dtype=torch.int32), torch.empty(1, dtype=torch.int32)
-    scatter, weight = (torch.empty(M, dtype=torch.int32), torch.empty(M)) if mode == "grouped" else (None, None)
+    scatter, weight = (None, None) if swiglu else (torch.empty(M, dtype=torch.int32), torch.empty(M))
     return blockscaled_wgmma_kernel.warmup(
         Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K,
         Scales(a=Operand(sa, *sa.stride()), b=Operand(sb, sb.stride(1), sb.stride(2)),
-               out=Operand(so, *so.stride()) if mode == "swiglu" else NO_OPERAND),
+               out=Operand(so, *so.stride()) if swiglu else NO_OPERAND),
         NO_VECTOR, Groups(sched, count, G, rows, sb.stride(0), 0, scatter, weight),
-        ACTIVATION=None, SA_ROWS=1, SB_COLS=128, GROUPED=True, SWIGLU=mode == "swiglu", **cfg.kwargs,
+        ACTIVATION=None, SA_ROWS=1, SB_COLS=128, GROUPED=True, SWIGLU=swiglu, SWAP=mode.startswith("decode"),
+        **cfg.kwargs,
         grid=(132,), num_warps=cfg.num_warps)
 
 
@@ -81,7 +84,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     bad = 0
     cases = [(s, out, "dense") for s in ("1x128,128x128", "128x128,128x128", "1x128,128x1") for out in OUT_DTYPES]
-    cases += [("1x128,128x128", "bf16", "grouped"), ("1x128,128x128", "fp8", "swiglu")]
+    cases += [("1x128,128x128", "bf16", "grouped"), ("1x128,128x128", "fp8", "swiglu"),
+              ("1x128,128x128", "bf16", "decode"), ("1x128,128x128", "fp8", "decode_swiglu")]
     for scaling, out, mode in cases:
         key = configs.WgmmaKey(4096, 4096, 4096, scaling, out, mode)
         for cfg in configs.wgmma_candidates(key, 132):
