@@ -729,6 +729,13 @@ def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
     return triton.Config({"BLOCK_R": 32 if key.size >= 4096 else 16}, num_warps=4, num_stages=1)
 
 
+def gather_col_blocks(row_programs: int, col_blocks: int, sms: int) -> int:
+    """128-column blocks per gather_quantize program: whole rows when the rows alone give each
+    SM a few programs, else the rows' blocks spread over more programs (a program's blocks
+    run one after another: a decode step's 8 rows of 7168 in one program took 165 us)."""
+    return max(1, col_blocks // max(1, -(-4 * sms // max(row_programs, 1))))
+
+
 # ---------------------------------------------------------------------------- families
 
 

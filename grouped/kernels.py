@@ -356,7 +356,7 @@ def row_tiles_kernel(offs, sched, count, G, M, BLOCK_M: tl.constexpr, G_BLOCK: t
 
 
 @triton.jit
-def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, BLOCK_R: tl.constexpr):
+def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl.constexpr):
     """Q[r] = X[rows[r]] in fp8 with 1x128 block scales S[r, :] (core/fp8.py's rule): the MoE
     GEMM1 operand written once in expert-sorted order, which TMA then reads as whole rows.
 
@@ -364,7 +364,8 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, BLOCK_R: tl.constexpr):
     of each row); Q: Operand over fp8 [P, H]; S: Operand over fp32 [P, ceil(H/128)].
     offs: int32 [G] expert end offsets (contiguous), or None: only rows before offs[G - 1] are
     written (the later ones belong to experts on other ranks, which no GEMM tile reads).
-    Grid: (cdiv(P, BLOCK_R),); a program walks its rows' 128-column blocks.
+    Grid: (cdiv(P, BLOCK_R), cdiv(ceil(H/128), col_blocks)): a program walks col_blocks of its
+    rows' 128-column blocks (few rows: many programs per row; many rows: whole rows).
     """
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     end = P
@@ -375,7 +376,8 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, BLOCK_R: tl.constexpr):
         src = tl.load(rows + r, mask=live, other=0).to(tl.int64)
         r64 = r.to(tl.int64)
         dtype: tl.constexpr = Q.ptr.dtype.element_ty
-        for kb in range(0, tl.cdiv(H, 128)):
+        kb_lo = tl.program_id(1) * col_blocks
+        for kb in range(kb_lo, tl.minimum(kb_lo + col_blocks, tl.cdiv(H, 128))):
             cols = kb * 128 + tl.arange(0, 128)
             mask = live[:, None] & (cols < H)[None, :]
             x = tl.load(X.ptr + src[:, None] * X.stride0 + cols[None, :] * X.stride1, mask=mask, other=0.0)

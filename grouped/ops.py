@@ -10,7 +10,7 @@ from ..blockscaled.quantize import BLOCK
 from ..core import checks, configs
 from ..core.dispatch import Op, activate, begin, fused, wants_grad
 from ..core.launch import Launcher, Request
-from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2
+from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, sm_count
 from ..core.tiles import NO_OPERAND, NO_SCALES, Operand, Routing, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
@@ -49,9 +49,11 @@ def gather_quantize(x, rows, dtype=torch.float8_e4m3fn, offs=None):
     s = empty((cdiv(H, BLOCK), P), dtype=torch.float32, device=x.device).t()
     key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
     plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, x.get_device()), lambda: Request(key, {}, x.device))
-    GATHER_QUANTIZE.launch(plan, (cdiv(P, plan.meta["BLOCK_R"]),), (
+    row_programs, col_blocks = cdiv(P, plan.meta["BLOCK_R"]), cdiv(H, BLOCK)
+    per = configs.gather_col_blocks(row_programs, col_blocks, 1 if INTERPRET else sm_count(plan.device_index))
+    GATHER_QUANTIZE.launch(plan, (row_programs, cdiv(col_blocks, per)), (
         Operand(interpretable(x), *x.stride()), rows, Operand(q, *q.stride()), Operand(s, *s.stride()), P, H, offs,
-        0 if offs is None else offs.shape[0]))
+        0 if offs is None else offs.shape[0], per))
     return q, s
 
 
