@@ -1,0 +1,185 @@
+"""MoEFFN against Hugging Face transformers itself: for each MoE family the installed transformers
+has, a tiny random model is built by transformers, saved with save_pretrained (sharded; both
+layouts where transformers offers them), loaded with MoEFFN.from_pretrained, and compared with
+the transformers block's forward (fp32, CPU), its routing, and its float64 gradients.
+
+transformers' MoE blocks take [B, S, H]; some return the hidden states, some (hidden, router
+logits or scores) (Llama-4, gpt-oss; Qwen's in older versions): ``hf_forward`` takes the first.
+"""
+
+import pytest
+import torch
+
+import onegemm
+from onegemm.grouped import loading
+from onegemm.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+H = 32
+COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=16,
+              head_dim=8)
+
+# family -> (config class, model class, config fields, attribute of the decoder layer holding the block)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                             intermediate_size=24), "mlp"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=24, shared_expert_intermediate_size=40, intermediate_size=48,
+                  norm_topk_prob=False), "mlp"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3,
+                  moe_intermediate_size=24, intermediate_size=48, norm_topk_prob=True), "mlp"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=3,
+                    moe_intermediate_size=16, intermediate_size=48, n_group=4, topk_group=2, n_shared_experts=2,
+                    first_k_dense_replace=1, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
+                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), "mlp"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=16, intermediate_size=48, n_group=2, topk_group=1, n_shared_experts=1,
+                 first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=1.5), "mlp"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=4, num_experts_per_tok=1,
+                    intermediate_size=24, intermediate_size_mlp=48), "feed_forward"),
+}
+# transformers saves Llama-4's experts fused in both formats (they are fused on the Hub too).
+CASES = [pytest.param(f, id=f) for f in FAMILIES]
+
+
+def build(family, **overrides):
+    """A tiny random transformers model of ``family`` with a well-spread router (and correction
+    bias): its MoE block is layer 1's."""
+    cfg_name, model_name, fields, _ = FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    cfg = getattr(transformers, cfg_name)(**COMMON, **{**fields, **overrides})
+    for name, value in {**fields, **overrides}.items():  # some versions map renamed fields
+        if value is not None:
+            setattr(cfg, name, value)
+    # transformers' eager expert loop (its grouped_mm path has no float64, which the gradient
+    # test runs the block in)
+    cfg._experts_implementation = "eager"
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layers.1." in name:  # weights at 1/sqrt(fan-in), routers that spread the tokens
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    return model
+
+
+def block_of(model, family):
+    return getattr(model.model.layers[1], FAMILIES[family][3])
+
+
+def hf_forward(block, x):
+    out = block(x[None])
+    return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_layer_matches_transformers(family, tmp_path, device):
+    """Both save formats (the Hub's per-expert names and transformers' fused layout), sharded,
+    load the same layer; it computes the transformers block's output and routing."""
+    model = build(family)
+    layers = []
+    for original_format in (True, False):
+        folder = tmp_path / str(original_format)
+        model.save_pretrained(folder, max_shard_size="20KB", save_original_format=original_format)
+        assert len(list(folder.glob("*.safetensors"))) > 2  # sharded
+        layers.append(onegemm.MoEFFN.from_pretrained(folder, layer=1, device=device))
+    layer, fused = layers
+    for (name, p), (_, q) in zip(layer.state_dict().items(), fused.state_dict().items()):
+        assert (p is None and q is None) or torch.equal(p, q), name
+    block = block_of(model, family)
+    T = 9
+    x = torch.randn(T, H)
+    with torch.no_grad():
+        want = hf_forward(block, x)
+        got = layer(x.to(device)).cpu()
+        assert_close(got, want, 1e-5)
+        # the routing alone: the same experts (transformers' order within a token may differ)
+        w, ids = layer.route(x.to(device))
+        dense_w = torch.zeros(T, layer.num_experts).scatter_(1, ids.long().cpu(), w.cpu())
+        router = getattr(block, "gate", None) or block.router
+        hf = router(x)
+        if family == "llama4_text":  # (scores [T, E], 0 off the chosen experts; logits)
+            top = hf[1].topk(layer.top_k, dim=1)
+            hf_dense = torch.sigmoid(torch.full_like(hf[1], float("-inf")).scatter(1, top.indices, top.values))
+        else:  # (logits, weights [T, k], ids [T, k])
+            hf_dense = torch.zeros(T, layer.num_experts).scatter_(1, hf[2], hf[1].float())
+        assert torch.equal(dense_w != 0, hf_dense != 0)
+        assert_close(dense_w, hf_dense, 1e-6)
+
+
+GRAD_FAMILIES = [pytest.param(f, id=f) for f in ("qwen2_moe", "deepseek_v3", "llama4_text")]
+
+
+@pytest.mark.parametrize("family", GRAD_FAMILIES)
+def test_router_and_shared_expert_gradients(family, tmp_path, device):
+    """Gradients of the router and the shared experts (and the experts) against the
+    transformers block run in float64."""
+    model = build(family)
+    model.save_pretrained(tmp_path)
+    layer = onegemm.MoEFFN.from_pretrained(tmp_path, layer=1, device=device)
+    block = block_of(model, family).double()
+    x = torch.randn(5, H)
+    grad = torch.randn(5, H)
+    layer(x.to(device)).backward(grad.to(device))
+    hf_forward(block, x.double()).backward(grad.double())
+    shared = block.shared_experts if family == "deepseek_v3" else block.shared_expert
+    router = getattr(block, "gate", None) or block.router
+    pairs = [("router", layer.gate_weight, router.weight),
+             ("shared gate_proj", layer.shared_w_gate_up, None),
+             ("shared down_proj", layer.shared_w_down, shared.down_proj.weight)]
+    S = layer.shared_w_down.shape[1]
+    want_gate_up = torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad])
+    for name, ours, theirs in pairs:
+        assert ours.grad is not None, f"{name}: no gradient"
+        want = want_gate_up if theirs is None else theirs.grad
+        assert ours.grad.shape == want.shape and S == want_gate_up.shape[0] // 2
+        assert_close(ours.grad.cpu(), want, 1e-5, f"grad of {name}")
+    if family == "qwen2_moe":
+        assert_close(layer.shared_gate.grad.cpu(), block.shared_expert_gate.weight.grad, 1e-5, "grad of shared gate")
+
+
+DENSE = [
+    pytest.param("deepseek_v3", {}, 0, "first_k_dense_replace = 1", id="deepseek-first-k-dense"),
+    pytest.param("qwen3_moe", dict(mlp_only_layers=[1]), 1, "mlp_only_layers", id="qwen3-mlp-only"),
+    pytest.param("qwen2_moe", dict(decoder_sparse_step=2), 0, "decoder_sparse_step = 2", id="qwen2-sparse-step"),
+    pytest.param("llama4_text", dict(interleave_moe_layer_step=2, moe_layers=None), 0, "moe_layers = \\[1\\]",
+                 id="llama4-interleave"),
+]
+
+
+@pytest.mark.parametrize("family,overrides,layer,match", DENSE)
+def test_dense_layer_is_refused(family, overrides, layer, match, tmp_path):
+    model = build(family, **overrides)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"config.json: layer {layer} of this .* is a dense MLP.*{match}"):
+        onegemm.MoEFFN.from_pretrained(tmp_path, layer=layer)
+
+
+def test_only_the_layers_shards_are_opened(tmp_path, monkeypatch):
+    model = build("qwen3_moe")
+    model.save_pretrained(tmp_path, max_shard_size="10KB")
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    opened = []
+    real = loading.safe_open
+    monkeypatch.setattr(loading, "safe_open", lambda path, **kw: opened.append(path) or real(path, **kw))
+    onegemm.MoEFFN.from_pretrained(tmp_path, layer=1)
+    import json
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    holding = {v for k, v in weight_map.items() if k.startswith("model.layers.1.mlp.")}
+    assert {p.rsplit("/", 1)[-1] for p in opened} == holding and len(holding) < len(shards)
+
+
+def test_gpt_oss_is_refused(tmp_path):
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("no gpt-oss in this transformers")
+    cfg = transformers.GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)
+    transformers.GptOssForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="gpt_oss.*gpt-oss experts .* are not implemented"):
+        onegemm.MoEFFN.from_pretrained(tmp_path, layer=0)
+    f = next(tmp_path.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="router.bias' is a gpt-oss tensor"):
+        onegemm.MoEFFN.from_safetensors(f, prefix="model.layers.0.mlp.")
