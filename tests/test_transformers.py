@@ -183,3 +183,21 @@ def test_gpt_oss_is_refused(tmp_path):
     f = next(tmp_path.glob("*.safetensors"))
     with pytest.raises(ValueError, match="router.bias' is a gpt-oss tensor"):
         onegemm.MoEFFN.from_safetensors(f, prefix="model.layers.0.mlp.")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", CASES)
+def test_gpu_bf16_layer_against_transformers(family, tmp_path, device):
+    """bf16 on the GPU: onegemm's error against float64 is within 1.5x of the transformers
+    block's own bf16 error (both on the same bf16 weights)."""
+    model = build(family).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    layer = onegemm.MoEFFN.from_pretrained(tmp_path, layer=1, device=device)
+    block = block_of(model, family)
+    x = torch.randn(256, H).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = hf_forward(block.double(), x.double())
+        theirs = hf_forward(block.to(device=device, dtype=torch.bfloat16), x.to(device))
+        ours = layer(x.to(device))
+    from onegemm.testing import rel_err
+    assert rel_err(ours, ref) <= 1.5 * rel_err(theirs, ref) + 1e-3
