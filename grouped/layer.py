@@ -13,7 +13,8 @@ from torch import nn
 
 from ..core import checks
 from ..core.matmul import linear, matmul
-from .moe import check_expert_scales, check_expert_weights, moe_ffn
+from .moe import check_expert_scales, check_expert_weights, moe_ffn, sort_by_expert
+from .ops import grouped_matmul
 from .routing import route
 
 
@@ -34,12 +35,18 @@ class MoEFFN(nn.Module):
     FP8 experts: w_gate_up and w_down in float8_e4m3fn with w_gate_up_scale and w_down_scale
     (moe_ffn's format; ``quantize_experts`` makes it); x, the router and the shared experts
     keep gate_weight's dtype, and the whole layer is frozen (FP8 experts have no gradient).
+    gpt-oss: ``gate_bias`` [E] (the router's bias), ``w_gate_up_bias`` [E, 2I] and
+    ``w_down_bias`` [E, H] (the experts' biases) and ``swiglu_limit`` (its clamped SwiGLU:
+    g = min(g, limit), u = clamp(u, -limit, limit), a = g * sigmoid(swiglu_alpha * g) * (u + 1));
+    these experts run on grouped_matmul with its bias, and elementwise torch between the GEMMs.
     """
 
     def __init__(self, gate_weight, w_gate_up, w_down, top_k: int = 2, renormalize: bool = True, *,
                  w_gate_up_scale=None, w_down_scale=None, scoring: str = "softmax", correction_bias=None,
                  n_group: int = 1, topk_group=None, routed_scaling_factor: float = 1.0,
-                 weights_on_input: bool = False, shared_w_gate_up=None, shared_w_down=None, shared_gate=None):
+                 weights_on_input: bool = False, shared_w_gate_up=None, shared_w_down=None, shared_gate=None,
+                 gate_bias=None, w_gate_up_bias=None, w_down_bias=None, swiglu_limit=None,
+                 swiglu_alpha: float = 1.702):
         super().__init__()
         checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
         fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
@@ -60,6 +67,8 @@ class MoEFFN(nn.Module):
         route(torch.zeros(1, E, device=gate_weight.device), top_k, renormalize,
               correction_bias=correction_bias, **self.routing)
         _check_shared(shared_w_gate_up, shared_w_down, shared_gate, gate_weight)
+        biased = _check_gpt_oss(gate_bias, w_gate_up_bias, w_down_bias, swiglu_limit, swiglu_alpha, gate_weight,
+                                w_gate_up, fp8, weights_on_input)
         # Trainable, as nn.Module parameters are; inference runs under torch.inference_mode()
         # (or no_grad), which takes the direct kernel path. FP8 experts have no gradient.
         train = not fp8
@@ -74,6 +83,11 @@ class MoEFFN(nn.Module):
         for name, t in (("shared_w_gate_up", shared_w_gate_up), ("shared_w_down", shared_w_down),
                         ("shared_gate", shared_gate)):
             setattr(self, name, None if t is None else nn.Parameter(t, requires_grad=train))
+        for name, t in (("gate_bias", gate_bias), ("w_gate_up_bias", w_gate_up_bias), ("w_down_bias", w_down_bias)):
+            setattr(self, name, None if t is None else nn.Parameter(t))
+        self.biased_experts = biased
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
+        self.swiglu_alpha = float(swiglu_alpha)
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_on_input = weights_on_input
@@ -92,7 +106,7 @@ class MoEFFN(nn.Module):
                 f"weights_on_input={self.weights_on_input}, shared={shared}")
 
     def router_logits(self, x):
-        return matmul(x, self.gate_weight.t(), out_dtype=torch.float32)
+        return matmul(x, self.gate_weight.t(), bias=self.gate_bias, out_dtype=torch.float32)
 
     def route(self, x):
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]): this layer's routing."""
@@ -106,7 +120,9 @@ class MoEFFN(nn.Module):
             raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
         weights, ids = self.route(x)
         scales = dict(w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale)
-        if self.weights_on_input:
+        if self.biased_experts:
+            y = self.gpt_oss_experts(x, weights, ids)
+        elif self.weights_on_input:
             # Row t*k+j of the expanded input is w[t, j] * x[t], sent to expert ids[t, j] with
             # weight 1; the k rows of a token are summed after.
             T, k = ids.shape
@@ -119,6 +135,22 @@ class MoEFFN(nn.Module):
         if self.shared_w_down is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def gpt_oss_experts(self, x, weights, ids):
+        """gpt-oss's experts: y[t] = sum_j w[t, j] (W2_e a + b2_e), a = the clamped SwiGLU of
+        W13_e x_t + b13_e; the pairs sorted by expert (as moe_ffn does) and the two GEMMs
+        grouped_matmul's, with their bias."""
+        T, k = ids.shape
+        pair, token, offs = sort_by_expert(ids, self.num_experts)
+        h = grouped_matmul(x[token.long()], self.w_gate_up.transpose(1, 2), offs, bias=self.w_gate_up_bias)
+        gate, up = h.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.swiglu_limit)
+        up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        a = gate * torch.sigmoid(self.swiglu_alpha * gate) * (up + 1)
+        out = grouped_matmul(a, self.w_down.transpose(1, 2), offs, bias=self.w_down_bias)
+        out = out * weights.reshape(-1)[pair.long()].to(out.dtype)[:, None]
+        y = torch.zeros(T * k, x.shape[1], dtype=out.dtype, device=x.device).index_copy(0, pair.long(), out)
+        return y.view(T, k, -1).sum(dim=1)
 
     def shared_experts(self, x):
         """The shared experts' output [T, H] (gated for Qwen2-MoE), on onegemm.linear."""
@@ -155,13 +187,40 @@ class MoEFFN(nn.Module):
         """Load MoE layer ``layer`` of a Hugging Face checkpoint folder (config.json and
         model.safetensors or a sharded model.safetensors.index.json; only the shards that hold
         the layer are opened). config.json's model_type decides the family and its routing:
-        mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, glm4_moe, llama4 / llama4_text.
+        mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, glm4_moe, llama4 / llama4_text,
+        gpt_oss.
         A dense layer, or a family or option onegemm does not implement, is a ValueError
         that names the file and why. docs/moe.md gives the config fields read.
         """
         from .loading import read_pretrained_layer
 
         return read_pretrained_layer(cls, path, layer, device)
+
+
+def _check_gpt_oss(gate_bias, b13, b2, limit, alpha, gate_weight, w_gate_up, fp8, weights_on_input) -> bool:
+    """gpt-oss's biases and clamped SwiGLU: all three biases and the limit, or none."""
+    given = [n for n, v in (("gate_bias", gate_bias), ("w_gate_up_bias", b13), ("w_down_bias", b2),
+                            ("swiglu_limit", limit)) if v is not None]
+    if not given:
+        return False
+    for name in ("gate_bias", "w_gate_up_bias", "w_down_bias", "swiglu_limit"):
+        if name not in given:
+            raise checks.bad_value(name, f"given with {', '.join(given)} (gpt-oss experts need gate_bias, "
+                                   "w_gate_up_bias, w_down_bias and swiglu_limit)", None)
+    if fp8 or weights_on_input:
+        raise checks.bad_value("w_gate_up_bias", "None with FP8 experts or weights_on_input (gpt-oss experts are "
+                               "bf16/fp16/fp32, weighted at the output)", "a tensor")
+    E, H = gate_weight.shape
+    two_i = w_gate_up.shape[1]
+    for name, t, shape in (("gate_bias", gate_bias, (E,)), ("w_gate_up_bias", b13, (E, two_i)),
+                           ("w_down_bias", b2, (E, H))):
+        checks.check_tensor(name, t, ndim=len(shape), dtypes=(gate_weight.dtype,))
+        checks.check_shape(name, t, shape, str(list(shape)))
+    for name, v in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise checks.bad_value(name, "a number > 0", repr(v))
+    checks.check_same_device(gate_weight=gate_weight, gate_bias=gate_bias, w_gate_up_bias=b13, w_down_bias=b2)
+    return True
 
 
 def _check_shared(w_gate_up, w_down, gate, gate_weight) -> None:

@@ -25,8 +25,8 @@ from ..core.runtime import INTERPRET
 EXPERT_NAMES = {"w1/w3/w2 (Mixtral)": ("w1", "w3", "w2"),
                 "gate_proj/up_proj/down_proj (Qwen, DeepSeek, GLM)": ("gate_proj", "up_proj", "down_proj")}
 SHARED_NAMES = ("shared_experts", "shared_expert")  # DeepSeek-V3 / GLM-4.5; Qwen2-MoE / Llama-4
-GPT_OSS = ("gpt-oss experts (biases on both GEMMs, interleaved gate/up, clamped SwiGLU) are not implemented "
-           "by MoEFFN")
+GPT_OSS_SWIGLU = ("gpt-oss experts: pass scoring='topk_softmax', renormalize=False and swiglu_limit (config.json's "
+                  "swiglu_limit, 7.0), or load the model folder with MoEFFN.from_pretrained")
 
 
 class Tensors:
@@ -96,9 +96,6 @@ class LayerKeys:
 def parse_layer(keys: LayerKeys) -> dict:
     """The tensors of one MoE block -> MoEFFN's tensor arguments (CPU)."""
     has_gate, has_router = keys.has("gate.weight"), keys.has("router.weight")
-    if keys.has("router.bias") or keys.has("experts.gate_up_proj_bias"):
-        raise keys.fail("router.bias" if keys.has("router.bias") else "experts.gate_up_proj_bias",
-                        f"is a gpt-oss tensor: {GPT_OSS}")
     if has_gate and has_router:
         raise keys.fail("router.weight", f"and {keys.prefix + 'gate.weight'!r} are both routers")
     router = "router.weight" if has_router else "gate.weight"
@@ -111,7 +108,10 @@ def parse_layer(keys: LayerKeys) -> dict:
     out = dict(gate_weight=gate)
     if keys.has("gate.e_score_correction_bias"):
         out["correction_bias"] = keys.take("gate.e_score_correction_bias", (E,), checks.FLOAT_DTYPES).float()
-    out.update(_experts(keys, gate, llama4_layout=has_router))
+    if keys.has("router.bias") or keys.has("experts.gate_up_proj_bias"):
+        out.update(_gpt_oss_experts(keys, gate))
+    else:
+        out.update(_experts(keys, gate, llama4_layout=has_router))
     out.update(_shared(keys, gate))
     keys.finish()
     return out
@@ -199,6 +199,29 @@ def _fused_experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
     return dict(w_gate_up=w13, w_down=w2)
 
 
+def _gpt_oss_experts(keys: LayerKeys, gate) -> dict:
+    """gpt-oss: router.bias [E]; experts.gate_up_proj [E, H, 2I] with gate and up interleaved
+    (columns 0, 2, ... gate; 1, 3, ... up) and its bias [E, 2I]; experts.down_proj [E, I, H] and
+    its bias [E, H]. Stored as MoEFFN's [E, 2I, H] (gate rows, then up rows) and [E, H, I]."""
+    E, H = gate.shape
+    if keys.has("experts.gate_up_proj_blocks") or keys.has("experts.gate_up_proj_scales"):
+        raise keys.fail("experts.gate_up_proj_blocks", "(MXFP4 experts) is not read: dequantise the checkpoint to "
+                                                       "bf16 first (transformers' Mxfp4Config(dequantize=True))")
+    dt = ((gate.dtype,), " (the router's)")
+    bias = keys.take("router.bias", (E,), *dt)
+    w13 = keys.take("experts.gate_up_proj", None, *dt)
+    if w13.dim() != 3 or w13.shape[:2] != (E, H) or w13.shape[2] % 2:
+        raise keys.fail("experts.gate_up_proj", f"has shape {tuple(w13.shape)}, expected [E, H, 2I] (gpt-oss) with "
+                                                f"E = {E}, H = {H}")
+    I = w13.shape[2] // 2
+    b13 = keys.take("experts.gate_up_proj_bias", (E, 2 * I), *dt)
+    w2 = keys.take("experts.down_proj", (E, I, H), *dt)
+    b2 = keys.take("experts.down_proj_bias", (E, H), *dt)
+    return dict(gate_bias=bias, w_gate_up=torch.cat([w13[..., 0::2], w13[..., 1::2]], 2).transpose(1, 2).contiguous(),
+                w_gate_up_bias=torch.cat([b13[:, 0::2], b13[:, 1::2]], 1), w_down=w2.transpose(1, 2).contiguous(),
+                w_down_bias=b2)
+
+
 def _shared(keys: LayerKeys, gate) -> dict:
     E, H = gate.shape
     present = [s for s in SHARED_NAMES if any(n.startswith(s + ".") for n in keys.left)]
@@ -257,6 +280,8 @@ def read_file_layer(cls, path, prefix, top_k, renormalize, device, routing):
                                    "(DeepSeek-V3-style routing): pass scoring='sigmoid' and the model's n_group, "
                                    "topk_group, routed_scaling_factor, or load the model folder with "
                                    "MoEFFN.from_pretrained")
+    if "w_gate_up_bias" in layer and routing.get("swiglu_limit") is None:
+        raise checks.in_file(path, f"tensor {prefix + 'experts.gate_up_proj_bias'!r}: {GPT_OSS_SWIGLU}")
     return _build(cls, layer, _default_device(device), top_k=top_k, renormalize=renormalize, **routing)
 
 
@@ -347,6 +372,10 @@ FAMILIES = {
     "llama4_text": (lambda c, w, l: dict(top_k=_get(c, w, "num_experts_per_tok"), renormalize=False,
                                          scoring="topk_sigmoid", weights_on_input=True),
                     _llama4_dense, lambda c: c.get("intermediate_size"), False),
+    "gpt_oss": (lambda c, w, l: dict(top_k=_get(c, w, "num_experts_per_tok"), renormalize=False,
+                                     scoring="topk_softmax", swiglu_limit=float(_get(c, w, "swiglu_limit", default=7.0)),
+                                     swiglu_alpha=float(_get(c, w, "swiglu_alpha", default=1.702))),
+                lambda c, l: None, lambda c: 0, False),
 }
 
 
@@ -377,8 +406,6 @@ def read_pretrained_layer(cls, path, layer, device):
     model_type = cfg.get("model_type")
     if model_type == "llama4":  # the multimodal checkpoint: the text model's config is nested
         cfg, model_type = cfg.get("text_config") or {}, "llama4_text"
-    if model_type == "gpt_oss":
-        raise checks.in_file(config_path, f"model_type 'gpt_oss': {GPT_OSS}")
     if model_type not in FAMILIES:
         raise checks.in_file(config_path, f"model_type {model_type!r} is not an MoE family MoEFFN reads "
                                           f"(one of {sorted(FAMILIES) + ['llama4']})")

@@ -153,6 +153,8 @@ def _layer_args(d, E=4, H=16, I=8):
                 w_down=torch.randn(E, H, I, device=d))
 
 
+GPT_OSS = dict(gate_bias=torch.zeros(4), w_gate_up_bias=torch.zeros(4, 16), w_down_bias=torch.zeros(4, 16),
+               swiglu_limit=7.0)
 BAD_LAYERS = [
     ("shared down missing", dict(shared_w_gate_up=torch.randn(24, 16)), ValueError,
      "shared_w_down must be a tensor: shared experts need both"),
@@ -168,6 +170,12 @@ BAD_LAYERS = [
     ("weights_on_input type", dict(weights_on_input=1), TypeError, "weights_on_input must be a bool"),
     ("routing option", dict(scoring="sigmoid", n_group=2), TypeError, "topk_group must be an int"),
     ("bias shape", dict(scoring="sigmoid", correction_bias=torch.zeros(5)), ValueError, "correction_bias must be \\[E\\]"),
+    ("gpt-oss biases in part", dict(gate_bias=torch.zeros(4)), ValueError, "w_gate_up_bias must be given with gate_bias"),
+    ("gpt-oss bias shape", dict(GPT_OSS, w_gate_up_bias=torch.zeros(4, 15)), ValueError,
+     "w_gate_up_bias must be \\[4, 16\\]"),
+    ("gpt-oss limit", dict(GPT_OSS, swiglu_limit=0.0), ValueError, "swiglu_limit must be a number > 0"),
+    ("gpt-oss with input weights", dict(GPT_OSS, weights_on_input=True), ValueError,
+     "w_gate_up_bias must be None with FP8 experts or weights_on_input"),
 ]
 
 
