@@ -257,6 +257,10 @@ BAD_LAYER_FILES = [
      "are two shared experts"),
     ("a missing shared tensor", lambda t: t.pop(P + "shared_experts.up_proj.weight"),
      "missing tensor 'model.layers.3.mlp.shared_experts.up_proj.weight'"),
+    ("fused FP8 experts", lambda t: [t.pop(k) for k in list(t) if ".experts." in k] and t.update({
+        P + "experts.gate_up_proj": torch.randn(4, 16, 16).to(torch.float8_e4m3fn),
+        P + "experts.gate_up_proj_scale_inv": torch.ones(4, 1, 1), P + "experts.down_proj": torch.randn(4, 16, 8)}),
+     "'model.layers.3.mlp.experts.gate_up_proj_scale_inv' is a scale or bias of fused experts"),
 ]
 
 
@@ -309,3 +313,22 @@ def test_from_pretrained_reads_the_family_routing(tmp_path, device):
     layer = onegemm.MoEFFN.from_pretrained(folder, layer=3, device=device)
     assert layer.routing == dict(scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5)
     assert layer.top_k == 2 and layer.renormalize and layer.shared_w_down.shape == (16, 16)
+
+
+def test_from_pretrained_fp8_experts(tmp_path, device):
+    """A DeepSeek-V3 FP8 folder: e4m3 experts with weight_scale_inv stay FP8 (moe_ffn's format)."""
+    t = _deepseek_file()
+    for k in [k for k in t if ".experts." in k]:
+        q, s = onegemm.quantize_fp8(t[k].to(device), (128, 128))
+        t[k], t[k.replace(".weight", ".weight_scale_inv")] = q.cpu(), s.cpu()
+    config = {**DS_CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                   "weight_block_size": [128, 128]}}
+    layer = onegemm.MoEFFN.from_pretrained(_folder(tmp_path, config, t), layer=3, device=device)
+    assert layer.w_gate_up.dtype == torch.float8_e4m3fn and not layer.w_gate_up.requires_grad
+    assert torch.equal(layer.w_gate_up[2, 8:].cpu().view(torch.uint8), t[P + "experts.2.up_proj.weight"].view(torch.uint8))
+    assert torch.equal(layer.w_down_scale[1].cpu(), t[P + "experts.1.down_proj.weight_scale_inv"])
+    assert layer.w_gate_up_scale.shape == (4, 2, 1)
+    bad = {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="only FP8 with 128x128 weight blocks"):
+        onegemm.MoEFFN.from_pretrained(tmp_path, layer=3)
