@@ -59,11 +59,11 @@ class MoEFFN(nn.Module):
             raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)
         check_expert_weights(w_gate_up, w_down, H)
         checks.check_bool("weights_on_input", weights_on_input)
-        checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down,
-                                 correction_bias=correction_bias)
+        checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down)
         self.routing = dict(scoring=scoring, n_group=n_group, topk_group=topk_group,
                             routed_scaling_factor=routed_scaling_factor)
-        # route() checks every routing option (with its own messages) on one dummy row.
+        # route() checks every routing option (with its own messages, the bias's type and device
+        # included) on one dummy row of logits on gate_weight's device.
         route(torch.zeros(1, E, device=gate_weight.device), top_k, renormalize,
               correction_bias=correction_bias, **self.routing)
         _check_shared(shared_w_gate_up, shared_w_down, shared_gate, gate_weight)

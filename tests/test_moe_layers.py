@@ -170,6 +170,7 @@ BAD_LAYERS = [
     ("weights_on_input type", dict(weights_on_input=1), TypeError, "weights_on_input must be a bool"),
     ("routing option", dict(scoring="sigmoid", n_group=2), TypeError, "topk_group must be an int"),
     ("bias shape", dict(scoring="sigmoid", correction_bias=torch.zeros(5)), ValueError, "correction_bias must be \\[E\\]"),
+    ("bias type", dict(scoring="sigmoid", correction_bias=[0.0] * 4), TypeError, "correction_bias must be a torch.Tensor"),
     ("gpt-oss biases in part", dict(gate_bias=torch.zeros(4)), ValueError, "w_gate_up_bias must be given with gate_bias"),
     ("gpt-oss bias shape", dict(GPT_OSS, w_gate_up_bias=torch.zeros(4, 15)), ValueError,
      "w_gate_up_bias must be \\[4, 16\\]"),
