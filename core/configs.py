@@ -669,6 +669,31 @@ def sort_heuristic(key: SortKey, sms: int) -> triton.Config:
     return SORT_CONFIG
 
 
+# ---------------------------------------------------------------------------- MoE routing
+# grouped/routing.py's fused kernel: one program per token, the experts in one block.
+
+
+class RouteKey(NamedTuple):
+    e_block: int
+
+    def __str__(self):
+        return f"e_block={self.e_block}"
+
+
+# The fused kernel serves decode-sized batches (one launch instead of torch's dozen); above
+# this many tokens, or this many experts in a block, route() runs its torch ops.
+ROUTE_MAX_TOKENS = 256
+ROUTE_MAX_E_BLOCK = 1024
+
+
+def route_candidates(key: RouteKey, sms: int) -> list[triton.Config]:
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
+
+
+def route_heuristic(key: RouteKey, sms: int) -> triton.Config:
+    return triton.Config({}, num_warps=1 if key.e_block <= 128 else 2 if key.e_block <= 512 else 4, num_stages=1)
+
+
 # ---------------------------------------------------------------------------- families
 
 
@@ -694,4 +719,5 @@ RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret)
 LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
 QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
 SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1))
-FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT)}
+ROUTE = Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1))
+FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT, ROUTE)}

@@ -6,6 +6,10 @@ correction bias used for selection only, group-limited selection, renormalisatio
 scaling factor. Everything is torch ops on the logits' device: no value is read back to the
 host, so it runs inside a CUDA graph, and torch.compile traces it.
 
+Decode-sized calls on a GPU (up to configs.ROUTE_MAX_TOKENS tokens, no gradient asked for) run
+one fused Triton kernel (kernels.route_kernel) instead of the torch ops' dozen launches; it makes
+the same choices by the same tie rule.
+
 Ties are broken one way everywhere: experts (and groups) are taken by value descending, the
 lower index first among equal values (a stable descending sort), so the ids are the same on
 every run and every device.
@@ -17,7 +21,10 @@ import math
 
 import torch
 
-from ..core import checks
+from ..core import checks, configs
+from ..core.launch import Launcher, Request
+from ..core.runtime import next_pow2
+from .kernels import route_kernel
 
 # How router logits L become the routing weights, and on what the top-k is taken.
 #   softmax:       p = softmax(L) over all experts; top-k of p (+ bias); w = p of the chosen
@@ -96,6 +103,9 @@ def route(logits, top_k: int, renormalize: bool = True, *, scoring: str = "softm
     if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
         raise checks.bad_value("routed_scaling_factor", "a finite number > 0", routed_scaling_factor)
 
+    if use_fused(logits, n_group):
+        return _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group,
+                            routed_scaling_factor)
     L = logits.float()
     if selects_on_scores:
         scores = torch.softmax(L, dim=-1) if scoring == "softmax" else torch.sigmoid(L)
@@ -120,3 +130,36 @@ def route(logits, top_k: int, renormalize: bool = True, *, scoring: str = "softm
     if routed_scaling_factor != 1:
         weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+ROUTE = Launcher(route_kernel, configs.ROUTE)
+
+
+def _blocks(E: int, n_group: int) -> tuple[int, int]:
+    """The fused kernel's [G_BLOCK, GROUP_BLOCK] layout of the experts (powers of two >= 2)."""
+    return max(2, next_pow2(n_group)), max(2, next_pow2(E // n_group))
+
+
+def use_fused(logits, n_group: int) -> bool:
+    """Whether route() runs the fused kernel: decode-sized, on a GPU, no gradient, not traced."""
+    g_block, group_block = _blocks(logits.shape[1], n_group)
+    return (logits.is_cuda and logits.shape[0] <= configs.ROUTE_MAX_TOKENS
+            and g_block * group_block <= configs.ROUTE_MAX_E_BLOCK
+            and not (logits.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
+
+
+def _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group, scale):
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return w, ids
+    g_block, group_block = _blocks(E, n_group)
+    bias = w if correction_bias is None else correction_bias.float().contiguous()
+    constexprs = dict(GROUP=E // n_group, N_GROUP=n_group, G_BLOCK=g_block, GROUP_BLOCK=group_block,
+                      TOPK_GROUP=topk_group or 1, TOP_K=top_k, K_BLOCK=max(2, next_pow2(top_k)),
+                      SCORING=SCORINGS.index(scoring), HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize)
+    key = (logits.dtype, logits.get_device(), *constexprs.values())
+    plan = ROUTE.plan(key, lambda: Request(configs.RouteKey(g_block * group_block), constexprs, logits.device))
+    ROUTE.launch(plan, (T,), (logits, bias, w, ids, logits.stride(0), logits.stride(1), float(scale)))
+    return w, ids

@@ -57,11 +57,18 @@ TIES = [
                  id="topk-on-logits-no-tie"),
     pytest.param([[2.0, 0.0, 0.0, 2.0, 1.0, 1.0, 0.0, 0.0]], dict(scoring="sigmoid", n_group=4, topk_group=1), 2,
                  [[0, 1]], id="tied-groups-lower-group"),
+    pytest.param([[2.0, 0.0, 0.0, 2.0, 1.0, 1.0, 0.0, 0.0]], dict(scoring="sigmoid", n_group=4, topk_group=2), 1,
+                 [[0]], id="tied-experts-in-two-kept-groups"),
+    # with a bias a group scores the sum of its two best: group 1 (0.88 + 0.88) beats group 0 (0.95 + 0)
+    pytest.param([[3.0, -9.0, -9.0, -9.0, 2.0, 2.0, -9.0, -9.0]],
+                 dict(scoring="sigmoid", n_group=2, topk_group=1, correction_bias=torch.zeros(8)), 1, [[4]],
+                 id="group-score-is-the-top-2-sum"),
 ]
 
 
 @pytest.mark.parametrize("logits,options,k,want", TIES)
 def test_route_ties_lower_index_first(logits, options, k, want, device):
+    options = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
     _, ids = onegemm.route(torch.tensor(logits, device=device), k, **options)
     assert ids.tolist() == want
 
@@ -122,6 +129,28 @@ def test_gpu_route_in_a_cuda_graph(device):
     graph.replay()
     w_ref, ids_ref = route_ref(logits, 8, **options)
     assert torch.equal(ids.long(), ids_ref) and (w - w_ref).abs().max() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options,E,k", [
+    pytest.param(dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5), 256, 8, id="deepseek-v3"),
+    pytest.param(dict(scoring="sigmoid", routed_scaling_factor=2.827), 384, 8, id="kimi-k2"),
+    pytest.param(dict(renormalize=False), 128, 8, id="qwen3"),
+    pytest.param(dict(scoring="topk_softmax", renormalize=False), 128, 4, id="gpt-oss"),
+])
+@pytest.mark.parametrize("T", [1, 64, 256, 300])
+def test_gpu_route_fused_and_torch_paths(options, E, k, T, device):
+    """Real sizes on the GPU: T <= 256 takes the fused kernel, 300 the torch ops; both match
+    the float64 reference."""
+    options = dict(options)
+    renormalize = options.pop("renormalize", True)
+    if options.get("scoring") == "sigmoid":
+        options["correction_bias"] = torch.randn(E, device=device) * 0.01
+    logits = torch.randn(T, E, device=device).to(torch.bfloat16)
+    w, ids = onegemm.route(logits, k, renormalize, **options)
+    w_ref, ids_ref = route_ref(logits, k, renormalize, **options)
+    assert torch.equal(ids.long(), ids_ref)
+    assert_close(w, w_ref, 1e-6)
 
 
 # ---- MoEFFN: input-side weights, shared experts ----
@@ -333,3 +362,31 @@ def test_from_pretrained_fp8_experts(tmp_path, device):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="only FP8 with 128x128 weight blocks"):
         onegemm.MoEFFN.from_pretrained(tmp_path, layer=3)
+
+
+@pytest.mark.parametrize("options,E,k", ROUTES)
+def test_route_fused_kernel_matches_reference(options, E, k, device, monkeypatch):
+    """The fused decode kernel (what route() runs on a GPU for small T): the same ids, weights."""
+    from onegemm.grouped import routing
+
+    monkeypatch.setattr(routing, "use_fused", lambda logits, n_group: True)
+    options = dict(options)
+    renormalize = options.pop("renormalize", True)
+    if options.pop("bias", False):
+        options["correction_bias"] = torch.randn(E, device=device) * 0.1
+    logits = torch.randn(3, E + 3, device=device)[:, 1:E + 1] * 2  # three programs, a strided view
+    w, ids = onegemm.route(logits, k, renormalize, **options)
+    w_ref, ids_ref = route_ref(logits, k, renormalize, **options)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids.long(), ids_ref)
+    assert_close(w, w_ref, 1e-6)
+
+
+@pytest.mark.parametrize("logits,options,k,want", TIES)
+def test_route_fused_kernel_ties(logits, options, k, want, device, monkeypatch):
+    from onegemm.grouped import routing
+
+    monkeypatch.setattr(routing, "use_fused", lambda logits, n_group: True)
+    options = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
+    _, ids = onegemm.route(torch.tensor(logits, device=device), k, **options)
+    assert ids.tolist() == want
