@@ -7,6 +7,7 @@ transformers' MoE blocks take [B, S, H]; some return the hidden states, some (hi
 logits or scores) (Llama-4, gpt-oss; Qwen's in older versions): ``hf_forward`` takes the first.
 """
 
+import copy
 import json
 
 import pytest
@@ -84,7 +85,8 @@ def hf_forward(block, x):
 @pytest.mark.parametrize("family", CASES)
 def test_layer_matches_transformers(family, tmp_path, device):
     """Both save formats (the Hub's per-expert names and transformers' fused layout), sharded,
-    load the same layer; it computes the transformers block's output and routing."""
+    load the same layer; it computes the transformers block's output and routing, and (GRADS)
+    its router's and shared experts' gradients."""
     model = build(family)
     layers = []
     for original_format in (True, False):
@@ -98,10 +100,9 @@ def test_layer_matches_transformers(family, tmp_path, device):
     block = block_of(model, family)
     T = 9
     x = torch.randn(T, H)
+    got = layer(x.to(device))
     with torch.no_grad():
-        want = hf_forward(block, x)
-        got = layer(x.to(device)).cpu()
-        assert_close(got, want, 1e-5)
+        assert_close(got, hf_forward(block, x), 1e-5)
         # the routing alone: the same experts (transformers' order within a token may differ)
         w, ids = layer.route(x.to(device))
         dense_w = torch.zeros(T, layer.num_experts).scatter_(1, ids.long().cpu(), w.cpu())
@@ -114,46 +115,39 @@ def test_layer_matches_transformers(family, tmp_path, device):
             hf_dense = torch.zeros(T, layer.num_experts).scatter_(1, hf[2], hf[1].float())
         assert torch.equal(dense_w != 0, hf_dense != 0)
         assert_close(dense_w, hf_dense, 1e-6)
+    if family in GRADS:
+        grad = torch.randn(T, H)
+        got.backward(grad.to(device))
+        block64 = copy.deepcopy(block).double()
+        hf_forward(block64, x.double()).backward(grad.double())
+        check_gradients(family, layer, block64)
 
 
-GRAD_FAMILIES = [pytest.param(f, id=f) for f in ("qwen2_moe", "deepseek_v3", "llama4_text", "gpt_oss")]
+# What each family's gradient test compares (besides the experts, which test_autograd.py covers).
+GRADS = ("qwen2_moe", "deepseek_v3", "llama4_text", "gpt_oss")
 
 
-@pytest.mark.parametrize("family", GRAD_FAMILIES)
-def test_router_and_shared_expert_gradients(family, tmp_path, device):
+def check_gradients(family, layer, block):
     """Gradients of the router and the shared experts (gpt-oss: its biases) against the
     transformers block run in float64."""
-    model = build(family)
-    model.save_pretrained(tmp_path)
-    layer = onegemm.MoEFFN.from_pretrained(tmp_path, layer=1, device=device)
-    block = block_of(model, family).double()
-    x = torch.randn(5, H)
-    grad = torch.randn(5, H)
-    layer(x.to(device)).backward(grad.to(device))
-    hf_forward(block, x.double()).backward(grad.double())
     router = getattr(block, "gate", None) or block.router
+    want = [("router", layer.gate_weight, router.weight.grad)]
     if family == "gpt_oss":  # no shared expert: the router's bias and the experts' biases
         b13 = block.experts.gate_up_proj_bias.grad
-        for name, ours, want in [("router", layer.gate_weight, router.weight.grad),
-                                 ("router bias", layer.gate_bias, router.bias.grad),
-                                 ("gate_up bias", layer.w_gate_up_bias, torch.cat([b13[:, 0::2], b13[:, 1::2]], 1)),
-                                 ("down bias", layer.w_down_bias, block.experts.down_proj_bias.grad),
-                                 ("down_proj", layer.w_down, block.experts.down_proj.grad.transpose(1, 2))]:
-            assert_close(ours.grad.cpu(), want, 1e-5, f"grad of {name}")
-        return
-    shared = block.shared_experts if family == "deepseek_v3" else block.shared_expert
-    pairs = [("router", layer.gate_weight, router.weight),
-             ("shared gate_proj", layer.shared_w_gate_up, None),
-             ("shared down_proj", layer.shared_w_down, shared.down_proj.weight)]
-    S = layer.shared_w_down.shape[1]
-    want_gate_up = torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad])
-    for name, ours, theirs in pairs:
-        assert ours.grad is not None, f"{name}: no gradient"
-        want = want_gate_up if theirs is None else theirs.grad
-        assert ours.grad.shape == want.shape and S == want_gate_up.shape[0] // 2
-        assert_close(ours.grad.cpu(), want, 1e-5, f"grad of {name}")
+        want += [("router bias", layer.gate_bias, router.bias.grad),
+                 ("gate_up bias", layer.w_gate_up_bias, torch.cat([b13[:, 0::2], b13[:, 1::2]], 1)),
+                 ("down bias", layer.w_down_bias, block.experts.down_proj_bias.grad),
+                 ("down_proj", layer.w_down, block.experts.down_proj.grad.transpose(1, 2))]
+    else:
+        shared = block.shared_experts if family == "deepseek_v3" else block.shared_expert
+        want += [("shared gate/up", layer.shared_w_gate_up,
+                  torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad])),
+                 ("shared down_proj", layer.shared_w_down, shared.down_proj.weight.grad)]
     if family == "qwen2_moe":
-        assert_close(layer.shared_gate.grad.cpu(), block.shared_expert_gate.weight.grad, 1e-5, "grad of shared gate")
+        want.append(("shared gate", layer.shared_gate, block.shared_expert_gate.weight.grad))
+    for name, ours, theirs in want:
+        assert ours.grad is not None, f"{name}: no gradient"
+        assert_close(ours.grad.cpu(), theirs, 1e-5, f"grad of {name}")
 
 
 DENSE = [
