@@ -176,27 +176,40 @@ def _scale(keys: LayerKeys, name: str, rows: int, cols: int) -> torch.Tensor:
 
 
 def _fused_experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
-    """transformers v5's experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I], or
-    Llama-4's [E, H, 2I] / [E, I, H] (a layer whose router is "router.weight")."""
+    """transformers v5's experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I] (FP8:
+    with experts.*_scale_inv), or Llama-4's [E, H, 2I] / [E, I, H] (a layer whose router is
+    "router.weight")."""
     E, H = gate.shape
-    for n in sorted(keys.left):
-        if n.startswith(("experts.gate_up_proj_", "experts.down_proj_")):
-            raise keys.fail(n, "is a scale or bias of fused experts, which MoEFFN does not read (FP8 experts: per-expert "
-                               "names with weight_scale_inv, e.g. save_pretrained(..., save_original_format=True))")
     w13 = keys.take("experts.gate_up_proj")
+    fp8 = w13.dtype in checks.FP8_DTYPES and not llama4_layout
+    dtypes, whose = ((torch.float8_e4m3fn,), " (FP8 experts are e4m3)") if fp8 else ((gate.dtype,), " (the router's)")
+    for n in sorted(keys.left):
+        if n.startswith(("experts.gate_up_proj_", "experts.down_proj_")) and not (
+                fp8 and n in ("experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv")):
+            raise keys.fail(n, "is a scale or bias of fused experts that MoEFFN does not read")
     layout = "[E, H, 2I] (Llama-4's layout)" if llama4_layout else "[E, 2I, H] (transformers' fused layout)"
-    if w13.dtype != gate.dtype:
-        raise keys.fail("experts.gate_up_proj", f"has dtype {w13.dtype}, expected {checks.dtype_names((gate.dtype,))} "
-                                                "(the router's; fused FP8 experts are not read)")
+    if w13.dtype not in dtypes:
+        raise keys.fail("experts.gate_up_proj", f"has dtype {w13.dtype}, expected {checks.dtype_names(dtypes)}{whose}")
     ok = w13.dim() == 3 and w13.shape[0] == E and w13.shape[1 if llama4_layout else 2] == H and (
         w13.shape[2 if llama4_layout else 1] % 2 == 0)
     if not ok:
         raise keys.fail("experts.gate_up_proj", f"has shape {tuple(w13.shape)}, expected {layout} with E = {E}, H = {H}")
     I = w13.shape[2 if llama4_layout else 1] // 2
-    w2 = keys.take("experts.down_proj", (E, I, H) if llama4_layout else (E, H, I), (gate.dtype,), " (the router's)")
+    w2 = keys.take("experts.down_proj", (E, I, H) if llama4_layout else (E, H, I), dtypes, whose)
     if llama4_layout:
-        w13, w2 = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
-    return dict(w_gate_up=w13, w_down=w2)
+        return dict(w_gate_up=w13.transpose(1, 2).contiguous(), w_down=w2.transpose(1, 2).contiguous())
+    out = dict(w_gate_up=w13, w_down=w2)
+    if fp8:
+        if I % BLOCK:
+            # One block row of the fused [2I, H] matrix would hold gate and up rows: which of the
+            # two quantisations made the file cannot be told from its shapes.
+            raise keys.fail("experts.gate_up_proj_scale_inv", f"scales fused FP8 experts of I = {I}, not a multiple of "
+                                                              f"{BLOCK}: save the per-expert names instead")
+        kh, ki = -(-H // BLOCK), I // BLOCK
+        scale = ((torch.float32, torch.bfloat16), " (the 128x128 block scales)")
+        out["w_gate_up_scale"] = keys.take("experts.gate_up_proj_scale_inv", (E, 2 * ki, kh), *scale).float()
+        out["w_down_scale"] = keys.take("experts.down_proj_scale_inv", (E, kh, ki), *scale).float()
+    return out
 
 
 def _gpt_oss_experts(keys: LayerKeys, gate) -> dict:

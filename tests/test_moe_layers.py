@@ -287,10 +287,16 @@ BAD_LAYER_FILES = [
      "are two shared experts"),
     ("a missing shared tensor", lambda t: t.pop(P + "shared_experts.up_proj.weight"),
      "missing tensor 'model.layers.3.mlp.shared_experts.up_proj.weight'"),
-    ("fused FP8 experts", lambda t: [t.pop(k) for k in list(t) if ".experts." in k] and t.update({
+    ("fused FP8 experts of I = 8", lambda t: [t.pop(k) for k in list(t) if ".experts." in k] and t.update({
         P + "experts.gate_up_proj": torch.randn(4, 16, 16).to(torch.float8_e4m3fn),
-        P + "experts.gate_up_proj_scale_inv": torch.ones(4, 1, 1), P + "experts.down_proj": torch.randn(4, 16, 8)}),
-     "'model.layers.3.mlp.experts.gate_up_proj_scale_inv' is a scale or bias of fused experts"),
+        P + "experts.gate_up_proj_scale_inv": torch.ones(4, 2, 1),
+        P + "experts.down_proj": torch.randn(4, 16, 8).to(torch.float8_e4m3fn),
+        P + "experts.down_proj_scale_inv": torch.ones(4, 1, 1)}),
+     "'model.layers.3.mlp.experts.gate_up_proj_scale_inv' scales fused FP8 experts of I = 8, not a multiple of 128"),
+    ("a fused expert bias", lambda t: [t.pop(k) for k in list(t) if ".experts." in k] and t.update({
+        P + "experts.gate_up_proj": torch.randn(4, 16, 16), P + "experts.down_proj": torch.randn(4, 16, 8),
+        P + "experts.down_proj_bias": torch.randn(4, 16)}),
+     "'model.layers.3.mlp.experts.down_proj_bias' is a scale or bias of fused experts that MoEFFN does not read"),
 ]
 
 
@@ -395,3 +401,28 @@ def test_route_fused_kernel_ties(logits, options, k, want, device, monkeypatch):
     options = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
     _, ids = onegemm.route(torch.tensor(logits, device=device), k, **options)
     assert ids.tolist() == want
+
+
+def test_fused_fp8_experts_load_as_the_per_expert_file(tmp_path, device):
+    """transformers' fused FP8 layout (experts.gate_up_proj + _scale_inv, I a multiple of 128)
+    loads the same layer as the per-expert names with weight_scale_inv."""
+    E, H, I = 2, 16, 128
+    w13, s13, w2, s2 = onegemm.quantize_experts(torch.randn(E, 2 * I, H, device=device) * 0.1,
+                                                torch.randn(E, H, I, device=device) * 0.1)
+    w13, s13, w2, s2 = (t.cpu() for t in (w13, s13, w2, s2))
+    gate = torch.randn(E, H)
+    fused = {"gate.weight": gate, "experts.gate_up_proj": w13, "experts.gate_up_proj_scale_inv": s13,
+             "experts.down_proj": w2, "experts.down_proj_scale_inv": s2}
+    per = {"gate.weight": gate}
+    for e in range(E):
+        for name, w, s in (("gate_proj", w13[e, :I], s13[e, :1]), ("up_proj", w13[e, I:], s13[e, 1:]),
+                           ("down_proj", w2[e], s2[e])):
+            per[f"experts.{e}.{name}.weight"], per[f"experts.{e}.{name}.weight_scale_inv"] = w.clone(), s.clone()
+    layers = []
+    for name, t in (("fused", fused), ("per_expert", per)):
+        save_file(t, str(tmp_path / f"{name}.safetensors"))
+        layers.append(onegemm.MoEFFN.from_safetensors(tmp_path / f"{name}.safetensors", device=device))
+    for (n, p), (_, q) in zip(layers[0].state_dict().items(), layers[1].state_dict().items()):
+        assert p.dtype == q.dtype and torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                                                  q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q), n
+    assert layers[0].w_gate_up.dtype == torch.float8_e4m3fn and layers[0].w_gate_up_scale.shape == (E, 2, 1)
