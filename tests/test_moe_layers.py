@@ -426,3 +426,30 @@ def test_fused_fp8_experts_load_as_the_per_expert_file(tmp_path, device):
         assert p.dtype == q.dtype and torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
                                                   q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q), n
     assert layers[0].w_gate_up.dtype == torch.float8_e4m3fn and layers[0].w_gate_up_scale.shape == (E, 2, 1)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_k2"])
+def test_from_pretrained_deepseek_family(model_type, tmp_path, device):
+    folder = _folder(tmp_path, {**DS_CONFIG, "model_type": model_type}, _deepseek_file())
+    layer = onegemm.MoEFFN.from_pretrained(folder, layer=3, device=device)
+    assert layer.routing["scoring"] == "sigmoid" and layer.correction_bias is not None
+
+
+def test_from_pretrained_multimodal_llama4(tmp_path, device):
+    """Llama-4's released checkpoints: model_type llama4, the text model's config nested, its
+    layers under language_model.model."""
+    E, H, I = 4, 16, 8
+    p = "language_model.model.layers.1.feed_forward."
+    t = {p + "router.weight": torch.randn(E, H), p + "experts.gate_up_proj": torch.randn(E, H, 2 * I),
+         p + "experts.down_proj": torch.randn(E, I, H), "vision_model.model.layers.1.mlp.fc1.weight": torch.randn(4, 4)}
+    for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        t[f"{p}shared_expert.{name}.weight"] = torch.randn(*shape)
+    config = dict(model_type="llama4", text_config=dict(model_type="llama4_text", num_hidden_layers=2,
+                  num_local_experts=E, num_experts_per_tok=1, intermediate_size=I, interleave_moe_layer_step=2))
+    folder = _folder(tmp_path, config, t)
+    layer = onegemm.MoEFFN.from_pretrained(folder, layer=1, device=device)
+    assert layer.weights_on_input and layer.routing["scoring"] == "topk_sigmoid" and layer.top_k == 1
+    assert torch.equal(layer.w_gate_up.cpu(), t[p + "experts.gate_up_proj"].transpose(1, 2))
+    assert torch.equal(layer.w_down.cpu(), t[p + "experts.down_proj"].transpose(1, 2))
+    with pytest.raises(ValueError, match="layer 0 of this llama4_text model is a dense MLP"):
+        onegemm.MoEFFN.from_pretrained(folder, layer=0)
