@@ -453,3 +453,26 @@ def test_from_pretrained_multimodal_llama4(tmp_path, device):
     assert torch.equal(layer.w_down.cpu(), t[p + "experts.down_proj"].transpose(1, 2))
     with pytest.raises(ValueError, match="layer 0 of this llama4_text model is a dense MLP"):
         onegemm.MoEFFN.from_pretrained(folder, layer=0)
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_layer_cuda_graph_and_compile(device):
+    """A DeepSeek-V3-style layer (groups, bias, shared experts) is captured in a CUDA graph and
+    compiled with fullgraph=True; both give the eager result's bits."""
+    E, H, I, S = 16, 256, 128, 256
+    gate = torch.randn(E, H, device=device).to(torch.bfloat16) * H**-0.5
+    w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(torch.bfloat16)
+    s13 = (torch.randn(2 * S, H, device=device) * H**-0.5).to(torch.bfloat16)
+    s2 = (torch.randn(H, S, device=device) * S**-0.5).to(torch.bfloat16)
+    layer = onegemm.MoEFFN(gate, w13, w2, top_k=4, scoring="sigmoid", correction_bias=torch.randn(E, device=device) * 0.1,
+                           n_group=4, topk_group=2, routed_scaling_factor=2.5, shared_w_gate_up=s13, shared_w_down=s2)
+    x = torch.randn(64, H, device=device).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = layer(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x)
+        graph.replay()
+        assert torch.equal(y, want)
+        assert torch.equal(torch.compile(layer, fullgraph=True)(x), want)
