@@ -350,7 +350,9 @@ def _deepseek(defaults):
 
     def shared(cfg):
         n = _get(cfg, "", "n_shared_experts", default=defaults["n_shared_experts"])
-        return n * cfg["moe_intermediate_size"] if n and "moe_intermediate_size" in cfg else (0 if not n else None)
+        if not n:
+            return 0
+        return n * cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg else None
 
     return routing, dense, shared
 
