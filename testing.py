@@ -193,13 +193,44 @@ def grouped_mm_ref(a, b, offs=None, bias=None, activation=None):
     return out
 
 
-def route_ref(logits, top_k, renormalize=True):
-    """Mixtral / Qwen3 routing in float64: softmax, top-k, optional renormalisation."""
-    p = torch.softmax(logits.double(), dim=-1)
-    w, ids = torch.topk(p, top_k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w, ids
+def route_ref(logits, top_k, renormalize=True, *, scoring="softmax", correction_bias=None, n_group=1,
+              topk_group=None, routed_scaling_factor=1.0):
+    """onegemm.route in float64, row by row (ties: value descending, the lower index first).
+
+    Returns (weights float64 [T, k], ids int64 [T, k]).
+    """
+    L = logits.detach().double().cpu()
+    T, E = L.shape
+    bias = None if correction_bias is None else correction_bias.detach().double().cpu()
+
+    def best(values, k, among=None):
+        order = sorted(among if among is not None else range(len(values)), key=lambda i: (-values[i], i))
+        return order[:k]
+
+    ids = torch.empty(T, top_k, dtype=torch.long)
+    weights = torch.empty(T, top_k, dtype=torch.float64)
+    for t in range(T):
+        row = L[t]
+        if scoring in ("softmax", "sigmoid"):
+            s = torch.softmax(row, 0) if scoring == "softmax" else torch.sigmoid(row)
+            choice = (s if bias is None else s + bias).tolist()
+            candidates = range(E)
+            if n_group > 1:
+                size = E // n_group
+                groups = [sorted(choice[g * size:(g + 1) * size], reverse=True) for g in range(n_group)]
+                gscore = [g[0] if bias is None else g[0] + g[1] for g in groups]
+                kept = best(gscore, topk_group)
+                candidates = [e for e in range(E) if e // size in kept]
+            chosen = best(choice, top_k, candidates)
+            w = s[chosen]
+        else:
+            chosen = best(row.tolist(), top_k)
+            w = torch.softmax(row[chosen], 0) if scoring == "topk_softmax" else torch.sigmoid(row[chosen])
+        if renormalize:
+            w = w / (w.sum() + 1e-20)
+        ids[t] = torch.tensor(chosen)
+        weights[t] = w * routed_scaling_factor
+    return weights.to(logits.device), ids.to(logits.device)
 
 
 def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):

@@ -736,6 +736,31 @@ def gather_col_blocks(row_programs: int, col_blocks: int, sms: int) -> int:
     return max(1, col_blocks // max(1, -(-4 * sms // max(row_programs, 1))))
 
 
+# ---------------------------------------------------------------------------- MoE routing
+# grouped/routing.py's fused kernel: one program per token, the experts in one block.
+
+
+class RouteKey(NamedTuple):
+    e_block: int
+
+    def __str__(self):
+        return f"e_block={self.e_block}"
+
+
+# The fused kernel serves decode-sized batches (one launch instead of torch's dozen); above
+# this many tokens, or this many experts in a block, route() runs its torch ops.
+ROUTE_MAX_TOKENS = 256
+ROUTE_MAX_E_BLOCK = 1024
+
+
+def route_candidates(key: RouteKey, sms: int) -> list[triton.Config]:
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
+
+
+def route_heuristic(key: RouteKey, sms: int) -> triton.Config:
+    return triton.Config({}, num_warps=1 if key.e_block <= 128 else 2 if key.e_block <= 512 else 4, num_stages=1)
+
+
 # ---------------------------------------------------------------------------- families
 
 
@@ -764,5 +789,6 @@ SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_war
 ROW_TILES = Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
 GATHER_QUANTIZE = Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
 COMBINE = Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
+ROUTE = Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1))
 FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT, ROW_TILES,
-                                  GATHER_QUANTIZE, COMBINE)}
+                                  GATHER_QUANTIZE, COMBINE, ROUTE)}

@@ -1,13 +1,15 @@
 """onegemm.grouped: grouped GEMMs (torch._grouped_mm semantics, list mode) and the MoE expert FFN.
 
-Kernels: kernels.py; the public ops: ops.py (grouped_matmul) and moe.py (route,
-sort_by_expert, moe_ffn, quantize_experts, MoEFFN); the stored test layers (bf16 and its FP8
-twin): data/, made by make_layer.py.
+Kernels: kernels.py; the public ops: ops.py (grouped_matmul), moe.py (sort_by_expert, moe_ffn,
+quantize_experts), routing.py (route), layer.py (MoEFFN) and loading.py (MoEFFN's checkpoint
+reading); the stored test layers (bf16 and its FP8 twin): data/, made by make_layer.py.
 """
 
 from pathlib import Path
 
-from .moe import MoEFFN, moe_ffn, quantize_experts, route, sort_by_expert
+from .layer import MoEFFN
+from .moe import moe_ffn, quantize_experts, sort_by_expert
+from .routing import route
 from .ops import grouped_matmul
 
 # A small Mixtral-style layer shipped with the package (8 experts, hidden 256, intermediate 512).

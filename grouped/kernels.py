@@ -405,3 +405,72 @@ def combine_kernel(Y, ids, Out, E, H, k: tl.constexpr, BLOCK_H: tl.constexpr):
         if (e >= 0) & (e < E):
             acc += tl.load(Y.ptr + (t * k + j) * Y.stride0 + cols * Y.stride1, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out.ptr + t * Out.stride0 + cols * Out.stride1, acc.to(Out.ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, stride_e, scale,
+    GROUP: tl.constexpr, N_GROUP: tl.constexpr, G_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    """onegemm.route for one token per program (grouped/routing.py says what each step means).
+
+    logits_ptr [T, E] (strides stride_t, stride_e); bias_ptr [E] fp32 (HAS_BIAS); w_ptr fp32 and
+    ids_ptr int32 [T, TOP_K] (out). The experts are held as [G_BLOCK, GROUP_BLOCK]: group g,
+    member j is expert g * GROUP + j (without groups N_GROUP = 1 and GROUP = E). SCORING: 0
+    softmax, 1 sigmoid, 2 top-k then softmax, 3 top-k then sigmoid. Each pick is an argmax that
+    takes the lowest group, then the lowest member, among equal values: the lowest expert index,
+    as route's stable sort. Grid: (T,).
+    """
+    NEG: tl.constexpr = float("-inf")
+    t = tl.program_id(0)
+    gs = tl.arange(0, G_BLOCK)
+    g = gs[:, None]
+    j = tl.arange(0, GROUP_BLOCK)[None, :]
+    valid = (g < N_GROUP) & (j < GROUP)
+    e = g * GROUP + j
+    x = tl.load(logits_ptr + t * stride_t + e * stride_e, mask=valid, other=NEG).to(tl.float32)
+    if SCORING == 0:
+        p = tl.where(valid, tl.exp(x - tl.max(tl.max(x, axis=1), axis=0)), 0.0)
+        s = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    elif SCORING == 1:
+        s = tl.where(valid, tl.sigmoid(x), 0.0)
+    else:
+        s = x
+    choice = s
+    if HAS_BIAS:
+        choice = s + tl.load(bias_ptr + e, mask=valid, other=0.0)
+    choice = tl.where(valid, choice, NEG)
+    if N_GROUP > 1:
+        best = tl.max(choice, axis=1)
+        if HAS_BIAS:  # the sum of the group's two best
+            first = tl.argmax(choice, axis=1, tie_break_left=True)
+            best += tl.max(tl.where(j == first[:, None], NEG, choice), axis=1)
+        gscore = tl.where(gs < N_GROUP, best, NEG)
+        kept = gs < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            hit = gs == tl.argmax(gscore, axis=0, tie_break_left=True)
+            kept = kept | hit
+            gscore = tl.where(hit, NEG, gscore)
+        choice = tl.where(kept[:, None], choice, NEG)
+    ks = tl.arange(0, K_BLOCK)
+    w = tl.zeros([K_BLOCK], dtype=tl.float32)
+    ids = tl.zeros([K_BLOCK], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        gi = tl.argmax(tl.max(choice, axis=1), axis=0, tie_break_left=True)
+        ji = tl.sum(tl.where(gs == gi, tl.argmax(choice, axis=1, tie_break_left=True), 0), axis=0)
+        sel = (g == gi) & (j == ji)
+        w = tl.where(ks == i, tl.sum(tl.sum(tl.where(sel, s, 0.0), axis=1), axis=0), w)
+        ids = tl.where(ks == i, gi * GROUP + ji, ids)
+        choice = tl.where(sel, NEG, choice)
+    real = ks < TOP_K
+    if SCORING == 2:
+        p = tl.where(real, tl.exp(w - tl.max(tl.where(real, w, NEG), axis=0)), 0.0)
+        w = p / tl.sum(p, axis=0)
+    elif SCORING == 3:
+        w = tl.sigmoid(w)
+    if RENORMALIZE:
+        w = w / (tl.sum(tl.where(real, w, 0.0), axis=0) + 1e-20)
+    tl.store(w_ptr + t * TOP_K + ks, w * scale, mask=real)
+    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=real)

@@ -1,4 +1,4 @@
-"""MoE expert FFN on grouped_matmul's kernel: route, sort by expert, two fused GEMMs, combine.
+"""MoE expert FFN on grouped_matmul's kernel: sort by expert, two fused GEMMs, combine.
 
     y[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * (W3_e x_t)),   e = ids[t, j]
 
@@ -14,35 +14,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from safetensors import safe_open
-from torch import nn
 
 from ..core import checks, configs
 from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
-from ..core.matmul import matmul
 from ..blockscaled.quantize import BLOCK, quantize_fp8
-from ..core.runtime import INTERPRET, empty, next_pow2
+from ..core.runtime import empty, next_pow2
 from ..core.tiles import Operand, Scales
 from .kernels import Stacked, sort_by_expert_kernel
 from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
 from .ops import combine, gather_quantize, grouped_matmul, launch_ragged, row_tiles
-
-
-def route(logits, top_k: int, renormalize: bool = True):
-    """Mixtral / Qwen3 routing: softmax in fp32, top-k, optional renormalisation.
-
-    logits [T, E] (any float dtype) -> (weights fp32 [T, top_k], ids int32 [T, top_k]).
-    """
-    checks.check_tensor("logits", logits, ndim=2, dtypes=checks.FLOAT_DTYPES)
-    E = logits.shape[1]
-    checks.check_int("top_k", top_k, 1, E, "(at most the number of experts, logits.shape[1])")
-    checks.check_bool("renormalize", renormalize)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
 
 
 def sort_by_expert(topk_ids, num_experts: int):
@@ -379,150 +360,3 @@ MOE = Op("moe_ffn", _moe_impl, _moe_fake, _moe_setup, _moe_backward)
 # FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
 # be traced on every bf16 call too), without a gradient.
 MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake)
-
-
-# An expert's (gate, up, down) weight names: Mixtral's, then Qwen3-MoE's and DeepSeek-V3's.
-_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
-
-
-class MoEFFN(nn.Module):
-    """A Mixtral-style sparse MoE block: router, top-k routing, SwiGLU experts via moe_ffn.
-
-    gate_weight [E, H] (router), w_gate_up [E, 2I, H], w_down [E, H, I]. The router logits
-    are computed by onegemm.matmul in fp32 (near-ties then break as in an fp32 reference).
-    FP8 experts: w_gate_up and w_down in float8_e4m3fn with w_gate_up_scale and w_down_scale
-    (moe_ffn's format; ``quantize_experts`` makes it); the router and x keep gate_weight's
-    dtype, and the whole layer is frozen (an inference layer: FP8 experts have no gradient).
-    """
-
-    def __init__(self, gate_weight, w_gate_up, w_down, top_k: int = 2, renormalize: bool = True, *,
-                 w_gate_up_scale=None, w_down_scale=None):
-        super().__init__()
-        checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
-        fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
-            isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
-        expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
-        checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
-        checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
-        E, H = gate_weight.shape
-        if w_gate_up.shape[0] != E:
-            raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)
-        check_expert_weights(w_gate_up, w_down, H)
-        checks.check_int("top_k", top_k, 1, E, "(at most the number of experts)")
-        checks.check_bool("renormalize", renormalize)
-        checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down)
-        # Trainable, as nn.Module parameters are; inference runs under torch.inference_mode()
-        # (or no_grad), which takes the direct kernel path. FP8 experts have no gradient.
-        self.gate_weight = nn.Parameter(gate_weight, requires_grad=not fp8)
-        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=not fp8)
-        self.w_down = nn.Parameter(w_down, requires_grad=not fp8)
-        if fp8:
-            check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
-        self.register_buffer("w_gate_up_scale", w_gate_up_scale)
-        self.register_buffer("w_down_scale", w_down_scale)
-        self.top_k = top_k
-        self.renormalize = renormalize
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate_weight.shape[0]
-
-    def router_logits(self, x):
-        return matmul(x, self.gate_weight.t(), out_dtype=torch.float32)
-
-    def forward(self, x):
-        """x [T, H] -> [T, H] in x's dtype (gate_weight's)."""
-        checks.check_tensor("x", x, ndim=2, dtypes=(self.gate_weight.dtype,))
-        if x.shape[1] != self.gate_weight.shape[1]:
-            raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
-        weights, ids = route(self.router_logits(x), self.top_k, self.renormalize)
-        return moe_ffn(x, self.w_gate_up, self.w_down, weights, ids, w_gate_up_scale=self.w_gate_up_scale,
-                       w_down_scale=self.w_down_scale)
-
-    @classmethod
-    def from_safetensors(cls, path, prefix: str = "", top_k: int = 2, *, renormalize: bool = True, device=None):
-        """Load a layer saved with Hugging Face key names: the router "{prefix}gate.weight"
-        [E, H] and for each expert e either Mixtral's "{prefix}experts.{e}.w1.weight" (gate) and
-        ".w3." (up) [I, H], ".w2." (down) [H, I], or Qwen3-MoE's / DeepSeek-V3's
-        ".gate_proj.", ".up_proj." [I, H] and ".down_proj." [H, I] (whichever expert 0 has).
-        Expert weights in the router's dtype, or FP8 (DeepSeek-V3 / Qwen3-FP8 format):
-        float8_e4m3fn, each with its "...weight_scale_inv" [ceil(rows/128), ceil(cols/128)]
-        (fp32 or bf16, read as fp32); expert 0's first weight says which. E comes from the
-        router's rows. Every tensor is checked for presence, shape and dtype; an error names
-        the file and the key. ``device``: where the weights go (default: CUDA when kernels run
-        on a GPU, else CPU).
-        """
-        if device is None:
-            device = "cpu" if INTERPRET else "cuda"
-        checks.check_int("top_k", top_k, 1, what="(the experts per token)")
-        if not isinstance(prefix, str):
-            raise checks.bad_type("prefix", "a str", prefix)
-        try:
-            f = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 - missing, a folder, not safetensors, truncated: say which file
-            raise checks.in_file(path, f"cannot be read as a safetensors file ({type(e).__name__}: {e})") from e
-        with f:
-            keys = set(f.keys())
-
-            def load(name, shape=None, dtypes=None, whose=""):
-                key = prefix + name
-                if key not in keys:
-                    near = sorted(k for k in keys if k.endswith(name.split(".")[-2] + "." + name.split(".")[-1]))[:3]
-                    raise checks.in_file(path, f"missing tensor {key!r} (prefix={prefix!r}; keys like it: {near})")
-                try:
-                    t = f.get_tensor(key)
-                except Exception as e:  # noqa: BLE001 - a truncated or corrupted tensor
-                    raise checks.in_file(path, f"tensor {key!r} cannot be read ({type(e).__name__}: {e})") from e
-                if shape is not None and tuple(t.shape) != tuple(shape):
-                    raise checks.in_file(path, f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-                if dtypes is not None and t.dtype not in dtypes:
-                    raise checks.in_file(path, f"tensor {key!r} has dtype {t.dtype}, expected "
-                                               f"{checks.dtype_names(dtypes)}{whose}")
-                return t
-
-            gate = load("gate.weight")
-            if gate.dim() != 2:
-                raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has shape {tuple(gate.shape)}, expected [E, H]")
-            if gate.dtype not in checks.FLOAT_DTYPES:
-                raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has dtype {gate.dtype}, expected one of "
-                                           f"({checks.dtype_names(checks.FLOAT_DTYPES)})")
-            E, H = gate.shape
-            g_name, u_name, d_name = next((n for n in _EXPERT_NAMES if f"{prefix}experts.0.{n[0]}.weight" in keys),
-                                          _EXPERT_NAMES[0])
-            first = f"experts.0.{g_name}.weight"
-            w1 = load(first)
-            fp8 = w1.dtype in checks.FP8_DTYPES
-            if fp8:
-                dtypes, whose = (torch.float8_e4m3fn,), " (FP8 experts are e4m3)"
-            else:
-                dtypes, whose = (gate.dtype,), " (the router's)"
-            if w1.dtype not in dtypes:
-                raise checks.in_file(path, f"tensor {prefix + first!r} has dtype {w1.dtype}, expected "
-                                           f"{checks.dtype_names(dtypes)}{whose}")
-            if w1.dim() != 2 or w1.shape[1] != H:
-                raise checks.in_file(path, f"tensor {prefix + first!r} has shape {tuple(w1.shape)}, expected [I, {H}]")
-            I = w1.shape[0]
-
-            def weight(e, name, rows, cols):
-                w = load(f"experts.{e}.{name}.weight", (rows, cols), dtypes, whose)
-                if not fp8:
-                    return w, None
-                s = load(f"experts.{e}.{name}.weight_scale_inv", (-(-rows // BLOCK), -(-cols // BLOCK)),
-                         (torch.float32, torch.bfloat16), " (the 128x128 block scales)")
-                return w, s.float()
-
-            gate_up, down, gate_up_s, down_s = [], [], [], []
-            for e in range(E):
-                (w1, s1), (w3, s3), (w2, s2) = (weight(e, g_name, I, H), weight(e, u_name, I, H), weight(e, d_name, H, I))
-                gate_up.append(torch.cat([w1, w3], dim=0))
-                down.append(w2)
-                if fp8:
-                    gate_up_s.append(torch.cat([s1, s3], dim=0))
-                    down_s.append(s2)
-        scales = {}
-        if fp8:
-            scales = dict(w_gate_up_scale=torch.stack(gate_up_s).to(device), w_down_scale=torch.stack(down_s).to(device))
-        return cls(
-            gate.to(device), torch.stack(gate_up).to(device), torch.stack(down).to(device),
-            top_k=top_k, renormalize=renormalize, **scales,
-        )

@@ -1,0 +1,247 @@
+"""MoEFFN: a whole sparse-MoE block (router, routing, routed experts via moe_ffn, shared experts).
+
+The routed experts run on moe_ffn's kernels; the router is onegemm.matmul in fp32 and the
+shared experts a dense SwiGLU MLP on onegemm.linear, so every GEMM of the block is onegemm's
+and every parameter has a gradient (bf16/fp32 experts). Loading from checkpoints: loading.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import checks
+from ..core.matmul import linear, matmul
+from .moe import check_expert_scales, check_expert_weights, moe_ffn, sort_by_expert
+from .ops import grouped_matmul
+from .routing import route
+
+
+class MoEFFN(nn.Module):
+    """A sparse MoE block: router, routing (``route``'s options), SwiGLU experts via moe_ffn,
+    and optional shared experts.
+
+    gate_weight [E, H] (router), w_gate_up [E, 2I, H] (gate rows, then up rows), w_down
+    [E, H, I]. The router logits x @ gate_weight.T are computed by onegemm.matmul in fp32.
+    Routing: ``top_k``, ``renormalize`` and the keywords ``scoring``, ``correction_bias``
+    (a buffer, not trained), ``n_group``, ``topk_group``, ``routed_scaling_factor``, as in
+    onegemm.route. ``weights_on_input`` (Llama-4): each routing weight scales its expert's
+    input, y = sum_j FFN_e(w_j * x), instead of its output.
+    Shared experts, run on every token and added: ``shared_w_gate_up`` [2S, H] (gate rows,
+    then up rows) and ``shared_w_down`` [H, S], a SwiGLU MLP (DeepSeek-V3 / GLM-4.5's
+    n_shared experts as one of S = n_shared * I, Llama-4's shared expert); with
+    ``shared_gate`` [1, H] its output is scaled by sigmoid(x @ shared_gate.T) (Qwen2-MoE).
+    FP8 experts: w_gate_up and w_down in float8_e4m3fn with w_gate_up_scale and w_down_scale
+    (moe_ffn's format; ``quantize_experts`` makes it); x, the router and the shared experts
+    keep gate_weight's dtype, and the whole layer is frozen (FP8 experts have no gradient).
+    gpt-oss: ``gate_bias`` [E] (the router's bias), ``w_gate_up_bias`` [E, 2I] and
+    ``w_down_bias`` [E, H] (the experts' biases) and ``swiglu_limit`` (its clamped SwiGLU:
+    g = min(g, limit), u = clamp(u, -limit, limit), a = g * sigmoid(swiglu_alpha * g) * (u + 1));
+    these experts run on grouped_matmul with its bias, and elementwise torch between the GEMMs.
+    """
+
+    def __init__(self, gate_weight, w_gate_up, w_down, top_k: int = 2, renormalize: bool = True, *,
+                 w_gate_up_scale=None, w_down_scale=None, scoring: str = "softmax", correction_bias=None,
+                 n_group: int = 1, topk_group=None, routed_scaling_factor: float = 1.0,
+                 weights_on_input: bool = False, shared_w_gate_up=None, shared_w_down=None, shared_gate=None,
+                 gate_bias=None, w_gate_up_bias=None, w_down_bias=None, swiglu_limit=None,
+                 swiglu_alpha: float = 1.702):
+        super().__init__()
+        checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
+        fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
+            isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
+        expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
+        checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
+        checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
+        E, H = gate_weight.shape
+        if w_gate_up.shape[0] != E:
+            raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)
+        check_expert_weights(w_gate_up, w_down, H)
+        checks.check_bool("weights_on_input", weights_on_input)
+        checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down)
+        self.routing = dict(scoring=scoring, n_group=n_group, topk_group=topk_group,
+                            routed_scaling_factor=routed_scaling_factor)
+        # route() checks every routing option (with its own messages, the bias's type and device
+        # included) on one dummy row of logits on gate_weight's device.
+        route(torch.zeros(1, E, device=gate_weight.device), top_k, renormalize,
+              correction_bias=correction_bias, **self.routing)
+        _check_shared(shared_w_gate_up, shared_w_down, shared_gate, gate_weight)
+        biased = _check_gpt_oss(gate_bias, w_gate_up_bias, w_down_bias, swiglu_limit, swiglu_alpha, gate_weight,
+                                w_gate_up, fp8, weights_on_input)
+        # Trainable, as nn.Module parameters are; inference runs under torch.inference_mode()
+        # (or no_grad), which takes the direct kernel path. FP8 experts have no gradient.
+        train = not fp8
+        self.gate_weight = nn.Parameter(gate_weight, requires_grad=train)
+        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=train)
+        self.w_down = nn.Parameter(w_down, requires_grad=train)
+        if fp8:
+            check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        self.register_buffer("w_gate_up_scale", w_gate_up_scale)
+        self.register_buffer("w_down_scale", w_down_scale)
+        self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float())
+        for name, t in (("shared_w_gate_up", shared_w_gate_up), ("shared_w_down", shared_w_down),
+                        ("shared_gate", shared_gate)):
+            setattr(self, name, None if t is None else nn.Parameter(t, requires_grad=train))
+        for name, t in (("gate_bias", gate_bias), ("w_gate_up_bias", w_gate_up_bias), ("w_down_bias", w_down_bias)):
+            setattr(self, name, None if t is None else nn.Parameter(t))
+        self.biased_experts = biased
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
+        self.swiglu_alpha = float(swiglu_alpha)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_on_input = weights_on_input
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_weight.shape[0]
+
+    def extra_repr(self) -> str:
+        E, H = self.gate_weight.shape
+        shared = "none" if self.shared_w_down is None else (
+            f"{self.shared_w_down.shape[1]}" + (" gated" if self.shared_gate is not None else ""))
+        return (f"experts={E}, hidden={H}, intermediate={self.w_down.shape[2]}, top_k={self.top_k}, "
+                f"renormalize={self.renormalize}, scoring={self.routing['scoring']!r}, "
+                f"n_group={self.routing['n_group']}, correction_bias={self.correction_bias is not None}, "
+                f"weights_on_input={self.weights_on_input}, shared={shared}")
+
+    def router_logits(self, x):
+        return matmul(x, self.gate_weight.t(), bias=self.gate_bias, out_dtype=torch.float32)
+
+    def route(self, x):
+        """x [T, H] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]): this layer's routing."""
+        return route(self.router_logits(x), self.top_k, self.renormalize, correction_bias=self.correction_bias,
+                     **self.routing)
+
+    def forward(self, x):
+        """x [T, H] -> [T, H] in x's dtype (gate_weight's)."""
+        checks.check_tensor("x", x, ndim=2, dtypes=(self.gate_weight.dtype,))
+        if x.shape[1] != self.gate_weight.shape[1]:
+            raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
+        weights, ids = self.route(x)
+        scales = dict(w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale)
+        if self.biased_experts:
+            y = self.gpt_oss_experts(x, weights, ids)
+        elif self.weights_on_input:
+            # Row t*k+j of the expanded input is w[t, j] * x[t], sent to expert ids[t, j] with
+            # weight 1; the k rows of a token are summed after.
+            T, k = ids.shape
+            xw = (x[:, None, :] * weights[:, :, None].to(x.dtype)).reshape(T * k, -1)
+            ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
+            y = moe_ffn(xw, self.w_gate_up, self.w_down, ones, ids.reshape(T * k, 1), **scales)
+            y = y.view(T, k, -1).sum(dim=1) if k > 1 else y
+        else:
+            y = moe_ffn(x, self.w_gate_up, self.w_down, weights, ids, **scales)
+        if self.shared_w_down is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def gpt_oss_experts(self, x, weights, ids):
+        """gpt-oss's experts: y[t] = sum_j w[t, j] (W2_e a + b2_e), a = the clamped SwiGLU of
+        W13_e x_t + b13_e; the pairs sorted by expert (as moe_ffn does) and the two GEMMs
+        grouped_matmul's, with their bias."""
+        T, k = ids.shape
+        pair, token, offs = sort_by_expert(ids, self.num_experts)
+        h = grouped_matmul(x[token.long()], self.w_gate_up.transpose(1, 2), offs, bias=self.w_gate_up_bias)
+        gate, up = h.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.swiglu_limit)
+        up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        a = gate * torch.sigmoid(self.swiglu_alpha * gate) * (up + 1)
+        out = grouped_matmul(a, self.w_down.transpose(1, 2), offs, bias=self.w_down_bias)
+        out = out * weights.reshape(-1)[pair.long()].to(out.dtype)[:, None]
+        y = torch.zeros(T * k, x.shape[1], dtype=out.dtype, device=x.device).index_copy(0, pair.long(), out)
+        return y.view(T, k, -1).sum(dim=1)
+
+    def shared_experts(self, x):
+        """The shared experts' output [T, H] (gated for Qwen2-MoE), on onegemm.linear."""
+        gate, up = linear(x, self.shared_w_gate_up).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, self.shared_w_down)
+        if self.shared_gate is not None:
+            y = torch.sigmoid(linear(x, self.shared_gate)) * y
+        return y
+
+    @classmethod
+    def from_safetensors(cls, path, prefix: str = "", top_k: int = 2, *, renormalize: bool = True, device=None,
+                         **routing):
+        """Load a layer from one safetensors file with Hugging Face key names under ``prefix``.
+
+        Routing is given here (``top_k``, ``renormalize`` and ``route``'s keywords
+        ``scoring``, ``n_group``, ``topk_group``, ``routed_scaling_factor``, plus
+        ``weights_on_input``); what is in the file is read from it: the router
+        ("gate.weight" or Llama-4's "router.weight"), a correction bias
+        ("gate.e_score_correction_bias", needs scoring="sigmoid"), the experts (per expert:
+        Mixtral's w1/w3/w2 or gate_proj/up_proj/down_proj; or fused: transformers v5's
+        experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I], Llama-4's
+        [E, H, 2I] / [E, I, H]), bf16/fp16/fp32 or FP8 with weight_scale_inv, and shared
+        experts ("shared_experts.*", "shared_expert.*" with "shared_expert_gate.weight").
+        Every key under the prefix must be accounted for: an error names the file, the key
+        and what was found. docs/moe.md lists the layouts. ``device``: where the weights go
+        (default: CUDA when kernels run on a GPU, else CPU).
+        """
+        from .loading import read_file_layer
+
+        return read_file_layer(cls, path, prefix, top_k, renormalize, device, routing)
+
+    @classmethod
+    def from_pretrained(cls, path, layer: int, *, device=None):
+        """Load MoE layer ``layer`` of a Hugging Face checkpoint folder (config.json and
+        model.safetensors or a sharded model.safetensors.index.json; only the shards that hold
+        the layer are opened). config.json's model_type decides the family and its routing:
+        mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, glm4_moe, llama4 / llama4_text,
+        gpt_oss.
+        A dense layer, or a family or option onegemm does not implement, is a ValueError
+        that names the file and why. docs/moe.md gives the config fields read.
+        """
+        from .loading import read_pretrained_layer
+
+        return read_pretrained_layer(cls, path, layer, device)
+
+
+def _check_gpt_oss(gate_bias, b13, b2, limit, alpha, gate_weight, w_gate_up, fp8, weights_on_input) -> bool:
+    """gpt-oss's biases and clamped SwiGLU: all three biases and the limit, or none."""
+    given = [n for n, v in (("gate_bias", gate_bias), ("w_gate_up_bias", b13), ("w_down_bias", b2),
+                            ("swiglu_limit", limit)) if v is not None]
+    if not given:
+        return False
+    for name in ("gate_bias", "w_gate_up_bias", "w_down_bias", "swiglu_limit"):
+        if name not in given:
+            raise checks.bad_value(name, f"given with {', '.join(given)} (gpt-oss experts need gate_bias, "
+                                   "w_gate_up_bias, w_down_bias and swiglu_limit)", None)
+    if fp8 or weights_on_input:
+        raise checks.bad_value("w_gate_up_bias", "None with FP8 experts or weights_on_input (gpt-oss experts are "
+                               "bf16/fp16/fp32, weighted at the output)", "a tensor")
+    E, H = gate_weight.shape
+    two_i = w_gate_up.shape[1]
+    for name, t, shape in (("gate_bias", gate_bias, (E,)), ("w_gate_up_bias", b13, (E, two_i)),
+                           ("w_down_bias", b2, (E, H))):
+        checks.check_tensor(name, t, ndim=len(shape), dtypes=(gate_weight.dtype,))
+        checks.check_shape(name, t, shape, str(list(shape)))
+    for name, v in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise checks.bad_value(name, "a number > 0", repr(v))
+    checks.check_same_device(gate_weight=gate_weight, gate_bias=gate_bias, w_gate_up_bias=b13, w_down_bias=b2)
+    return True
+
+
+def _check_shared(w_gate_up, w_down, gate, gate_weight) -> None:
+    if w_gate_up is None and w_down is None:
+        if gate is not None:
+            raise checks.bad_value("shared_gate", "None without shared experts (shared_w_gate_up, shared_w_down)",
+                                   "a tensor")
+        return
+    E, H = gate_weight.shape
+    for name, t in (("shared_w_gate_up", w_gate_up), ("shared_w_down", w_down)):
+        if t is None:
+            raise checks.bad_value(name, "a tensor: shared experts need both shared_w_gate_up and shared_w_down",
+                                   None)
+        checks.check_tensor(name, t, ndim=2, dtypes=(gate_weight.dtype,))
+    two_s = w_gate_up.shape[0]
+    if w_gate_up.shape[1] != H or two_s % 2 or two_s == 0:
+        raise checks.bad_shape("shared_w_gate_up", f"[2S, H] = [2S >= 2, {H}] (gate rows, then up rows)",
+                               w_gate_up.shape)
+    checks.check_shape("shared_w_down", w_down, (H, two_s // 2), f"[H, S] = {[H, two_s // 2]}")
+    if gate is not None:
+        checks.check_tensor("shared_gate", gate, ndim=2, dtypes=(gate_weight.dtype,))
+        checks.check_shape("shared_gate", gate, (1, H), f"[1, H] = [1, {H}]")
+    checks.check_same_device(gate_weight=gate_weight, shared_w_gate_up=w_gate_up, shared_w_down=w_down,
+                             shared_gate=gate)

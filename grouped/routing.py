@@ -1,0 +1,165 @@
+"""MoE routing: router logits [T, E] -> (weights fp32 [T, k], expert ids int32 [T, k]).
+
+One function, ``route``, whose parameters name each choice the model families make (the table in
+docs/moe.md): how logits become scores (softmax or sigmoid, before or after the top-k), a
+correction bias used for selection only, group-limited selection, renormalisation and a
+scaling factor. Everything is torch ops on the logits' device: no value is read back to the
+host, so it runs inside a CUDA graph, and torch.compile traces it.
+
+Decode-sized calls on a GPU (up to configs.ROUTE_MAX_TOKENS tokens, no gradient asked for) run
+one fused Triton kernel (kernels.route_kernel) instead of the torch ops' dozen launches; it makes
+the same choices by the same tie rule.
+
+Ties are broken one way everywhere: experts (and groups) are taken by value descending, the
+lower index first among equal values (a stable descending sort), so the ids are the same on
+every run and every device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core import checks, configs
+from ..core.launch import Launcher, Request
+from ..core.runtime import next_pow2
+from .kernels import route_kernel
+
+# How router logits L become the routing weights, and on what the top-k is taken.
+#   softmax:       p = softmax(L) over all experts; top-k of p (+ bias); w = p of the chosen
+#                  (Mixtral, Qwen2-MoE, Qwen3-MoE).
+#   sigmoid:       s = sigmoid(L); top-k of s (+ bias); w = s of the chosen (DeepSeek-V3/R1,
+#                  Kimi-K2, GLM-4.5).
+#   topk_softmax:  top-k of L, then w = softmax over the k chosen logits (gpt-oss).
+#   topk_sigmoid:  top-k of L, then w = sigmoid of each chosen logit (Llama-4).
+SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
+
+# The denominator's guard of the renormalisation (DeepSeek-V3's reference): sigmoid weights
+# can all underflow to 0. Below an ulp of any softmax top-k sum (>= k / E), so softmax
+# routing is unchanged by it.
+RENORM_EPS = 1e-20
+
+
+def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest along the last dim, value descending, the lower index first on ties."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def route(logits, top_k: int, renormalize: bool = True, *, scoring: str = "softmax", correction_bias=None,
+          n_group: int = 1, topk_group=None, routed_scaling_factor: float = 1.0):
+    """Router logits -> (topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k]), moe_ffn's inputs.
+
+    logits [T, E] (any float dtype; routing runs in fp32). ``scoring`` (one of SCORINGS):
+    "softmax" (Mixtral, Qwen), "sigmoid" (DeepSeek-V3, Kimi-K2, GLM-4.5), "topk_softmax"
+    (gpt-oss: top-k of the logits, softmax over the k), "topk_sigmoid" (Llama-4: top-k of the
+    logits, sigmoid of each).
+
+    With "softmax" or "sigmoid" scores:
+      * ``correction_bias`` [E] (DeepSeek-V3's e_score_correction_bias) is added to the scores
+        for the choice only; the weights are the unbiased scores of the chosen experts.
+      * ``n_group`` > 1: group-limited selection. The E experts form n_group groups of
+        E / n_group contiguous experts; a group's score is the sum of its two best (score +
+        bias) with a correction bias, its best score without one; only the ``topk_group``
+        best groups are candidates.
+    ``renormalize``: divide the k weights by their sum (+ 1e-20). ``routed_scaling_factor``
+    multiplies the weights after that (DeepSeek-V3's 2.5), whether renormalised or not.
+
+    Ties: value descending, the lower expert (group) index first. Deterministic, no host sync.
+    Differentiable in logits (the ids are a choice, not differentiated).
+    """
+    checks.check_tensor("logits", logits, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    T, E = logits.shape
+    checks.check_int("top_k", top_k, 1, E, "(at most the number of experts, logits.shape[1])")
+    checks.check_bool("renormalize", renormalize)
+    if not isinstance(scoring, str):
+        raise checks.bad_type("scoring", f"one of {SCORINGS}", scoring)
+    checks.check_choice("scoring", scoring, SCORINGS)
+    selects_on_scores = scoring in ("softmax", "sigmoid")
+    if correction_bias is not None:
+        if not selects_on_scores:
+            raise checks.bad_value("correction_bias", "None with scoring='topk_*' (the top-k is taken on the "
+                                   "logits; a router bias belongs in the logits)", "a tensor")
+        checks.check_tensor("correction_bias", correction_bias, ndim=1, dtypes=checks.FLOAT_DTYPES)
+        checks.check_shape("correction_bias", correction_bias, (E,), f"[E] = [{E}] (one value per expert)")
+        checks.check_same_device(logits=logits, correction_bias=correction_bias)
+    checks.check_int("n_group", n_group, 1, E, "(the expert groups of group-limited routing; 1: none)")
+    if n_group > 1:
+        if not selects_on_scores:
+            raise checks.bad_value("n_group", "1 with scoring='topk_*'", n_group)
+        if E % n_group:
+            raise checks.bad_value("n_group", f"a divisor of the number of experts E = {E}", n_group)
+        if correction_bias is not None and E // n_group < 2:
+            raise checks.bad_value("n_group", f"at most E / 2 = {E // 2} with a correction_bias (a group's score "
+                                   "is the sum of its two best experts)", n_group)
+        checks.check_int("topk_group", topk_group, 1, n_group, f"(the groups kept, at most n_group = {n_group})")
+        if top_k > topk_group * (E // n_group):
+            raise checks.bad_value("top_k", f"at most topk_group * E / n_group = {topk_group * (E // n_group)} "
+                                   "(the experts of the kept groups)", top_k)
+    elif topk_group is not None:
+        checks.check_int("topk_group", topk_group, 1, 1, "(1 or None when n_group is 1)")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise checks.bad_type("routed_scaling_factor", "a float", routed_scaling_factor)
+    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise checks.bad_value("routed_scaling_factor", "a finite number > 0", routed_scaling_factor)
+
+    if use_fused(logits, n_group):
+        return _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group,
+                            routed_scaling_factor)
+    L = logits.float()
+    if selects_on_scores:
+        scores = torch.softmax(L, dim=-1) if scoring == "softmax" else torch.sigmoid(L)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if n_group > 1:
+            grouped = choice.view(T, n_group, E // n_group)
+            if correction_bias is None:
+                group_scores = grouped.amax(dim=-1)
+            else:
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = torch.zeros(T, n_group, dtype=torch.bool, device=L.device)
+            kept.scatter_(1, top_indices(group_scores, topk_group), True)
+            choice = choice.masked_fill(~kept.repeat_interleave(E // n_group, dim=1), float("-inf"))
+        ids = top_indices(choice, top_k)
+        weights = scores.gather(1, ids)
+    else:
+        ids = top_indices(L, top_k)
+        chosen = L.gather(1, ids)
+        weights = torch.softmax(chosen, dim=-1) if scoring == "topk_softmax" else torch.sigmoid(chosen)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
+    if routed_scaling_factor != 1:
+        weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+ROUTE = Launcher(route_kernel, configs.ROUTE)
+
+
+def _blocks(E: int, n_group: int) -> tuple[int, int]:
+    """The fused kernel's [G_BLOCK, GROUP_BLOCK] layout of the experts (powers of two >= 2)."""
+    return max(2, next_pow2(n_group)), max(2, next_pow2(E // n_group))
+
+
+def use_fused(logits, n_group: int) -> bool:
+    """Whether route() runs the fused kernel: decode-sized, on a GPU, no gradient, not traced."""
+    g_block, group_block = _blocks(logits.shape[1], n_group)
+    return (logits.is_cuda and logits.shape[0] <= configs.ROUTE_MAX_TOKENS
+            and g_block * group_block <= configs.ROUTE_MAX_E_BLOCK
+            and not (logits.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
+
+
+def _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group, scale):
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return w, ids
+    g_block, group_block = _blocks(E, n_group)
+    bias = w if correction_bias is None else correction_bias.float().contiguous()
+    constexprs = dict(GROUP=E // n_group, N_GROUP=n_group, G_BLOCK=g_block, GROUP_BLOCK=group_block,
+                      TOPK_GROUP=topk_group or 1, TOP_K=top_k, K_BLOCK=max(2, next_pow2(top_k)),
+                      SCORING=SCORINGS.index(scoring), HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize)
+    key = (logits.dtype, logits.get_device(), *constexprs.values())
+    plan = ROUTE.plan(key, lambda: Request(configs.RouteKey(g_block * group_block), constexprs, logits.device))
+    ROUTE.launch(plan, (T,), (logits, bias, w, ids, logits.stride(0), logits.stride(1), float(scale)))
+    return w, ids
