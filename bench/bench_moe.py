@@ -163,10 +163,46 @@ def measure(name, E, N, K, rows, device, timer):
     return row
 
 
+def decode_bodies(device):
+    """FP8 moe_ffn at decode on each body, forced through the dispatch thresholds in
+    onegemm.core.configs: the Triton body, the Gluon body's 128/64-row tiles and its SWAP form."""
+    from onegemm.core import configs
+
+    saved = configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS
+    bodies = {"triton": (10**9, -1), "gluon tiles": (0, -1), "gluon SWAP": (10**9, 10**9)}
+    rows = []
+    try:
+        for name, E, E_routed, H, I, k in MODELS:
+            torch.manual_seed(0)
+            w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(torch.bfloat16)
+            w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(torch.bfloat16)
+            q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+            for T in DECODE:
+                x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+                weights, ids = moe_routing(T, E_routed, k, False, device)
+                t16 = bench_ms(lambda: onegemm.moe_ffn(x, w13, w2, weights, ids), 10, 50)
+                row = dict(model=name, T=T, pairs_per_expert=T * k / E, bf16_ms=t16)
+                for body, (lo, hi) in bodies.items():
+                    configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS = lo, hi
+                    fn = lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)  # noqa: E731
+                    row[f"{body} ms"] = bench_ms(fn, 10, 50)
+                    row[f"{body} vs bf16"] = t16 / row[f"{body} ms"]
+                print(row, flush=True)
+                rows.append(row)
+    finally:
+        configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS = saved
+    text = header("FP8 moe_ffn at decode on each body (GPU time)")
+    text += ("Each column forces one body through the dispatch thresholds (onegemm.core.configs "
+             "WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS); uniform routing. The rule sends these sizes to "
+             "the body this table shows fastest.\n\n" + markdown_table(rows))
+    write_results("moe_decode_bodies", text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU interpreter: run every path once, write nothing")
-    parser.add_argument("--part", choices=["moe", "gemm", "both"], default="both", help="which part to run (default both)")
+    parser.add_argument("--part", choices=["moe", "gemm", "both", "decode-bodies"], default="both",
+                        help="which part to run (default both; decode-bodies: FP8 decode on each body)")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
 
@@ -176,6 +212,11 @@ def main():
             return math.nan
         return bench_ms(fn, warmup_ms=10, rep_ms=50)
 
+    if args.part == "decode-bodies":
+        if args.quick:
+            parser.error("--part decode-bodies times the GPU bodies: no --quick")
+        decode_bodies(device)
+        return
     moe_rows, rows = [], []
     if args.part in ("moe", "both"):
         models, sizes = (QUICK_MODELS, [3]) if args.quick else (MODELS, DECODE + PREFILL)
