@@ -93,9 +93,9 @@ def check_expert_weights(w_gate_up, w_down, H: int) -> None:
     checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
 
 
-def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None):
+def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None, x_dtypes=checks.FLOAT_DTYPES):
     """The checks every moe_ffn makes; the weights have x's dtype unless ``weight_dtypes``."""
-    checks.check_tensor("x", x, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
     checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=weight_dtypes or (x.dtype,))
     checks.check_tensor("w_down", w_down, ndim=3, dtypes=weight_dtypes or (x.dtype,))
     checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
@@ -108,7 +108,7 @@ def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None)
     checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None):
+def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
     """SwiGLU expert FFN: y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j].
 
     x [T, H] (fp16, bf16, fp32); w_gate_up [E, 2I, H] (gate rows W1 then up rows W3);
@@ -123,13 +123,18 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     separately quantised gate_proj and up_proj) and w_down_scale [E, ceil(H/128), ceil(I/128)],
     fp32. x keeps its dtype; the activations are quantised per token in 1x128 blocks: x once
     before the gather, the SwiGLU output inside GEMM1's epilogue (GEMM1 writes it as fp8 plus
-    scales). Not differentiable.
+    scales). Not differentiable. ``x_scale``: x is already quantised (expert parallelism
+    quantises before sending): x float8_e4m3fn [T, H] with its fp32 1x128 scales x_scale
+    [T, ceil(H/128)] (quantize_fp8(x), any strides); nothing is quantised again and the output
+    is bfloat16.
     """
-    if w_gate_up_scale is not None or w_down_scale is not None or w_gate_up.dtype in checks.FP8_DTYPES:
+    fp8 = w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None
+    if fp8 or w_gate_up.dtype in checks.FP8_DTYPES:
         checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                         topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
                                         w_down_scale=w_down_scale)
-        return MOE_FP8.run((x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale), False)
+        return MOE_FP8.run((x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale),
+                           False)
     return MOE(x, w_gate_up, w_down, topk_weights, topk_ids, grad_inputs=(x, w_gate_up, w_down, topk_weights))
 
 
@@ -182,7 +187,7 @@ def _down_and_combine(h, w_down, offs, pair, topk_weights, x, k, **kwargs):
     the result has the same bits on every run.
     """
     T, H = x.shape
-    y_pairs = empty((T * k, H), dtype=x.dtype, device=x.device)
+    y_pairs = empty((T * k, H), dtype=_out_dtype(x), device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, **kwargs)
     return y_pairs.view(T, k, H).sum(dim=1)
@@ -206,23 +211,35 @@ def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> Non
     checks.check_same_device(w_gate_up=w_gate_up, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
 
 
-def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,))
+def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+    x_dtypes = checks.FLOAT_DTYPES if x_scale is None else (torch.float8_e4m3fn,)
+    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,), x_dtypes=x_dtypes)
     check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    if x_scale is not None:
+        checks.check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,))
+        T, H = x.shape
+        checks.check_shape("x_scale", x_scale, (T, -(-H // BLOCK)), f"[T, ceil(H/128)] = {[T, -(-H // BLOCK)]} "
+                           "(x's 1x128 scales, as quantize_fp8(x) gives)")
+        checks.check_same_device(x=x, x_scale=x_scale)
+
+
+def _out_dtype(x):
+    """moe_ffn's output dtype: x's, bfloat16 for an already-quantised fp8 x."""
+    return torch.bfloat16 if x.dtype in checks.FP8_DTYPES else x.dtype
 
 
 def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w_gate_up_scale: Optional[torch.Tensor],
-                  w_down_scale: Optional[torch.Tensor]) -> torch.Tensor:
+                  w_down_scale: Optional[torch.Tensor], x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """moe_ffn with fp8 experts: _moe_impl's pipeline on fp8 operands with 1x128 x 128x128 scales."""
-    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
+    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
     if P == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x, dtype=_out_dtype(x))
     pair, token, offs = sort_by_expert(topk_ids, E)
     fp8 = w_gate_up.dtype
     # x is quantised once per token (T rows, not T * k); GEMM1 gathers fp8 rows and their scales.
-    xq, xs = quantize_fp8(x, dtype=fp8)
+    xq, xs = quantize_fp8(x, dtype=fp8) if x_scale is None else (x, x_scale)
     # GEMM1 writes silu(gate) * up as fp8 with its 1x128 scales, stored [ceil(I/128), P] (the
     # outer-dim-major layout quantize_fp8 gives, so GEMM2's K loop reads them coalesced).
     h = empty((P, I), dtype=fp8, device=x.device)
@@ -236,9 +253,9 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                              scales=Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
 
 
-def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
-    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
-    return torch.empty_like(x)
+def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+    return torch.empty_like(x, dtype=_out_dtype(x))
 
 
 def _moe_sizes(x, w_gate_up, topk_ids):
@@ -397,77 +414,84 @@ class MoEFFN(nn.Module):
         the file and the key. ``device``: where the weights go (default: CUDA when kernels run
         on a GPU, else CPU).
         """
-        if device is None:
-            device = "cpu" if INTERPRET else "cuda"
         checks.check_int("top_k", top_k, 1, what="(the experts per token)")
-        if not isinstance(prefix, str):
-            raise checks.bad_type("prefix", "a str", prefix)
-        try:
-            f = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 - missing, a folder, not safetensors, truncated: say which file
-            raise checks.in_file(path, f"cannot be read as a safetensors file ({type(e).__name__}: {e})") from e
-        with f:
-            keys = set(f.keys())
+        weights = read_layer(path, prefix, device=device)
+        return cls(*weights[:3], top_k=top_k, renormalize=renormalize, **weights[3])
 
-            def load(name, shape=None, dtypes=None, whose=""):
-                key = prefix + name
-                if key not in keys:
-                    near = sorted(k for k in keys if k.endswith(name.split(".")[-2] + "." + name.split(".")[-1]))[:3]
-                    raise checks.in_file(path, f"missing tensor {key!r} (prefix={prefix!r}; keys like it: {near})")
-                try:
-                    t = f.get_tensor(key)
-                except Exception as e:  # noqa: BLE001 - a truncated or corrupted tensor
-                    raise checks.in_file(path, f"tensor {key!r} cannot be read ({type(e).__name__}: {e})") from e
-                if shape is not None and tuple(t.shape) != tuple(shape):
-                    raise checks.in_file(path, f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-                if dtypes is not None and t.dtype not in dtypes:
-                    raise checks.in_file(path, f"tensor {key!r} has dtype {t.dtype}, expected "
-                                               f"{checks.dtype_names(dtypes)}{whose}")
-                return t
 
-            gate = load("gate.weight")
-            if gate.dim() != 2:
-                raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has shape {tuple(gate.shape)}, expected [E, H]")
-            if gate.dtype not in checks.FLOAT_DTYPES:
-                raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has dtype {gate.dtype}, expected one of "
-                                           f"({checks.dtype_names(checks.FLOAT_DTYPES)})")
-            E, H = gate.shape
-            g_name, u_name, d_name = next((n for n in _EXPERT_NAMES if f"{prefix}experts.0.{n[0]}.weight" in keys),
-                                          _EXPERT_NAMES[0])
-            first = f"experts.0.{g_name}.weight"
-            w1 = load(first)
-            fp8 = w1.dtype in checks.FP8_DTYPES
-            if fp8:
-                dtypes, whose = (torch.float8_e4m3fn,), " (FP8 experts are e4m3)"
-            else:
-                dtypes, whose = (gate.dtype,), " (the router's)"
-            if w1.dtype not in dtypes:
-                raise checks.in_file(path, f"tensor {prefix + first!r} has dtype {w1.dtype}, expected "
+def read_layer(path, prefix: str = "", *, device=None, experts=None):
+    """MoEFFN.from_safetensors' reader: (gate_weight, w_gate_up, w_down, scales) with scales
+    {} or the FP8 experts' {w_gate_up_scale, w_down_scale}. ``experts``: None (all) or a
+    callable E -> range of the experts to read (expert parallelism reads its own only); the
+    router is always read whole."""
+    if device is None:
+        device = "cpu" if INTERPRET else "cuda"
+    if not isinstance(prefix, str):
+        raise checks.bad_type("prefix", "a str", prefix)
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - missing, a folder, not safetensors, truncated: say which file
+        raise checks.in_file(path, f"cannot be read as a safetensors file ({type(e).__name__}: {e})") from e
+    with f:
+        keys = set(f.keys())
+
+        def load(name, shape=None, dtypes=None, whose=""):
+            key = prefix + name
+            if key not in keys:
+                near = sorted(k for k in keys if k.endswith(name.split(".")[-2] + "." + name.split(".")[-1]))[:3]
+                raise checks.in_file(path, f"missing tensor {key!r} (prefix={prefix!r}; keys like it: {near})")
+            try:
+                t = f.get_tensor(key)
+            except Exception as e:  # noqa: BLE001 - a truncated or corrupted tensor
+                raise checks.in_file(path, f"tensor {key!r} cannot be read ({type(e).__name__}: {e})") from e
+            if shape is not None and tuple(t.shape) != tuple(shape):
+                raise checks.in_file(path, f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            if dtypes is not None and t.dtype not in dtypes:
+                raise checks.in_file(path, f"tensor {key!r} has dtype {t.dtype}, expected "
                                            f"{checks.dtype_names(dtypes)}{whose}")
-            if w1.dim() != 2 or w1.shape[1] != H:
-                raise checks.in_file(path, f"tensor {prefix + first!r} has shape {tuple(w1.shape)}, expected [I, {H}]")
-            I = w1.shape[0]
+            return t
 
-            def weight(e, name, rows, cols):
-                w = load(f"experts.{e}.{name}.weight", (rows, cols), dtypes, whose)
-                if not fp8:
-                    return w, None
-                s = load(f"experts.{e}.{name}.weight_scale_inv", (-(-rows // BLOCK), -(-cols // BLOCK)),
-                         (torch.float32, torch.bfloat16), " (the 128x128 block scales)")
-                return w, s.float()
-
-            gate_up, down, gate_up_s, down_s = [], [], [], []
-            for e in range(E):
-                (w1, s1), (w3, s3), (w2, s2) = (weight(e, g_name, I, H), weight(e, u_name, I, H), weight(e, d_name, H, I))
-                gate_up.append(torch.cat([w1, w3], dim=0))
-                down.append(w2)
-                if fp8:
-                    gate_up_s.append(torch.cat([s1, s3], dim=0))
-                    down_s.append(s2)
-        scales = {}
+        gate = load("gate.weight")
+        if gate.dim() != 2:
+            raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has shape {tuple(gate.shape)}, expected [E, H]")
+        if gate.dtype not in checks.FLOAT_DTYPES:
+            raise checks.in_file(path, f"tensor {prefix + 'gate.weight'!r} has dtype {gate.dtype}, expected one of "
+                                       f"({checks.dtype_names(checks.FLOAT_DTYPES)})")
+        E, H = gate.shape
+        g_name, u_name, d_name = next((n for n in _EXPERT_NAMES if f"{prefix}experts.0.{n[0]}.weight" in keys),
+                                      _EXPERT_NAMES[0])
+        first = f"experts.0.{g_name}.weight"
+        w1 = load(first)
+        fp8 = w1.dtype in checks.FP8_DTYPES
         if fp8:
-            scales = dict(w_gate_up_scale=torch.stack(gate_up_s).to(device), w_down_scale=torch.stack(down_s).to(device))
-        return cls(
-            gate.to(device), torch.stack(gate_up).to(device), torch.stack(down).to(device),
-            top_k=top_k, renormalize=renormalize, **scales,
-        )
+            dtypes, whose = (torch.float8_e4m3fn,), " (FP8 experts are e4m3)"
+        else:
+            dtypes, whose = (gate.dtype,), " (the router's)"
+        if w1.dtype not in dtypes:
+            raise checks.in_file(path, f"tensor {prefix + first!r} has dtype {w1.dtype}, expected "
+                                       f"{checks.dtype_names(dtypes)}{whose}")
+        if w1.dim() != 2 or w1.shape[1] != H:
+            raise checks.in_file(path, f"tensor {prefix + first!r} has shape {tuple(w1.shape)}, expected [I, {H}]")
+        I = w1.shape[0]
+
+        def weight(e, name, rows, cols):
+            w = load(f"experts.{e}.{name}.weight", (rows, cols), dtypes, whose)
+            if not fp8:
+                return w, None
+            s = load(f"experts.{e}.{name}.weight_scale_inv", (-(-rows // BLOCK), -(-cols // BLOCK)),
+                     (torch.float32, torch.bfloat16), " (the 128x128 block scales)")
+            return w, s.float()
+
+        gate_up, down, gate_up_s, down_s = [], [], [], []
+        chosen = range(E) if experts is None else experts(E)
+        for e in chosen:
+            (w1, s1), (w3, s3), (w2, s2) = (weight(e, g_name, I, H), weight(e, u_name, I, H), weight(e, d_name, H, I))
+            gate_up.append(torch.cat([w1, w3], dim=0))
+            down.append(w2)
+            if fp8:
+                gate_up_s.append(torch.cat([s1, s3], dim=0))
+                down_s.append(s2)
+    scales = {}
+    if fp8:
+        scales = dict(w_gate_up_scale=torch.stack(gate_up_s).to(device), w_down_scale=torch.stack(down_s).to(device))
+    return gate.to(device), torch.stack(gate_up).to(device), torch.stack(down).to(device), scales
