@@ -13,6 +13,9 @@ routes its own tokens over all E. Two ways to bring tokens to their experts (doc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -97,30 +100,75 @@ class _Experts:
             return moe_ffn(x, self.w_gate_up, self.w_down, topk_weights, local_ids, x_scale=x_scale, **self.scales)
         return moe_ffn(x, self.w_gate_up, self.w_down, topk_weights, local_ids)
 
-    def owner(self, ids):
-        """The rank holding each global id (int64), ``world`` for ids outside [0, E)."""
-        ids = ids.long()
-        owner = torch.div(ids, self.local, rounding_mode="floor")
-        return torch.where((ids >= 0) & (owner < self.world), owner, self.world)
 
-    def local_ids(self, ids, rank):
-        """Global ids -> ``rank``'s local ids (int32), -1 where another rank (or none) holds the expert."""
-        local = ids.long() - rank * self.local
-        return torch.where((local >= 0) & (local < self.local), local, -1).to(torch.int32)
+def _local_ids(ids, rank, local: int):
+    """Global ids -> ``rank``'s local ids (int32), -1 where another rank (or none) holds the expert."""
+    ids = ids.long() - rank * local
+    return torch.where((ids >= 0) & (ids < local), ids, -1).to(torch.int32)
 
 
 def _allgather(x, x_scale, topk_weights, topk_ids, experts, group):
     xs = None if x_scale is None else all_gather(x_scale, group)
     y = experts(all_gather(x, group), xs, all_gather(topk_weights, group),
-                experts.local_ids(all_gather(topk_ids, group), experts.rank))
+                _local_ids(all_gather(topk_ids, group), experts.rank, experts.local))
     return reduce_scatter(y, group)
 
 
 def _alltoall(x, x_scale, topk_weights, topk_ids, experts, group):
+    d = dispatch(x, topk_weights, topk_ids, experts.local, group=group, x_scale=x_scale)
+    return combine(experts(d.x, d.x_scale, d.topk_weights, d.topk_ids), d)
+
+
+@dataclass
+class Dispatched:
+    """What ``dispatch`` received, and what ``combine`` needs to send results back.
+
+    x [R, H] (fp8 x: with x_scale [R, ceil(H/128)]), topk_weights [R, k], topk_ids [R, k]
+    int32: the rows from every rank, rank 0's first, each rank's in its token order, with
+    this rank's local expert ids (-1 in the slots of experts held elsewhere).
+    send_sizes / recv_sizes: the rows sent to and received from each rank.
+    """
+
+    x: torch.Tensor
+    x_scale: Optional[torch.Tensor]
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    send_sizes: list
+    recv_sizes: list
+    group: object
+    tokens: int
+    copies: int
+    rows: torch.Tensor  # where each sent row's result goes in combine's [tokens * copies] buffer
+
+
+def dispatch(x, topk_weights, topk_ids, num_local_experts: int, *, group=None, x_scale=None) -> Dispatched:
+    """The all-to-all half of expert parallelism: send each token once to every rank that
+    holds one of its experts, with that rank's local ids. Rank r holds global experts
+    [r * num_local_experts, (r + 1) * num_local_experts); ids outside [0, W * num_local_experts)
+    go nowhere. One device-to-host read (the split sizes). Differentiable in x and
+    topk_weights (the gradient comes back the way the rows went).
+
+    x [T, H] (float, or fp8 with its 1x128 x_scale [T, ceil(H/128)] from quantize_fp8),
+    topk_weights [T, k], topk_ids [T, k] int32/int64 (global ids). Returns a Dispatched.
+    """
+    group, world, _ = resolve_group(group)
+    checks.check_tensor("x", x, ndim=2, dtypes=checks.FLOAT_DTYPES if x_scale is None else (torch.float8_e4m3fn,))
+    checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
     T, k = topk_ids.shape
-    world = experts.world
+    if T != x.shape[0]:
+        raise checks.bad_shape("topk_ids", f"[T, k] with T = {x.shape[0]} (x's rows)", topk_ids.shape)
+    checks.check_shape("topk_weights", topk_weights, (T, k), f"[T, k] = {[T, k]} (topk_ids' shape)")
+    checks.check_int("num_local_experts", num_local_experts, 1, what="(the experts on each rank)")
+    if x_scale is not None:
+        checks.check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,))
+        checks.check_shape("x_scale", x_scale, (T, -(-x.shape[1] // 128)), "[T, ceil(H/128)] (x's 1x128 scales)")
+    checks.check_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids, x_scale=x_scale)
+
     copies = min(k, world)  # at most this many ranks hold a token's experts
-    owner = experts.owner(topk_ids)  # [T, k]
+    ids = topk_ids.long()
+    owner = torch.div(ids, num_local_experts, rounding_mode="floor")
+    owner = torch.where((ids >= 0) & (owner < world), owner, world)  # world: no rank
     hit = torch.zeros(T, world + 1, dtype=torch.bool, device=x.device).scatter_(1, owner, True)[:, :world]
     send_counts = hit.sum(0)
     recv_counts = all_to_all(send_counts, [1] * world, [1] * world, group)
@@ -129,21 +177,36 @@ def _alltoall(x, x_scale, topk_weights, topk_ids, experts, group):
     # The rows sent: pairs (rank d, token t) with hit[t, d], by rank, then token (a stable
     # sort of the hit mask, no read-back); the rows received arrive by source rank, then its
     # token order: a fixed order, so every run sums the same rows in the same order.
-    flat = hit.t().reshape(-1)
-    picked = torch.argsort((~flat).to(torch.uint8), stable=True)[:sum(send)]
+    picked = torch.argsort((~hit.t().reshape(-1)).to(torch.uint8), stable=True)[:sum(send)]
     d_idx, t_idx = picked // max(T, 1), picked % max(T, 1)
     # A token's copies keep their own rows c = 0..copies-1 (rank order) in the combine buffer.
     c_idx = (hit.cumsum(1) - 1)[t_idx, d_idx]
-    ids_send = torch.where(owner[t_idx] == d_idx[:, None], topk_ids.long()[t_idx] - d_idx[:, None] * experts.local, -1)
-    ids_recv = all_to_all(ids_send.to(torch.int32), recv, send, group)
-    w_recv = all_to_all(_copy_rows(topk_weights, t_idx, c_idx, copies), recv, send, group)
-    x_recv = all_to_all(_copy_rows(x, t_idx, c_idx, copies), recv, send, group)
-    xs_recv = None if x_scale is None else all_to_all(x_scale[t_idx], recv, send, group)
-    y_back = all_to_all(experts(x_recv, xs_recv, w_recv, ids_recv), send, recv, group)
+    ids_send = torch.where(owner[t_idx] == d_idx[:, None], ids[t_idx] - d_idx[:, None] * num_local_experts, -1)
+    return Dispatched(
+        x=all_to_all(_copy_rows(x, t_idx, c_idx, copies), recv, send, group),
+        x_scale=None if x_scale is None else all_to_all(x_scale[t_idx], recv, send, group),
+        topk_weights=all_to_all(_copy_rows(topk_weights, t_idx, c_idx, copies), recv, send, group),
+        topk_ids=all_to_all(ids_send.to(torch.int32), recv, send, group),
+        send_sizes=send, recv_sizes=recv, group=group, tokens=T, copies=copies, rows=t_idx * copies + c_idx,
+    )
+
+
+def combine(y, dispatched: Dispatched):
+    """The other half: y [R, N] (a row per received row of ``dispatched``: its local experts'
+    weighted sum) goes back to the ranks the rows came from, and each token's partial sums
+    are added in rank order (fp32 accumulation, no atomics). Returns [T, N] in y's dtype.
+    Differentiable in y."""
+    if not isinstance(dispatched, Dispatched):
+        raise checks.bad_type("dispatched", "what onegemm.ep.dispatch returned", dispatched)
+    checks.check_tensor("y", y, ndim=2)
+    R = sum(dispatched.recv_sizes)
+    if y.shape[0] != R:
+        raise checks.bad_shape("y", f"[R, N] with R = {R} (the rows dispatch received)", y.shape)
+    back = all_to_all(y, dispatched.send_sizes, dispatched.recv_sizes, dispatched.group)
+    T, copies, N = dispatched.tokens, dispatched.copies, y.shape[1]
     # Each (token, copy) row is written once, then the copies are summed in rank order.
-    H = y_back.shape[1]
-    buf = y_back.new_zeros(T * copies, H).index_copy(0, t_idx * copies + c_idx, y_back)
-    return buf.view(T, copies, H).sum(1)
+    buf = back.new_zeros(T * copies, N).index_copy(0, dispatched.rows, back)
+    return buf.view(T, copies, N).sum(1)
 
 
 def _copy_rows(t, t_idx, c_idx, copies):

@@ -98,6 +98,19 @@ def _check_case(case, rank, world, seed):
             assert_close(y, ref, 1e-2, strategy)
         return
 
+    if case.grad:  # dispatch and combine alone: each token comes back once from each rank it went to
+        leaf = x[mine].clone().requires_grad_()
+        d = onegemm.ep.dispatch(leaf, weights[mine], ids[mine], 2)
+        assert d.topk_ids.dtype == torch.int32 and bool(((d.topk_ids >= -1) & (d.topk_ids < 2)).all())
+        assert bool((d.topk_ids >= 0).any(1).all()), "a row was sent to a rank that holds none of its experts"
+        owners = torch.where((ids[mine] >= 0) & (ids[mine] < 2 * world), ids[mine] // 2, -1)
+        went = torch.stack([(owners == r).any(1) for r in range(world)], 1)
+        assert d.send_sizes == went.sum(0).tolist()
+        back = onegemm.ep.combine(d.x, d)
+        assert torch.equal(back, x[mine] * went.sum(1, keepdim=True))
+        back.sum().backward()
+        assert torch.equal(leaf.grad, went.sum(1, keepdim=True).float().expand_as(leaf))
+
     # Rank 0 runs the single-process moe_ffn on every token; the others receive its output.
     y_one = onegemm.moe_ffn(x, w13, w2, weights, ids) if rank == 0 else torch.empty_like(x)
     dist.broadcast(y_one, 0)
@@ -220,6 +233,13 @@ def test_ep_bad_input(one_rank):
         onegemm.EPMoEFFN.from_full(torch.randn(8, 32), w13, w2)
     with pytest.raises(ValueError, match="strategy must be one of"):
         onegemm.EPMoEFFN(torch.randn(4, 32), w13, w2, strategy="none")
+    with pytest.raises(ValueError, match=r"num_local_experts must be an int >= 1"):
+        onegemm.ep.dispatch(x, weights, ids, 0)
+    d = onegemm.ep.dispatch(x, weights, ids, 4)
+    with pytest.raises(ValueError, match=r"y must be \[R, N\] with R = 5"):
+        onegemm.ep.combine(d.x[:3], d)
+    with pytest.raises(TypeError, match="dispatched must be what onegemm.ep.dispatch returned"):
+        onegemm.ep.combine(d.x, None)
 
 
 def test_ep_needs_a_process_group():
