@@ -210,6 +210,7 @@ def test_choose_strategy_rule():
         choose_strategy("a2a", 1)
 
 
+@pytest.mark.skipif(HAS_GPU, reason="gloo on CPU tensors (the checks are the same on a GPU)")
 def test_ep_bad_input(one_rank):
     x = torch.randn(5, 32)
     w13, w2 = torch.randn(4, 48, 32), torch.randn(4, 32, 24)
@@ -313,3 +314,21 @@ def test_gpu_ep_layer_cuda_graph(fp8, nccl_rank):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, plain(x))
+
+
+@pytest.mark.gpu
+def test_gpu_ep_compiles_without_graph_breaks(nccl_rank):
+    """The all-gather strategy under torch.compile(fullgraph=True), with gradients: the
+    functional collectives take the place of the eager ones (the same values)."""
+    x, w13, w2, weights, ids = _gpu_inputs(64, 1024, 512, 16, 4)
+
+    def f(x, w13):
+        return onegemm.ep_moe_ffn(x, w13, w2, weights, ids, strategy="allgather")
+
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yc = torch.compile(f, fullgraph=True, backend="aot_eager")(xc, w13)
+    ye = f(xe, w13)
+    assert torch.equal(yc, ye)
+    yc.float().sum().backward()
+    ye.float().sum().backward()
+    assert torch.equal(xc.grad, xe.grad)
