@@ -16,8 +16,10 @@ import torch.distributed._functional_collectives as funcol
 
 from ..core import checks
 
-# torch >= 2.13 names the functional collectives *_single (with autograd built in); earlier
-# releases call them *_tensor_autograd.
+# torch >= 2.13 names these collectives *_single (the functional ones with autograd built in)
+# and warns on the older names, which earlier releases have alone.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _FUNC_ALL_GATHER = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 _FUNC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
 _FUNC_ALL_TO_ALL = funcol.all_to_all_single_autograd
@@ -42,13 +44,13 @@ def _wire(t):
 
 def _all_gather(x, group):
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(_wire(out), _wire(x), group=group)
+    _ALL_GATHER(_wire(out), _wire(x), group=group)
     return out
 
 
 def _reduce_scatter(x, group):
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _REDUCE_SCATTER(out, x.contiguous(), group=group)
     return out
 
 
