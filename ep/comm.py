@@ -25,6 +25,15 @@ _FUNC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single_autograd", None) o
 _FUNC_ALL_TO_ALL = funcol.all_to_all_single_autograd
 
 
+# With one rank every collective here is the identity, and is skipped: the layer then costs
+# what moe_ffn costs. The GPU tests turn this off to run NCCL's one-rank collectives too.
+SKIP_ONE_RANK = True
+
+
+def _alone(group) -> bool:
+    return SKIP_ONE_RANK and dist.get_world_size(group) == 1
+
+
 def resolve_group(group):
     """(group, world size, rank in it); ``group`` None means the default group."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -101,6 +110,8 @@ def _compiling_float(x) -> bool:
 
 def all_gather(x, group):
     """[n, ...] on each of W ranks -> [W * n, ...], rank-major; the gradient reduce-scatters."""
+    if _alone(group):
+        return x
     if _compiling_float(x):
         return _FUNC_ALL_GATHER(x.contiguous(), 0, group)
     return _AllGather.apply(x, group) if x.requires_grad else _all_gather(x, group)
@@ -109,6 +120,8 @@ def all_gather(x, group):
 def reduce_scatter(x, group):
     """[W * n, ...] on each rank -> this rank's [n, ...] block of the sum over ranks; the
     gradient all-gathers."""
+    if _alone(group):
+        return x
     if _compiling_float(x):
         return _FUNC_REDUCE_SCATTER(x.contiguous(), "sum", 0, group)
     return _ReduceScatter.apply(x, group) if x.requires_grad else _reduce_scatter(x, group)
@@ -117,6 +130,8 @@ def reduce_scatter(x, group):
 def all_to_all(x, out_splits: list, in_splits: list, group):
     """Rows in_splits[d] of x to rank d; the rows from rank s arrive in order of s. The
     gradient sends the rows back the way they came."""
+    if _alone(group):
+        return x
     if _compiling_float(x):
         return _FUNC_ALL_TO_ALL(x.contiguous(), out_splits, in_splits, group)
     return _AllToAll.apply(x, out_splits, in_splits, group) if x.requires_grad else _all_to_all(x, out_splits, in_splits, group)

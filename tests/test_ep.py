@@ -36,6 +36,7 @@ class Case:
     H: int = 32
     I: int = 16
     k: int = 2
+    dtype: torch.dtype = torch.float32  # of x and the experts
     worlds: tuple = (2, 4)
     # E = 2 * W experts: two on each rank
 
@@ -45,7 +46,7 @@ EP_CASES = [
     Case("uneven tokens, a rank without tokens, ids on no rank (int64)", (9, 0, 4, 6), "no rank",
          strategies=("alltoall",), grad=True),
     Case("all tokens to the last rank (the others receive nothing)", (5, 5, 5, 5), "last rank", grad=True),
-    Case("top-3, ids on no rank", (6, 6, 6, 6), "no rank", k=3, rerun=True, worlds=(2,)),
+    Case("bf16, top-3, ids on no rank", (6, 6, 6, 6), "no rank", k=3, rerun=True, dtype=torch.bfloat16, worlds=(2,)),
     Case("fp8 dispatch, partial scale blocks, ids on no rank", (4, 4, 4, 4), "no rank", fp8=True, H=136, I=64),
 ]
 
@@ -68,7 +69,8 @@ def _full_case(case: Case, world: int, seed: int):
         ids[1::3, -1] = E
         ids[2::4, 0] = 2**33 + 1  # not expert 1 once narrowed to 32 bits
     starts = [sum(sizes[:r]) for r in range(world + 1)]
-    return x, w13, w2, weights, ids, torch.randn(T, H, generator=g), starts
+    dt = case.dtype
+    return x.to(dt), w13.to(dt), w2.to(dt), weights, ids, torch.randn(T, H, generator=g), starts
 
 
 def _ep_worker(rank, world, seed, layer_file):
@@ -115,14 +117,18 @@ def _check_case(case, rank, world, seed):
     y_one = onegemm.moe_ffn(x, w13, w2, weights, ids) if rank == 0 else torch.empty_like(x)
     dist.broadcast(y_one, 0)
     y_ref = moe_ref(x[mine], w13, w2, weights[mine], ids[mine])
+    assert_close(y_one[mine], y_ref, 2 * TOL[case.dtype], "the single-process moe_ffn against float64")
     if case.grad:  # float64 gradients of every token (the experts' gather every rank's)
         grads = ref_grads(lambda x, w13, w2, w: moe_ref(x, w13, w2, w, ids), [x, w13, w2, weights], dy)
         want = dict(dx=grads[0][mine], dw_gate_up=grads[1][local], dw_down=grads[2][local], dtopk_weights=grads[3][mine])
+    # Each rank's partial sums are rounded to x's dtype before the ranks' are added.
+    tol = TOL[case.dtype]
     for strategy in case.strategies:
         leaves = [t.clone().requires_grad_(case.grad) for t in (x[mine], w13[local], w2[local], weights[mine])]
         y = onegemm.ep_moe_ffn(*leaves, ids[mine], strategy=strategy)
-        assert_close(y, y_one[mine], TOL[torch.float32], f"{strategy} against the single-process moe_ffn")
-        assert_close(y, y_ref, TOL[torch.float32], f"{strategy} against float64")
+        assert y.dtype == case.dtype
+        assert_close(y, y_one[mine], tol, f"{strategy} against the single-process moe_ffn")
+        assert_close(y, y_ref, tol if case.dtype == torch.float32 else 2 * tol, f"{strategy} against float64")
         if case.grad:
             y.backward(dy[mine])
             for (name, ref), leaf in zip(want.items(), leaves):
@@ -253,8 +259,10 @@ def test_ep_needs_a_process_group():
 # ---- GPU: NCCL with one rank (bench/bench_ep.py times it; issue 30 runs several GPUs) ----
 
 
-@pytest.fixture
-def nccl_rank():
+@pytest.fixture(params=[False, True], ids=["nccl", "skipped"])
+def nccl_rank(request, monkeypatch):
+    """One NCCL rank: its collectives run (copies), or are skipped as by default with one rank."""
+    monkeypatch.setattr(onegemm.ep.comm, "SKIP_ONE_RANK", request.param)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield
     dist.destroy_process_group()
