@@ -390,9 +390,10 @@ def _rank_main(fn, rank, world, port, args, results, timeout):
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` new processes (``fn`` and args picklable), each a rank of a gloo process group on 127.0.0.1 at a free port, destroyed when
-    ``fn`` returns. Raises AssertionError with every failing rank's traceback, or when the
-    ranks have not finished within ``timeout`` seconds (they are then killed)."""
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes (``fn`` and args picklable),
+    each a rank of a gloo process group on 127.0.0.1 at a free port, destroyed when ``fn``
+    returns. Raises AssertionError with every failing rank's traceback, or when the ranks
+    have not finished within ``timeout`` seconds (they are then killed)."""
     # A fork server that has imported onegemm once forks the ranks: a rank then starts in
     # milliseconds instead of the seconds that importing torch takes (spawn), and it starts
     # from a clean process, not a fork of the caller's threads.

@@ -103,8 +103,9 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def _compiling_float(x) -> bool:
-    # The functional collectives carry no fp8 bytes view under tracing: fp8 stays eager-only.
+def _traced(x) -> bool:
+    # Under torch.compile the functional collectives (fp8 is not traced: it has no gradient to
+    # keep and travels as a bytes view, which stays eager).
     return torch.compiler.is_compiling() and x.dtype not in checks.FP8_DTYPES
 
 
@@ -112,7 +113,7 @@ def all_gather(x, group):
     """[n, ...] on each of W ranks -> [W * n, ...], rank-major; the gradient reduce-scatters."""
     if _alone(group):
         return x
-    if _compiling_float(x):
+    if _traced(x):
         return _FUNC_ALL_GATHER(x.contiguous(), 0, group)
     return _AllGather.apply(x, group) if x.requires_grad else _all_gather(x, group)
 
@@ -122,7 +123,7 @@ def reduce_scatter(x, group):
     gradient all-gathers."""
     if _alone(group):
         return x
-    if _compiling_float(x):
+    if _traced(x):
         return _FUNC_REDUCE_SCATTER(x.contiguous(), "sum", 0, group)
     return _ReduceScatter.apply(x, group) if x.requires_grad else _reduce_scatter(x, group)
 
@@ -132,6 +133,8 @@ def all_to_all(x, out_splits: list, in_splits: list, group):
     gradient sends the rows back the way they came."""
     if _alone(group):
         return x
-    if _compiling_float(x):
+    if _traced(x):
         return _FUNC_ALL_TO_ALL(x.contiguous(), out_splits, in_splits, group)
-    return _AllToAll.apply(x, out_splits, in_splits, group) if x.requires_grad else _all_to_all(x, out_splits, in_splits, group)
+    if x.requires_grad:
+        return _AllToAll.apply(x, out_splits, in_splits, group)
+    return _all_to_all(x, out_splits, in_splits, group)

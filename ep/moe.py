@@ -35,7 +35,9 @@ def choose_strategy(strategy: str, tokens: int) -> str:
     """The strategy a call takes: ``strategy`` itself, or for "auto" "allgather" while a CUDA
     graph is being captured or for at most ALLGATHER_MAX_TOKENS tokens, else "alltoall"."""
     checks.check_choice("strategy", strategy, STRATEGIES)
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # (torch.compile traces no capture: the graph it makes may be captured later, by its own rules)
+    capturing = (not torch.compiler.is_compiling() and torch.cuda.is_available()
+                 and torch.cuda.is_current_stream_capturing())
     if strategy == "auto":
         return "allgather" if capturing or tokens <= ALLGATHER_MAX_TOKENS else "alltoall"
     if strategy == "alltoall" and capturing:

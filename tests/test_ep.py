@@ -2,10 +2,11 @@
 
 The multi-rank tests run their ranks as processes of a gloo group on 127.0.0.1
 (onegemm.testing.run_ranks): one group per world size, every case of EP_CASES inside it (a
-process start costs seconds; a case costs a fraction of one). Every rank draws the same full
-layer and all ranks' tokens from one seed; rank 0 runs the single-process moe_ffn on all the
-tokens and broadcasts its output, and each rank compares its own rows with it and with the
-float64 reference, and its gradients (its tokens', its experts') with float64 ones. The GPU tests (NCCL with one rank) are at the end.
+process start costs seconds; a case, about one). Every rank draws the same full layer and all
+ranks' tokens from one seed; rank 0 runs the single-process moe_ffn on all the tokens and broadcasts
+its output, and each rank compares its own rows with it and with the float64 reference, and
+its gradients (its tokens', its experts') with float64 ones. The GPU tests (NCCL with one
+rank) are at the end.
 """
 
 from dataclasses import dataclass
