@@ -18,6 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from onegemm.ep import ALLGATHER_MAX_TOKENS, choose_strategy
+from onegemm.grouped import STORED_FP8_LAYER
 from onegemm.grouped.moe import read_layer
 from onegemm.testing import TOL, assert_close, moe_fp8_ref, moe_ref, ref_grads, run_ranks
 
@@ -173,6 +174,11 @@ def _check_layer(rank, world, path, seed):
     twin = onegemm.EPMoEFFN.from_full(full.gate_weight.detach(), full.w_gate_up.detach(), full.w_down.detach(), top_k=2,
                                       strategy="alltoall")
     assert torch.equal(twin.w_gate_up, layer.w_gate_up) and twin.w_gate_up.requires_grad
+    fp8_full = onegemm.MoEFFN.from_safetensors(STORED_FP8_LAYER)  # 8 experts: four on each rank
+    fp8 = onegemm.EPMoEFFN.from_safetensors(STORED_FP8_LAYER)
+    assert fp8.experts == range(4 * rank, 4 * rank + 4) and not fp8.w_gate_up.requires_grad
+    for name in ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"):
+        assert torch.equal(getattr(fp8, name).float(), getattr(fp8_full, name)[4 * rank:4 * rank + 4].float()), name
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(seed + rank))  # the ranks' own tokens
     with torch.no_grad():
         ref = full(x)
