@@ -216,7 +216,9 @@ def _copy_rows(t, t_idx, c_idx, copies):
     [T, copies, ...] at distinct (token, copy) places writes each gradient row once, and
     the expand's backward sums the copies (no accumulation into shared rows)."""
     if t.dtype in checks.FP8_DTYPES:
-        return t.view(torch.uint8)[t_idx].view(t.dtype)
+        return t.view(torch.uint8).index_select(0, t_idx).view(t.dtype)
+    if not (torch.is_grad_enabled() and t.requires_grad):
+        return t.index_select(0, t_idx)
     return t[:, None].expand(t.shape[0], copies, *t.shape[1:])[t_idx, c_idx]
 
 
