@@ -132,7 +132,7 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     if fp8 or w_gate_up.dtype in checks.FP8_DTYPES:
         checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                         topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
-                                        w_down_scale=w_down_scale)
+                                        w_down_scale=w_down_scale, x_scale=x_scale)
         return MOE_FP8.run((x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale),
                            False)
     return MOE(x, w_gate_up, w_down, topk_weights, topk_ids, grad_inputs=(x, w_gate_up, w_down, topk_weights))
