@@ -418,6 +418,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> None:
             done.add(rank)
             if error is not None:
                 failures.append(f"rank {rank}:\n{error}")
+                # The others may wait for it in a collective: a few seconds to report, then killed.
+                deadline = min(deadline, time.monotonic() + 10)
     finally:
         for p in procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()) if len(done) == world else 0)
@@ -426,6 +428,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> None:
                 p.join()
     missing = sorted(set(range(world)) - done)
     if missing:
-        failures.append(f"ranks {missing} did not finish within {timeout:.0f} s (killed) or died "
-                        f"(exit codes {[p.exitcode for p in procs]})")
+        why = "after another rank failed" if failures else f"within {timeout:.0f} s"
+        failures.append(f"ranks {missing} did not finish {why} (killed) or died (exit codes "
+                        f"{[p.exitcode for p in procs]})")
     assert not failures, "\n".join(failures)
