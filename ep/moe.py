@@ -110,10 +110,34 @@ def _local_ids(ids, rank, local: int):
 
 
 def _allgather(x, x_scale, topk_weights, topk_ids, experts, group):
-    xs = None if x_scale is None else all_gather(x_scale, group)
-    y = experts(all_gather(x, group), xs, all_gather(topk_weights, group),
-                _local_ids(all_gather(topk_ids, group), experts.rank, experts.local))
+    if _wants_grad(x, topk_weights):
+        weights, ids = all_gather(topk_weights, group), all_gather(topk_ids, group)
+        xs = None if x_scale is None else all_gather(x_scale, group)
+    else:  # ids outside [0, E) become -1 before they are narrowed to int32 (2**32 + 1 is no expert 1)
+        E = experts.local * experts.world
+        ids = torch.where((topk_ids >= 0) & (topk_ids < E), topk_ids, -1)
+        weights, ids, xs = _unpack(all_gather(_pack(topk_weights, ids, x_scale), group), topk_ids.shape[1])
+    y = experts(all_gather(x, group), xs, weights, _local_ids(ids, experts.rank, experts.local))
     return reduce_scatter(y, group)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _pack(topk_weights, topk_ids, x_scale):
+    """One int32 message for the rows' routing weights (their fp32 bits), ids and fp8 scales:
+    one collective instead of three (at decode each costs its latency)."""
+    parts = [topk_weights.float().view(torch.int32), topk_ids.to(torch.int32)]
+    if x_scale is not None:
+        parts.append(x_scale.view(torch.int32))
+    return torch.cat(parts, 1)
+
+
+def _unpack(meta, k: int):
+    """_pack's (weights fp32, ids int32, scales fp32 or None), as views of ``meta``."""
+    scales = meta[:, 2 * k:].view(torch.float32) if meta.shape[1] > 2 * k else None
+    return meta[:, :k].view(torch.float32), meta[:, k:2 * k], scales
 
 
 def _alltoall(x, x_scale, topk_weights, topk_ids, experts, group):
@@ -125,9 +149,10 @@ def _alltoall(x, x_scale, topk_weights, topk_ids, experts, group):
 class Dispatched:
     """What ``dispatch`` received, and what ``combine`` needs to send results back.
 
-    x [R, H] (fp8 x: with x_scale [R, ceil(H/128)]), topk_weights [R, k], topk_ids [R, k]
-    int32: the rows from every rank, rank 0's first, each rank's in its token order, with
-    this rank's local expert ids (-1 in the slots of experts held elsewhere).
+    x [R, H] (fp8 x: with x_scale [R, ceil(H/128)]), topk_weights [R, k] (fp32 when no
+    gradient is recorded: the weights, ids and scales then travel as one message and are views
+    of it), topk_ids [R, k] int32: the rows from every rank, rank 0's first, each rank's in its
+    token order, with this rank's local expert ids (-1 in the slots of experts held elsewhere).
     send_sizes / recv_sizes: the rows sent to and received from each rank.
     """
 
@@ -184,11 +209,18 @@ def dispatch(x, topk_weights, topk_ids, num_local_experts: int, *, group=None, x
     # A token's copies keep their own rows c = 0..copies-1 (rank order) in the combine buffer.
     c_idx = (hit.cumsum(1) - 1)[t_idx, d_idx]
     ids_send = torch.where(owner[t_idx] == d_idx[:, None], ids[t_idx] - d_idx[:, None] * num_local_experts, -1)
+    ids_send = ids_send.to(torch.int32)
+    xs_send = None if x_scale is None else x_scale.index_select(0, t_idx)
+    if _wants_grad(x, topk_weights):
+        w_recv = all_to_all(_copy_rows(topk_weights, t_idx, c_idx, copies), recv, send, group)
+        ids_recv = all_to_all(ids_send, recv, send, group)
+        xs_recv = None if xs_send is None else all_to_all(xs_send, recv, send, group)
+    else:  # the rows' weights, ids and scales in one message
+        meta = _pack(topk_weights.index_select(0, t_idx), ids_send, xs_send)
+        w_recv, ids_recv, xs_recv = _unpack(all_to_all(meta, recv, send, group), k)
     return Dispatched(
-        x=all_to_all(_copy_rows(x, t_idx, c_idx, copies), recv, send, group),
-        x_scale=None if x_scale is None else all_to_all(x_scale[t_idx], recv, send, group),
-        topk_weights=all_to_all(_copy_rows(topk_weights, t_idx, c_idx, copies), recv, send, group),
-        topk_ids=all_to_all(ids_send.to(torch.int32), recv, send, group),
+        x=all_to_all(_copy_rows(x, t_idx, c_idx, copies), recv, send, group), x_scale=xs_recv,
+        topk_weights=w_recv, topk_ids=ids_recv,
         send_sizes=send, recv_sizes=recv, group=group, tokens=T, copies=copies, rows=t_idx * copies + c_idx,
     )
 
