@@ -5,11 +5,17 @@
   onegemm to;
 * ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
 * timing on a GPU: ``gpu_ms`` (CUDA-graph replays), ``eager_ms`` (calls as a user makes them)
-  and ``host_us`` (the host's time per call).
+  and ``host_us`` (the host's time per call);
+* ``run_ranks``: a function in several processes joined by a gloo process group (the
+  expert-parallel tests).
 """
 
 import math
+import multiprocessing
+import socket
 import time
+import traceback
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -386,3 +392,74 @@ def launched(fn) -> list[dict]:
         for name, la in launch._LAUNCHERS.items():
             del la.launch  # back to the class's method
     return seen
+
+
+# ---- several processes (onegemm.ep) ----
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world, port, args, results, timeout):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, None))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent, with its traceback
+        results.put((rank, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes (``fn`` and args picklable),
+    each a rank of a gloo process group on 127.0.0.1 at a free port, destroyed when ``fn``
+    returns. Raises AssertionError with every failing rank's traceback, or when the ranks
+    have not finished within ``timeout`` seconds (they are then killed)."""
+    # A fork server that has imported onegemm once forks the ranks: a rank then starts in
+    # milliseconds instead of the seconds that importing torch takes (spawn), and it starts
+    # from a clean process, not a fork of the caller's threads.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["onegemm"])
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, results, timeout), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    done, failures = set(), []
+    try:
+        while len(done) < world and time.monotonic() < deadline:
+            if results.empty():
+                if not any(p.is_alive() for p in procs) and results.empty():
+                    break
+                time.sleep(0.05)
+                continue
+            rank, error = results.get()
+            done.add(rank)
+            if error is not None:
+                failures.append(f"rank {rank}:\n{error}")
+                # The others may wait for it in a collective: a few seconds to report, then killed.
+                deadline = min(deadline, time.monotonic() + 10)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()) if len(done) == world else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = sorted(set(range(world)) - done)
+    if missing:
+        why = "after another rank failed" if failures else f"within {timeout:.0f} s"
+        failures.append(f"ranks {missing} did not finish {why} (killed) or died (exit codes "
+                        f"{[p.exitcode for p in procs]})")
+    assert not failures, "\n".join(failures)

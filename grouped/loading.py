@@ -93,8 +93,15 @@ class LayerKeys:
                                              f"account for (it would silently ignore them): {keys[:6]}")
 
 
-def parse_layer(keys: LayerKeys) -> dict:
-    """The tensors of one MoE block -> MoEFFN's tensor arguments (CPU)."""
+# MoEFFN's per-expert tensor arguments (expert index first), what ``experts=`` slices
+EXPERT_TENSORS = ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale", "w_gate_up_bias", "w_down_bias")
+
+
+def parse_layer(keys: LayerKeys, experts=None) -> dict:
+    """The tensors of one MoE block -> MoEFFN's tensor arguments (CPU). ``experts``: None
+    (all) or a callable E -> range: only those experts are kept (expert parallelism; the
+    per-expert layout reads only theirs, a fused tensor is read whole and sliced); the other
+    experts' keys still count as accounted for."""
     has_gate, has_router = keys.has("gate.weight"), keys.has("router.weight")
     if has_gate and has_router:
         raise keys.fail("router.weight", f"and {keys.prefix + 'gate.weight'!r} are both routers")
@@ -109,16 +116,25 @@ def parse_layer(keys: LayerKeys) -> dict:
     if keys.has("gate.e_score_correction_bias"):
         out["correction_bias"] = keys.take("gate.e_score_correction_bias", (E,), checks.FLOAT_DTYPES).float()
     if keys.has("router.bias") or keys.has("experts.gate_up_proj_bias"):
-        out.update(_gpt_oss_experts(keys, gate))
+        out.update(_sliced(_gpt_oss_experts(keys, gate), experts, E))
     else:
-        out.update(_experts(keys, gate, llama4_layout=has_router))
+        out.update(_experts(keys, gate, llama4_layout=has_router, experts=experts))
     out.update(_shared(keys, gate))
     keys.finish()
     return out
 
 
-def _experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
+def _sliced(out: dict, experts, E: int) -> dict:
+    """``out``'s per-expert tensors cut to ``experts(E)`` (read whole: one fused tensor)."""
+    if experts is None:
+        return out
+    mine = experts(E)
+    return {k: v[mine.start:mine.stop].contiguous() if k in EXPERT_TENSORS else v for k, v in out.items()}
+
+
+def _experts(keys: LayerKeys, gate, llama4_layout: bool, experts=None) -> dict:
     E, H = gate.shape
+    mine = range(E) if experts is None else experts(E)
     fused = sorted(n for n in keys.left if n in ("experts.gate_up_proj", "experts.down_proj")
                    or n.startswith(("experts.gate_up_proj_", "experts.down_proj_")))
     per_expert = sorted(n for n in keys.left if re.match(r"experts\.\d+\.", n))
@@ -126,7 +142,7 @@ def _experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
         raise keys.fail(fused[0], f"is a fused expert tensor, but the layer also has per-expert tensors such as "
                                   f"{keys.prefix + per_expert[0]!r}: two copies of the experts")
     if fused:
-        return _fused_experts(keys, gate, llama4_layout)
+        return _sliced(_fused_experts(keys, gate, llama4_layout), experts, E)
     beyond = [n for n in per_expert if int(n.split(".")[1]) >= E]
     if beyond:
         raise keys.fail(beyond[0], f"belongs to expert {beyond[0].split('.')[1]}, but the router "
@@ -141,7 +157,7 @@ def _experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
         (l1, k1), (l2, k2) = found.items()
         raise keys.fail(k2, f"uses the expert names {l2}, but {keys.prefix + k1!r} uses {l1}: one naming per layer")
     g_name, u_name, d_name = EXPERT_NAMES[next(iter(found))] if found else EXPERT_NAMES["w1/w3/w2 (Mixtral)"]
-    first = f"experts.0.{g_name}.weight"
+    first = f"experts.{mine.start}.{g_name}.weight"
     w1 = keys.take(first)
     fp8 = w1.dtype in checks.FP8_DTYPES
     dtypes, whose = ((torch.float8_e4m3fn,), " (FP8 experts are e4m3)") if fp8 else ((gate.dtype,), " (the router's)")
@@ -152,11 +168,13 @@ def _experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
     I = w1.shape[0]
 
     def weight(e, name, rows, cols):
-        w = w1 if (e, name) == (0, g_name) else keys.take(f"experts.{e}.{name}.weight", (rows, cols), dtypes, whose)
+        w = w1 if (e, name) == (mine.start, g_name) else keys.take(f"experts.{e}.{name}.weight", (rows, cols), dtypes, whose)
         return w, (_scale(keys, f"experts.{e}.{name}", rows, cols) if fp8 else None)
 
     gate_up, down, gate_up_s, down_s = [], [], [], []
-    for e in range(E):
+    # Other ranks' experts are known names, accounted for without being read.
+    keys.left -= {n for n in per_expert if int(n.split(".")[1]) not in mine}
+    for e in mine:
         (wg, sg), (wu, su), (wd, sd) = weight(e, g_name, I, H), weight(e, u_name, I, H), weight(e, d_name, H, I)
         gate_up.append(torch.cat([wg, wu]))
         down.append(wd)
@@ -277,17 +295,22 @@ def _build(cls, tensors: dict, device, **options):
     return cls(**{k: v.to(device) for k, v in tensors.items()}, **options)
 
 
-def read_file_layer(cls, path, prefix, top_k, renormalize, device, routing):
-    """MoEFFN.from_safetensors."""
-    checks.check_int("top_k", top_k, 1, what="(the experts per token)")
+def read_layer(path, prefix: str = "", *, experts=None) -> dict:
+    """One safetensors file's MoE block under ``prefix`` as MoEFFN's tensor arguments (CPU),
+    every key accounted for (``parse_layer``; ``experts``: its expert range option)."""
     if not isinstance(prefix, str):
         raise checks.bad_type("prefix", "a str", prefix)
     with ExitStack() as stack:
         f = stack.enter_context(open_safetensors(path))
         tensors = Tensors(dict.fromkeys(f.keys(), Path(path)), stack)
         tensors.handles[Path(path)] = f
-        keys = LayerKeys(tensors, prefix, path)
-        layer = parse_layer(keys)
+        return parse_layer(LayerKeys(tensors, prefix, path), experts)
+
+
+def read_file_layer(cls, path, prefix, top_k, renormalize, device, routing):
+    """MoEFFN.from_safetensors."""
+    checks.check_int("top_k", top_k, 1, what="(the experts per token)")
+    layer = read_layer(path, prefix)
     if "correction_bias" in layer and routing.get("scoring") != "sigmoid":
         raise checks.in_file(path, f"tensor {prefix + 'gate.e_score_correction_bias'!r} is a correction bias "
                                    "(DeepSeek-V3-style routing): pass scoring='sigmoid' and the model's n_group, "

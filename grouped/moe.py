@@ -75,9 +75,9 @@ def check_expert_weights(w_gate_up, w_down, H: int) -> None:
     checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
 
 
-def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None):
+def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None, x_dtypes=checks.FLOAT_DTYPES):
     """The checks every moe_ffn makes; the weights have x's dtype unless ``weight_dtypes``."""
-    checks.check_tensor("x", x, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
     checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=weight_dtypes or (x.dtype,))
     checks.check_tensor("w_down", w_down, ndim=3, dtypes=weight_dtypes or (x.dtype,))
     checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
@@ -90,7 +90,7 @@ def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None)
     checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None):
+def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
     """SwiGLU expert FFN: y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j].
 
     x [T, H] (fp16, bf16, fp32); w_gate_up [E, 2I, H] (gate rows W1 then up rows W3);
@@ -105,15 +105,20 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     separately quantised gate_proj and up_proj) and w_down_scale [E, ceil(H/128), ceil(I/128)],
     fp32. x keeps its dtype; the activations are quantised per token in 1x128 blocks: x once
     before the gather, the SwiGLU output inside GEMM1's epilogue (GEMM1 writes it as fp8 plus
-    scales). Not differentiable.
+    scales). Not differentiable. ``x_scale``: x is already quantised (expert parallelism
+    quantises before sending): x float8_e4m3fn [T, H] with its fp32 1x128 scales x_scale
+    [T, ceil(H/128)] (quantize_fp8(x), any strides); nothing is quantised again and the output
+    is bfloat16.
     """
     checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
-                                  w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
-    if w_gate_up_scale is not None or w_down_scale is not None or (w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES):
+                                  w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, x_scale=x_scale)
+    fp8 = w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None
+    if fp8 or (w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES):
         checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                         topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
-                                        w_down_scale=w_down_scale)
-        return MOE_FP8.run((x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale), False)
+                                        w_down_scale=w_down_scale, x_scale=x_scale)
+        return MOE_FP8.run((x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale),
+                           False)
     return MOE(x, w_gate_up, w_down, topk_weights, topk_ids, grad_inputs=(x, w_gate_up, w_down, topk_weights))
 
 
@@ -166,7 +171,7 @@ def _down_and_combine(h, w_down, offs, pair, topk_weights, x, k, **kwargs):
     the result has the same bits on every run.
     """
     T, H = x.shape
-    y_pairs = empty((T * k, H), dtype=x.dtype, device=x.device)
+    y_pairs = empty((T * k, H), dtype=_out_dtype(x), device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, **kwargs)
     return y_pairs.view(T, k, H).sum(dim=1)
@@ -190,27 +195,39 @@ def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> Non
     checks.check_same_device(w_gate_up=w_gate_up, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
 
 
-def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,))
+def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+    x_dtypes = checks.FLOAT_DTYPES if x_scale is None else (torch.float8_e4m3fn,)
+    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,), x_dtypes=x_dtypes)
     check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    if x_scale is not None:
+        checks.check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,))
+        T, H = x.shape
+        checks.check_shape("x_scale", x_scale, (T, -(-H // BLOCK)), f"[T, ceil(H/128)] = {[T, -(-H // BLOCK)]} "
+                           "(x's 1x128 scales, as quantize_fp8(x) gives)")
+        checks.check_same_device(x=x, x_scale=x_scale)
+
+
+def _out_dtype(x):
+    """moe_ffn's output dtype: x's, bfloat16 for an already-quantised fp8 x."""
+    return torch.bfloat16 if x.dtype in checks.FP8_DTYPES else x.dtype
 
 
 def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w_gate_up_scale: Optional[torch.Tensor],
-                  w_down_scale: Optional[torch.Tensor]) -> torch.Tensor:
+                  w_down_scale: Optional[torch.Tensor], x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """moe_ffn with fp8 experts: _moe_impl's pipeline on fp8 operands with 1x128 x 128x128 scales."""
-    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
+    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
     if P == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x, dtype=_out_dtype(x))
     pair, token, offs = sort_by_expert(topk_ids, E)
     fp8 = w_gate_up.dtype
     mode = wgmma_grouped(w_gate_up, P, E)
     if mode is not None and wgmma_grouped(w_down, P, E) == mode:
         return _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token,
-                              offs, mode)
+                              offs, mode, x_scale)
     # x is quantised once per token (T rows, not T * k); GEMM1 gathers fp8 rows and their scales.
-    xq, xs = quantize_fp8(x, dtype=fp8)
+    xq, xs = quantize_fp8(x, dtype=fp8) if x_scale is None else (x, x_scale)
     # GEMM1 writes silu(gate) * up as fp8 with its 1x128 scales, stored [ceil(I/128), P] (the
     # outer-dim-major layout quantize_fp8 gives, so GEMM2's K loop reads them coalesced).
     h = empty((P, I), dtype=fp8, device=x.device)
@@ -225,18 +242,24 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 
 def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs,
-                   mode):
+                   mode, x_scale=None):
     """The FP8 expert FFN on core's Gluon body (sm_90; ``mode`` "grouped" or "decode", from
     hopper_fp8.wgmma_grouped): TMA cannot gather rows, so x is quantised once in
     expert-sorted order (one row per pair), then GEMM1 (its two warpgroups the gate and the up
     product) writes silu(gate) * up as fp8 with 1x128 scales, and GEMM2 scatters each pair's
     weighted row; the combine sums each token's rows in slot order (fp32). The rows of experts
     on other ranks get no tiles. At decode both GEMMs compute their tiles transposed (the
-    weights' rows on wgmma's 64-row side, the few tokens of an expert on its N side)."""
+    weights' rows on wgmma's 64-row side, the few tokens of an expert on its N side). An
+    already-quantised x (``x_scale``) has its rows and scales gathered as they are."""
     (T, H), (E, two_i, _), k = x.shape, w_gate_up.shape, topk_weights.shape[1]
     I, P = two_i // 2, T * k
     # Rows past offs[-1] (ids of experts on other ranks) get no tiles and are never read.
-    xq, xs = gather_quantize(x, token, w_gate_up.dtype, offs)
+    if x_scale is None:
+        xq, xs = gather_quantize(x, token, w_gate_up.dtype, offs)
+    else:  # fp8 rows move as bytes (torch indexes no float8 dtype on every device)
+        xq = x.view(torch.uint8).index_select(0, token).view(x.dtype)
+        xs = x_scale.index_select(0, token)
+    out_dtype = _out_dtype(x)
     h = empty((P, I), dtype=w_gate_up.dtype, device=x.device)
     hs = empty((-(-I // BLOCK), P), dtype=torch.float32, device=x.device).t()
     scaling = "1x128,128x128"
@@ -250,16 +273,16 @@ def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
 
     run_wgmma_grouped(xq, w_gate_up, h, schedule, xs, w_gate_up_scale.transpose(1, 2), N=I, out_scale=hs,
                       key=configs.WgmmaKey(m, I, H, scaling, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
-    y_pairs = empty((T * k, H), dtype=x.dtype, device=x.device)
+    y_pairs = empty((T * k, H), dtype=out_dtype, device=x.device)
     run_wgmma_grouped(h, w_down, y_pairs, schedule, hs, w_down_scale.transpose(1, 2), N=H,
                       scatter=pair, weight=topk_weights.reshape(-1).to(torch.float32).contiguous(),
-                      key=configs.WgmmaKey(m, H, I, scaling, configs.dtype_name(x.dtype), mode))
-    return combine(y_pairs, topk_ids, E, x.dtype)
+                      key=configs.WgmmaKey(m, H, I, scaling, configs.dtype_name(out_dtype), mode))
+    return combine(y_pairs, topk_ids, E, out_dtype)
 
 
-def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
-    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
-    return torch.empty_like(x)
+def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+    _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+    return torch.empty_like(x, dtype=_out_dtype(x))
 
 
 def _moe_sizes(x, w_gate_up, topk_ids):

@@ -12,7 +12,7 @@ mkdir -p "$out"
 per_file="${SECONDS_PER_FILE:-360}"  # test_blockscaled.py compiles longest: 231 s cold with 14 workers
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/test_launch.py tests/test_core.py tests/test_persistent.py tests/test_tma.py tests/test_grouped.py
-                                 tests/test_moe.py tests/test_blockscaled.py tests/test_fp8linear.py)
+                                 tests/test_moe.py tests/test_blockscaled.py tests/test_fp8linear.py tests/test_ep.py)
 status=0
 for f in "${files[@]}"; do
     name=$(basename "$f" .py)

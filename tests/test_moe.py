@@ -291,6 +291,25 @@ def test_moe_ffn_fp8_views_and_empty(device):
     assert empty.shape == (0, 200) and empty.dtype == torch.float16
 
 
+def test_moe_ffn_fp8_prequantised_x(device):
+    """x quantised by the caller (expert parallelism sends it so): the same bits as moe_ffn
+    quantising a bf16 x itself, with the scales outer-dim-major or row-major; bf16 out."""
+    x, w13, w2, weights, ids, scales, _ = fp8_moe_inputs(7, 200, 136, 2, 2, torch.bfloat16, device)
+    xq, xs = onegemm.quantize_fp8(x)
+    y = onegemm.moe_ffn(xq, w13, w2, weights, ids, **scales, x_scale=xs)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, onegemm.moe_ffn(x, w13, w2, weights, ids, **scales))
+    assert torch.equal(onegemm.moe_ffn(xq, w13, w2, weights, ids, **scales, x_scale=xs.contiguous()), y)
+    empty = onegemm.moe_ffn(xq[:0], w13, w2, weights[:0], ids[:0], **scales, x_scale=xs[:0])
+    assert empty.shape == (0, 200) and empty.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"x_scale must be \[T, ceil\(H/128\)\] = \[7, 2\]"):
+        onegemm.moe_ffn(xq, w13, w2, weights, ids, **scales, x_scale=xs[:, :1])
+    with pytest.raises(TypeError, match=r"x_scale must be of dtype in \(float32\)"):
+        onegemm.moe_ffn(xq, w13, w2, weights, ids, **scales, x_scale=xs.bfloat16())
+    with pytest.raises(TypeError, match=r"x must be of dtype in \(float8_e4m3fn\)"):  # x_scale with an unquantised x
+        onegemm.moe_ffn(x, w13, w2, weights, ids, **scales, x_scale=xs)
+
+
 def test_quantize_experts_matches_reference(device):
     _, w13, w2, *_ = moe_inputs(1, 200, 136, 3, 1, torch.bfloat16, device)
     q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
