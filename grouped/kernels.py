@@ -1,6 +1,6 @@
 """The grouped kernels: core's tile body (core/tiles.py gemm_tile) on per-group operands.
 
-Two kernels; nothing here re-implements a K loop, an epilogue or a store.
+Two GEMM kernels; nothing here re-implements a K loop, an epilogue or a store.
 
 * ``ragged_kernel``: torch._grouped_mm's four modes and the two MoE expert GEMMs. One dimension
   (M, N or K) is cut into G groups by ``offs`` (int32 cumulative END offsets), or none is
@@ -14,6 +14,12 @@ Two kernels; nothing here re-implements a K loop, an epilogue or a store.
 Where the operands allow it (row-major, 16-byte aligned group bases), the ragged kernel takes
 core's TMA flavour with descriptors per group: their shape is the group's, so the TMA unit
 zero-fills and clips at group edges exactly where the pointer flavour masks.
+
+The memory-bound helpers around the MoE GEMMs: ``sort_by_expert_kernel`` (the routing sort at
+decode sizes); for core's Gluon FP8 body (core/hopper_fp8.py, its grouped flavour)
+``row_tiles_kernel`` (the groups' row tiles, from offs on the device), ``gather_quantize_kernel``
+(x quantised once per pair in expert order: TMA cannot gather rows) and ``combine_kernel``
+(the top-k sum that skips other ranks' slots); ``route_kernel`` (fused routing at decode).
 """
 
 from typing import Any, NamedTuple
