@@ -386,7 +386,7 @@ def _r(*shape, d):
     return torch.randn(*shape, device=d)
 
 
-def _dense(d):
+def _dense_args(d):
     return _r(33, 40, d=d), _r(40, 24, d=d), _r(24, d=d)
 
 
@@ -402,9 +402,9 @@ def _moe_fp8(d):
 
 # (fn, args(device)): each public op as a user calls it.
 COMPILE_CASES = [
-    pytest.param(lambda a, b, bias: onegemm.matmul(a, b, bias=bias, activation="gelu"), _dense, id="matmul"),
-    pytest.param(lambda a, b, bias: onegemm.linear(a, b.t(), bias), _dense, id="linear"),
-    pytest.param(lambda a, b, bias: onegemm.persistent_matmul(a, b), _dense, id="persistent_matmul"),
+    pytest.param(lambda a, b, bias: onegemm.matmul(a, b, bias=bias, activation="gelu"), _dense_args, id="matmul"),
+    pytest.param(lambda a, b, bias: onegemm.linear(a, b.t(), bias), _dense_args, id="linear"),
+    pytest.param(lambda a, b, bias: onegemm.persistent_matmul(a, b), _dense_args, id="persistent_matmul"),
     pytest.param(lambda a, b, offs: onegemm.grouped_matmul(a, b, offs, activation="relu"),
                  _grouped, id="grouped_matmul"),
     pytest.param(lambda logits: onegemm.route(logits, 2), lambda d: (_r(9, 4, d=d),), id="route"),

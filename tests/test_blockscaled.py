@@ -466,7 +466,7 @@ BAD_CASES = [
                  TypeError, id="a fp32"),
     pytest.param("b must be float8", lambda t: dict(a=t.f8(_M, _K), b=t.ones(_K, _N).bfloat16(), scale_a=t.one, scale_b=t.one),
                  TypeError, id="b bf16"),
-    pytest.param("both be float8_e5m2", lambda t: dict(a=t.f8(_M, _K).to(E5M2), b=t.f8(_K, _N).to(E5M2), scale_a=t.one, scale_b=t.one),
+    pytest.param("b must be float8_e4m3fn when a is float8_e5m2", lambda t: dict(a=t.f8(_M, _K).to(E5M2), b=t.f8(_K, _N).to(E5M2), scale_a=t.one, scale_b=t.one),
                  TypeError, id="e5m2 x e5m2"),
     pytest.param("b must be \\[K, N\\]", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K + 1, _N), scale_a=t.one, scale_b=t.one),
                  ValueError, id="K mismatch"),

@@ -16,13 +16,13 @@ import triton.language as tl
 import onegemm
 from onegemm.core import configs, scratch, splitk
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, with_meta
+from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
 from onegemm.core.configs import cfg as _cfg
 from onegemm.core.tiles import swizzle_tile
-from onegemm.testing import TOL, assert_close, matmul_ref
+from onegemm.testing import TF32_TOL, TOL, assert_close, matmul_ref
 
-from helpers import DTYPES, FP8, make, split_cfg, tol_for
+from helpers import DTYPES, FP8, FP8_MMA_TOL, make, split_cfg, tol_for
 
 # (M, N, K): edge sizes of 1, odd sizes, K below / not a multiple of BLOCK_K, more than one group.
 SHAPES = [
@@ -318,7 +318,7 @@ BAD_CASES = [
     pytest.param("a and b must be of the same dtype", lambda t: dict(a=t(3, 4), b=t(4, 5).half()), TypeError,
                  id="fp32 x fp16"),
     pytest.param("a must be of dtype", lambda t: dict(a=t(3, 4).to(torch.int32), b=t(4, 5)), TypeError, id="int32"),
-    pytest.param("both be float8_e5m2", lambda t: dict(a=t(3, 4).to(torch.float8_e5m2), b=t(4, 5).to(torch.float8_e5m2)),
+    pytest.param("b must be float8_e4m3fn when a is float8_e5m2", lambda t: dict(a=t(3, 4).to(torch.float8_e5m2), b=t(4, 5).to(torch.float8_e5m2)),
                  TypeError, id="e5m2 x e5m2"),
     pytest.param("bias must be of shape", lambda t: dict(a=t(3, 4), b=t(4, 5), bias=t(4)), ValueError, id="bias [M]"),
     pytest.param("bias must be", lambda t: dict(a=t(3, 4), b=t(4, 5), bias=[1.0] * 5), TypeError, id="bias a list"),

@@ -72,7 +72,7 @@ BAD = [
     ("blockscaled both e5m2", lambda d: onegemm.blockscaled_matmul(_f(4, 128, device=d, dtype=torch.float8_e5m2),
                                                                     _f(128, 4, device=d, dtype=torch.float8_e5m2),
                                                                     torch.ones((), device=d), torch.ones((), device=d)),
-     TypeError, "a and b cannot both be float8_e5m2"),
+     TypeError, "b must be float8_e4m3fn when a is float8_e5m2"),
     ("blockscaled config dict", lambda d: onegemm.blockscaled_matmul(_f(4, 128, device=d, dtype=torch.float8_e4m3fn),
                                                                       _f(128, 4, device=d, dtype=torch.float8_e4m3fn),
                                                                       torch.ones((), device=d), torch.ones((), device=d), config={}),
