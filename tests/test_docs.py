@@ -44,7 +44,7 @@ def _prose(path, docs_only=False):
     kept, previous = [], tokenize.NEWLINE
     for t in tokenize.generate_tokens(io.StringIO(text).readline):
         if t.type == tokenize.COMMENT or (t.type == tokenize.STRING and (
-                not docs_only or previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.NL))):
+                not docs_only or previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT))):
             kept.append(t.string)
         if t.type not in (tokenize.COMMENT, tokenize.NL):
             previous = t.type
@@ -118,7 +118,7 @@ def _broken_references(paths):
                 continue
             if head == "onegemm" and not _resolve_onegemm(chain):
                 broken.append(f"{where}: {chain} does not exist")
-            elif head in modules and head != "onegemm" and not any(attr in names[m] for m in modules[head]):
+            elif head in modules and not any(attr in names[m] for m in modules[head]):
                 broken.append(f"{where}: {chain}: no {attr} in {', '.join(str(m.relative_to(ROOT)) for m in modules[head])}")
         # A private helper cited by name (`_round_up_pow2`) in a comment, docstring or doc must be
         # one the code still has (a suffix such as _ptr in prose is not a name).
@@ -293,10 +293,10 @@ def test_readme_signatures_match_the_code(what):
         elif not is_signature and what == "calls":
             keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
             positional = [p for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
-            for part in parts:
-                key = part.split("=")[0].strip()
-                if "=" in part and not part.startswith(("=", "'", '"')) and key.isidentifier() and key not in keywords:
+            named = [m.group(1) for m in (re.match(r"([A-Za-z_]\w*)\s*=(?!=)", part) for part in parts) if m]
+            for key in named:
+                if key not in keywords:
                     wrong.append(f"{name}({', '.join(parts)}): no parameter {key}")
-            if len([p for p in parts if "=" not in p and p not in ("...", "*")]) > len(positional):
+            if len(parts) - len(named) - parts.count("...") > len(positional):
                 wrong.append(f"{name}({', '.join(parts)}): more positional arguments than {name} takes")
     assert not wrong, "\n".join(wrong)
