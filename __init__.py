@@ -27,6 +27,7 @@ from .grouped import *  # noqa: E402,F401,F403
 from .persistent import *  # noqa: E402,F401,F403
 from .blockscaled import *  # noqa: E402,F401,F403
 from .ep import *  # noqa: E402,F401,F403
+from . import testing  # noqa: E402,F401  (onegemm.testing works after a plain `import onegemm`)
 
 from .core.launch import start_prewarm as _start_prewarm  # noqa: E402
 

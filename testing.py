@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from .core.runtime import graph_bench
-from .grouped.moe import sort_by_expert
 
 # Relative Frobenius error bounds against a float64 reference of the same inputs.
 # bf16: its 8-bit mantissa, rounded once at the output cast. fp8 inputs are exact in fp64,
@@ -298,16 +297,23 @@ def moe_ffn_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, use_grouped_m
     """The expert FFN in plain torch, in x's dtype: the peer that benchmarks and
     ``python -m onegemm`` compare against (in float64 it is a reference).
 
-    The usual eager recipe: sort the pairs by expert, copy the token rows into that order,
-    one GEMM per expert (a loop of torch.mm, which reads the group sizes on the host) or
-    torch._grouped_mm (``use_grouped_mm``; bf16 on a GPU is its fast path), SwiGLU, the down
-    GEMM, scale by the routing weight and index_add the rows back per token.
+    The usual eager recipe, in torch alone (a peer that ran onegemm's kernels would measure
+    onegemm): sort the pairs by expert (torch.sort, stable; ids outside [0, E) last),
+    torch.searchsorted for the group ends, copy the token rows into that order, one GEMM per
+    expert (a loop of torch.mm, which reads the group sizes on the host) or torch._grouped_mm
+    (``use_grouped_mm``; bf16 on a GPU is its fast path), SwiGLU, the down GEMM, scale by the
+    routing weight and index_add the rows back per token.
     """
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
-    pair, token, offs = sort_by_expert(topk_ids, E)
-    pair, token = pair.long(), token.long()
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    expert = torch.where((flat >= 0) & (flat < E), flat, E)  # range-checked in the ids' own width
+    sorted_ids, pair = torch.sort(expert, stable=True)
+    experts = torch.arange(E, device=flat.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    token = pair // k
     xs = x[token]
     if use_grouped_mm:
         gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs, out_dtype=x.dtype)

@@ -17,7 +17,7 @@
    the experts that got rows.
 2. fp16: onegemm against torch._grouped_mm's fp16 path (a host-synced loop in torch 2.11).
 3. moe_ffn end to end (routing given) against the plain-torch implementation
-   (onegemm.grouped.moe.moe_ffn_torch with torch._grouped_mm: permuted copy of x, two grouped
+   (onegemm.testing.moe_ffn_torch with torch._grouped_mm: permuted copy of x, two grouped
    GEMMs, SwiGLU, index_add combine).
 Every ratio is the peer's time / onegemm's time, measured in the same run (above 1: onegemm
 is faster). Targets: geomean >= 1.0x torch._grouped_mm on the prefill shapes, decode

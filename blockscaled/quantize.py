@@ -1,6 +1,6 @@
 """onegemm.quantize_fp8: fp32/bf16/fp16 -> fp8 with one fp32 scale per block.
 
-Scale rule (the same in the Triton kernel, the torch path and tests/reference.py):
+Scale rule (the same in the Triton kernel, the torch path and onegemm.testing.quantize_fp8_ref):
 
     amax  = max |x| over the block
     scale = max(amax / FP8_MAX, FLT_MIN)     if amax > 0
@@ -144,7 +144,7 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2_scale: bool) -
     # Divide by a tensor, not a Python float: CUDA divides by a scalar as a multiply by its
     # reciprocal, 1 ulp off the correctly rounded quotient the kernel and the reference give.
     scale = torch.where(amax > 0, (amax / amax.new_full((), fp8_max(dtype))).clamp_min(FLT_MIN), 1.0)
-    if pow2_scale:  # the bit trick of _round_up_pow2
+    if pow2_scale:  # the bit trick of core/fp8.py `round_up_pow2`
         bits = scale.view(torch.int32)
         up = ((bits & 0x7FFFFF) != 0).to(torch.int32) * 0x800000
         scale = ((bits & 0x7F800000) + up).view(torch.float32)

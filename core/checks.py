@@ -127,7 +127,7 @@ def check_operand_dtypes(a: torch.Tensor, b: torch.Tensor, a_name="a", b_name="b
         raise bad_dtype(f"{a_name} and {b_name}", "of the same dtype", f"{a.dtype} and {b.dtype}")
     if a.dtype == b.dtype == torch.float8_e5m2:
         # Hopper's fp8 MMA (and torch._scaled_mm) take e5m2 only against e4m3.
-        raise TypeError(f"{a_name} and {b_name} cannot both be float8_e5m2; make one float8_e4m3fn")
+        raise bad_dtype(b_name, f"float8_e4m3fn when {a_name} is float8_e5m2 (e5m2 x e5m2 has no fp8 MMA)", b.dtype)
 
 
 def check_fp8(name: str, t, ndim=2) -> None:

@@ -9,10 +9,10 @@
   differentiates it with the same backward.
 
 ``Op`` builds the three from one definition: the implementation, its fake (shapes and dtypes
-only), ``setup_context`` (what the backward keeps) and the backward. A registered custom op
-with autograd costs about 20 us per eager call (47 us when an input requires grad) and an
-autograd.Function 11-13 us (measured on the H200, torch 2.11), which is why eager calls do not
-go through the registered op (bench/results/autograd.md).
+only), ``setup_context`` (what the backward keeps) and the backward. Eager calls do not go
+through the registered op: a registered custom op with autograd costs more host time per call
+than an autograd.Function, and both more than the direct call (bench/results/autograd.md has
+the figures).
 """
 
 from __future__ import annotations

@@ -440,8 +440,8 @@ def clear_plans() -> None:
 
 def _prewarm() -> None:
     # Before its first compile-cache lookup in a process Triton hashes its own sources and
-    # shared library (triton.runtime.cache.triton_key, ~0.4 s on the H200 host) and imports
-    # gluon (~0.13 s), once, whatever is compiled; measured in bench/results/overhead.md.
+    # shared library (triton.runtime.cache.triton_key) and imports gluon, once, whatever is
+    # compiled: a fixed part of the first call (bench/results/overhead.md measures it).
     try:
         from triton.runtime.cache import triton_key
 

@@ -195,7 +195,7 @@ def _scale(keys: LayerKeys, name: str, rows: int, cols: int) -> torch.Tensor:
 
 def _fused_experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
     """transformers v5's experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I] (FP8:
-    with experts.*_scale_inv), or Llama-4's [E, H, 2I] / [E, I, H] (a layer whose router is
+    with their gate_up_proj_scale_inv and down_proj_scale_inv), or Llama-4's [E, H, 2I] / [E, I, H] (a layer whose router is
     "router.weight")."""
     E, H = gate.shape
     w13 = keys.take("experts.gate_up_proj")

@@ -11,9 +11,9 @@ once per tile, and there is no block-scheduling gap between tiles. Both schedule
 kernel, core's matmul_kernel, whose PERSISTENT constexpr turns the unit loop on
 (core/tiles.py ``program_units``; the grid is core/runtime.py ``tile_grid``). The tile body is
 the same code either way, so comparing the two (bench/bench_persistent.py) measures
-scheduling alone. onegemm.matmul tries the persistent schedule's big tiles itself
-(core/matmul.py ``auto_persistent``); this op runs only the persistent schedule, with a grid
-the caller may size.
+scheduling alone. onegemm.matmul takes the persistent schedule itself where its config says so
+(``persistent=None``: the tuned table and core/configs.py ``matmul_heuristic`` choose it for
+large outputs); this op runs only the persistent schedule, with a grid the caller may size.
 """
 
 from __future__ import annotations

@@ -7,10 +7,16 @@
   ``@pytest.mark.sm90`` (with ``gpu``) marks tests of the Gluon body, which runs on sm_90 only.
 * Every test draws fresh random inputs (a new seed per test, printed on failure) and runs with
   onegemm's output poisoning on, so an unwritten tile shows as NaN.
+* The checkout's root is the package itself, and may be named anything (``onegemm-main``
+  from a zip): pytest collects it as a plain directory, so it never imports the root
+  ``__init__.py`` under the folder's name. Tests import the installed ``onegemm`` (or the one
+  on PYTHONPATH) and their shared helpers from tests/helpers.py (``from helpers import ...``;
+  pytest puts tests/ on sys.path because it has no ``__init__.py``).
 """
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +25,24 @@ import onegemm
 from onegemm.core import runtime
 
 HAS_GPU = torch.cuda.is_available() and not onegemm.INTERPRET
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _RootIsAPlainDirectory:
+    """pytest makes a directory holding ``__init__.py`` a Package and imports that file as a
+    module named after the folder, which fails with "attempted relative import" unless the
+    folder is called onegemm. Collected as a Dir, the root is only walked to reach tests/."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collect_directory(self, path, parent):
+        if path.resolve() == ROOT:
+            return pytest.Dir.from_parent(parent, path=path)
+        return None
+
+
+def pytest_configure(config):
+    # A plugin, not a hook in this file: a conftest's collection hooks only see paths below it.
+    config.pluginmanager.register(_RootIsAPlainDirectory(), "onegemm-root-is-a-plain-directory")
 
 
 def pytest_collection_modifyitems(config, items):

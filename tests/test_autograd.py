@@ -21,7 +21,8 @@ from onegemm.testing import (
     moe_ref,
     ref_grads,
 )
-from test_core import make
+
+from helpers import make
 
 BACKENDS = ["aot_eager"] if onegemm.INTERPRET else ["aot_eager", "inductor"]
 # Gradients pass two roundings (the output gradient's cast, then the GEMM's output): twice
@@ -381,43 +382,53 @@ def test_errors_instead_of_dropped_gradients(device):
 # ---- torch.compile(fullgraph=True) equals eager; opcheck ----
 
 
-def _compile_cases(device):
-    """(name, fn, args): each public op as a user calls it."""
-    a, b = torch.randn(33, 40, device=device), torch.randn(40, 24, device=device)
-    bias = torch.randn(24, device=device)
-    x, w13, w2, weights, ids = _moe_inputs(9, 32, 16, 4, 2, torch.float32, device)
-    g2, gb2, gbias, goffs = _grouped_inputs("2Dx3D", [5, 0, 17], 3, 40, 24, torch.float32, device)
-    layer = onegemm.Fp8Linear(64, 40, device=device)
-    return [
-        ("matmul", lambda a, b, bias: onegemm.matmul(a, b, bias=bias, activation="gelu"), (a, b, bias)),
-        ("linear", lambda a, b, bias: onegemm.linear(a, b.t(), bias), (a, b, bias)),
-        ("persistent_matmul", lambda a, b: onegemm.persistent_matmul(a, b), (a, b)),
-        ("grouped_matmul", lambda a, b, offs: onegemm.grouped_matmul(a, b, offs, activation="relu"),
-         (g2.detach(), gb2.detach(), goffs)),
-        ("route", lambda logits: onegemm.route(logits, 2), (torch.randn(9, 4, device=device),)),
-        ("moe_ffn", lambda *t: onegemm.moe_ffn(*t), (x, w13, w2, weights, ids)),
-        ("quantize_fp8", lambda a: onegemm.quantize_fp8(a), (a,)),
-        ("blockscaled_matmul", lambda a, b: onegemm.blockscaled_matmul(
-            *onegemm.quantize_fp8(a)[:1], b, onegemm.quantize_fp8(a)[1], torch.ones((), device=device)),
-         (torch.randn(33, 40, device=device), torch.randn(40, 24, device=device).to(torch.float8_e4m3fn))),
-        ("Fp8Linear", lambda x: layer(x), (torch.randn(10, 64, device=device),)),
-        ("moe_ffn fp8", lambda x, w13, s13, w2, s2, weights, ids: onegemm.moe_ffn(
-            x, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2),
-         lambda: (x, *onegemm.quantize_experts(w13, w2), weights, ids)),
-    ]
+def _r(*shape, d):
+    return torch.randn(*shape, device=d)
+
+
+def _dense_args(d):
+    return _r(33, 40, d=d), _r(40, 24, d=d), _r(24, d=d)
+
+
+def _grouped(d):
+    a, b, _, offs = _grouped_inputs("2Dx3D", [5, 0, 17], 3, 40, 24, torch.float32, d)
+    return a.detach(), b.detach(), offs
+
+
+def _moe_fp8(d):
+    x, w13, w2, weights, ids = _moe_inputs(9, 32, 16, 4, 2, torch.float32, d)
+    return (x, *onegemm.quantize_experts(w13, w2), weights, ids)
+
+
+# (fn, args(device)): each public op as a user calls it.
+COMPILE_CASES = [
+    pytest.param(lambda a, b, bias: onegemm.matmul(a, b, bias=bias, activation="gelu"), _dense_args, id="matmul"),
+    pytest.param(lambda a, b, bias: onegemm.linear(a, b.t(), bias), _dense_args, id="linear"),
+    pytest.param(lambda a, b, bias: onegemm.persistent_matmul(a, b), _dense_args, id="persistent_matmul"),
+    pytest.param(lambda a, b, offs: onegemm.grouped_matmul(a, b, offs, activation="relu"),
+                 _grouped, id="grouped_matmul"),
+    pytest.param(lambda logits: onegemm.route(logits, 2), lambda d: (_r(9, 4, d=d),), id="route"),
+    pytest.param(lambda *t: onegemm.moe_ffn(*t), lambda d: _moe_inputs(9, 32, 16, 4, 2, torch.float32, d), id="moe_ffn"),
+    pytest.param(lambda a: onegemm.quantize_fp8(a), lambda d: (_r(33, 40, d=d),), id="quantize_fp8"),
+    pytest.param(lambda a, b: onegemm.blockscaled_matmul(
+        *onegemm.quantize_fp8(a)[:1], b, onegemm.quantize_fp8(a)[1], torch.ones((), device=a.device)),
+        lambda d: (_r(33, 40, d=d), _r(40, 24, d=d).to(torch.float8_e4m3fn)), id="blockscaled_matmul"),
+    pytest.param(lambda layer, x: layer(x), lambda d: (onegemm.Fp8Linear(64, 40, device=d), _r(10, 64, d=d)), id="Fp8Linear"),
+    pytest.param(lambda x, w13, s13, w2, s2, weights, ids: onegemm.moe_ffn(
+        x, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2), _moe_fp8, id="moe_ffn fp8"),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", range(10))
-def test_compile_fullgraph_equals_eager(case, backend, device):
+@pytest.mark.parametrize("fn,args", COMPILE_CASES)
+def test_compile_fullgraph_equals_eager(fn, args, backend, device):
     torch._dynamo.reset()
-    name, fn, args = _compile_cases(device)[case]
-    args = args() if callable(args) else args  # made for its own case only
+    args = args(device)
     want = fn(*args)
     got = torch.compile(fn, fullgraph=True, backend=backend)(*args)
     for w, g in zip(want if isinstance(want, tuple) else [want], got if isinstance(got, tuple) else [got]):
-        assert g.shape == w.shape and g.dtype == w.dtype, name
-        assert torch.equal(g.float(), w.float()) or (backend == "inductor" and torch.allclose(g.float(), w.float())), name
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.equal(g.float(), w.float()) or (backend == "inductor" and torch.allclose(g.float(), w.float()))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -438,30 +449,49 @@ def test_compile_trains_like_eager(backend, device):
         assert_close(c, e, TOL[torch.float32])
 
 
-def _opcheck_cases(device):
-    a, b = torch.randn(17, 24, device=device), torch.randn(24, 9, device=device)
-    x, w13, w2, weights, ids = _moe_inputs(5, 16, 8, 3, 2, torch.float32, device, bad_id=False)
-    ga, gb, _, goffs = _grouped_inputs("2Dx3D", [5, 0, 7], 3, 16, 8, torch.float32, device)
-    q, s = onegemm.quantize_fp8(a)
-    qw, sw = onegemm.quantize_fp8(torch.randn(9, 24, device=device), (128, 128))
+def _opcheck_grouped(d):
+    a, b, _, offs = _grouped_inputs("2Dx3D", [5, 0, 7], 3, 16, 8, torch.float32, d)
+    return a, b, offs, None, None, None, None, None
+
+
+def _opcheck_moe(d, grad=True):
+    x, w13, w2, weights, ids = _moe_inputs(5, 16, 8, 3, 2, torch.float32, d, bad_id=False)
+    return (*(leaf(t) if grad else t for t in (x, w13, w2, weights)), ids)
+
+
+def _opcheck_blockscaled(d):
+    q, s = onegemm.quantize_fp8(_r(17, 24, d=d))
+    qw, sw = onegemm.quantize_fp8(_r(9, 24, d=d), (128, 128))
+    return q, qw.t(), s, sw.t(), torch.bfloat16, None, None, None
+
+
+def _opcheck_moe_fp8(d):
+    x, w13, w2, weights, ids = _opcheck_moe(d, grad=False)
     q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
-    return [
-        (torch.ops.onegemm.matmul.default, (leaf(a), leaf(b), None, None, None, None, None, None)),
-        (torch.ops.onegemm.grouped_mm.default, (ga, gb, goffs, None, None, None, None, None)),
-        (torch.ops.onegemm.moe_ffn.default, (leaf(x), leaf(w13), leaf(w2), leaf(weights), ids)),
-        (torch.ops.onegemm.quantize_fp8.default, (a, "1x128", torch.float8_e4m3fn, False, False)),
-        (torch.ops.onegemm.blockscaled_mm.default, (q, qw.t(), s, sw.t(), torch.bfloat16, None, None, None)),
-        (torch.ops.onegemm.fp8_linear.default, (leaf(a), leaf(torch.randn(9, 24, device=device)), None, None)),
-        (torch.ops.onegemm.moe_ffn_fp8.default, (x, q13, q2, weights, ids, s13, s2)),
-    ]
+    return x, q13, q2, weights, ids, s13, s2
+
+
+# (op, args(device)): each registered op on small inputs.
+OPCHECK_CASES = [
+    pytest.param(torch.ops.onegemm.matmul.default,
+                 lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(24, 9, d=d)), None, None, None, None, None, None), id="matmul"),
+    pytest.param(torch.ops.onegemm.grouped_mm.default, _opcheck_grouped, id="grouped_mm"),
+    pytest.param(torch.ops.onegemm.moe_ffn.default, _opcheck_moe, id="moe_ffn"),
+    pytest.param(torch.ops.onegemm.quantize_fp8.default, lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False),
+                 id="quantize_fp8"),
+    pytest.param(torch.ops.onegemm.blockscaled_mm.default, _opcheck_blockscaled, id="blockscaled_mm"),
+    pytest.param(torch.ops.onegemm.fp8_linear.default, lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(9, 24, d=d)), None, None),
+                 id="fp8_linear"),
+    pytest.param(torch.ops.onegemm.moe_ffn_fp8.default, _opcheck_moe_fp8, id="moe_ffn_fp8"),
+]
 
 
 ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("case", range(7))
-def test_opcheck(case, device):
-    op, args = _opcheck_cases(device)[case]
+@pytest.mark.parametrize("op,args", OPCHECK_CASES)
+def test_opcheck(op, args, device):
+    args = args(device)
     utils = ALL_OPCHECKS
     if op in (torch.ops.onegemm.blockscaled_mm.default, torch.ops.onegemm.moe_ffn_fp8.default):
         # test_schema multiplies the inputs to check they are not mutated, and torch has no

@@ -207,6 +207,8 @@ def test_quantize_pow2_scales_are_powers_of_two(device):
 def test_quantize_empty(shape, block, scale_shape, device):
     q, scale = onegemm.quantize_fp8(torch.randn(*shape, device=device), block)
     assert q.shape == shape and tuple(scale.shape) == scale_shape
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert (scale == 1).all()  # a block with no elements is all-zero: scale 1 (the tensor-wise scalar)
 
 
 @pytest.mark.parametrize(
@@ -434,7 +436,7 @@ def test_empty_output(M, N, device):
         torch.randn(M, K, device=device).to(E4M3), torch.randn(K, N, device=device).to(E4M3),
         torch.ones((), device=device), torch.ones((), device=device),
     )
-    assert out.shape == (M, N)
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16 and out.device.type == torch.device(device).type
 
 
 def test_k_zero_gives_act_bias(device):
@@ -446,31 +448,53 @@ def test_k_zero_gives_act_bias(device):
     assert_close(out, torch.nn.functional.silu(bias.double()).expand(6, 9), 1e-6)
 
 
-def _bad_cases(device):
-    f8 = lambda *s: torch.randn(*s, device=device).to(E4M3)  # noqa: E731
-    one = torch.ones((), device=device)
-    M, K, N = 200, 300, 150
-    return [
-        ("scale_a must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, 2, device=device), scale_b=one), ValueError),
-        ("scale_a must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=torch.ones(M, device=device), scale_b=one), ValueError),
-        ("scale_b must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(N, 3, device=device)), ValueError),
-        ("scale_b must be a scalar", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=torch.ones(3, 3, device=device)), ValueError),
-        ("scale_a must be of dtype", dict(a=f8(M, K), b=f8(K, N), scale_a=one.half(), scale_b=one), TypeError),
-        ("a must be float8", dict(a=torch.randn(M, K, device=device), b=f8(K, N), scale_a=one, scale_b=one), TypeError),
-        ("b must be float8", dict(a=f8(M, K), b=torch.randn(K, N, device=device).bfloat16(), scale_a=one, scale_b=one), TypeError),
-        ("both be float8_e5m2", dict(a=f8(M, K).to(E5M2), b=f8(K, N).to(E5M2), scale_a=one, scale_b=one), TypeError),
-        ("b must be \\[K, N\\]", dict(a=f8(M, K), b=f8(K + 1, N), scale_a=one, scale_b=one), ValueError),
-        ("bias must be of shape", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=one, bias=torch.ones(M, device=device)), ValueError),
-        ("a must be 2-D", dict(a=f8(2, M, K), b=f8(K, N), scale_a=one, scale_b=one), ValueError),
-        ("out_dtype", dict(a=f8(M, K), b=f8(K, N), scale_a=one, scale_b=one, out_dtype=E4M3), TypeError),
-    ]
+# (match, kwargs(t), exception) for a [200, 300] x [300, 150] call: t.f8(*shape) is a random
+# e4m3 tensor, t.ones(*shape) an fp32 one (t.one the scalar scale), on the test's device.
+_M, _K, _N = 200, 300, 150
+BAD_CASES = [
+    pytest.param("scale_a must be a scalar", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.ones(_M, 2), scale_b=t.one),
+                 ValueError, id="scale_a [M, 2]"),
+    pytest.param("scale_a must be a scalar", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.ones(_M), scale_b=t.one),
+                 ValueError, id="scale_a 1-D"),
+    pytest.param("scale_b must be a scalar", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.ones(_N, 3)),
+                 ValueError, id="scale_b [N, 3]"),
+    pytest.param("scale_b must be a scalar", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.ones(3, 3)),
+                 ValueError, id="scale_b [3, 3]"),
+    pytest.param("scale_a must be of dtype", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.one.half(), scale_b=t.one),
+                 TypeError, id="scale_a fp16"),
+    pytest.param("a must be float8", lambda t: dict(a=t.ones(_M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.one),
+                 TypeError, id="a fp32"),
+    pytest.param("b must be float8", lambda t: dict(a=t.f8(_M, _K), b=t.ones(_K, _N).bfloat16(), scale_a=t.one, scale_b=t.one),
+                 TypeError, id="b bf16"),
+    pytest.param("b must be float8_e4m3fn when a is float8_e5m2", lambda t: dict(a=t.f8(_M, _K).to(E5M2), b=t.f8(_K, _N).to(E5M2), scale_a=t.one, scale_b=t.one),
+                 TypeError, id="e5m2 x e5m2"),
+    pytest.param("b must be \\[K, N\\]", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K + 1, _N), scale_a=t.one, scale_b=t.one),
+                 ValueError, id="K mismatch"),
+    pytest.param("bias must be of shape", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.one, bias=t.ones(_M)),
+                 ValueError, id="bias [M]"),
+    pytest.param("a must be 2-D", lambda t: dict(a=t.f8(2, _M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.one),
+                 ValueError, id="a 3-D"),
+    pytest.param("out_dtype", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.one, out_dtype=E4M3),
+                 TypeError, id="out_dtype e4m3"),
+]
 
 
-@pytest.mark.parametrize("case", range(12))
-def test_bad_input(case, device):
-    match, kwargs, exc = _bad_cases(device)[case]
+class _Factory:
+    def __init__(self, device):
+        self.device = device
+        self.one = torch.ones((), device=device)
+
+    def f8(self, *shape):
+        return torch.randn(*shape, device=self.device).to(E4M3)
+
+    def ones(self, *shape):
+        return torch.ones(*shape, device=self.device)
+
+
+@pytest.mark.parametrize("match,kwargs,exc", BAD_CASES)
+def test_bad_input(match, kwargs, exc, device):
     with pytest.raises(exc, match=match):
-        onegemm.blockscaled_matmul(**kwargs)
+        onegemm.blockscaled_matmul(**kwargs(_Factory(device)))
 
 
 # ---------------------------------------------------------------- GPU only

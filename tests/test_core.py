@@ -16,48 +16,13 @@ import triton.language as tl
 import onegemm
 from onegemm.core import configs, scratch, splitk
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS, with_meta
+from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
 from onegemm.core.configs import cfg as _cfg
 from onegemm.core.tiles import swizzle_tile
 from onegemm.testing import TF32_TOL, TOL, assert_close, matmul_ref
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def make(shape, dtype, device, layout="contig", scale=1.0):
-    """A random [R, C] operand of ``dtype`` laid out as asked.
-
-    contig: row-major. transposed: a .t() view of a [C, R] tensor (column-major).
-    sliced: a strided view with gaps (every other row, an offset column window).
-    """
-    R, C = shape
-    if layout == "contig":
-        t = torch.randn(R, C, device=device) * scale
-    elif layout == "transposed":
-        t = (torch.randn(C, R, device=device) * scale).t()
-    elif layout == "sliced":
-        t = (torch.randn(2 * R + 1, C + 5, device=device) * scale)[1::2, 3 : 3 + C]
-    else:
-        raise ValueError(layout)
-    if dtype in FP8:
-        return t.to(dtype)
-    return t.to(dtype)
-
-
-# Hopper's fp8 MMA adds products inside one K block in reduced precision (6.6e-5 measured on
-# the H200 with K = 70 and an fp32 output), so an fp32 output of fp8 inputs is not 1e-5-exact.
-FP8_MMA_TOL = 2e-4
-
-
-def tol_for(dtype, out_dtype=None):
-    out_dtype = out_dtype or (torch.bfloat16 if dtype in FP8 else dtype)
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return TF32_TOL
-    if dtype in FP8:
-        return max(TOL[out_dtype], FP8_MMA_TOL)
-    return TOL[out_dtype]
-
+from helpers import DTYPES, FP8, FP8_MMA_TOL, make, split_cfg, tol_for
 
 # (M, N, K): edge sizes of 1, odd sizes, K below / not a multiple of BLOCK_K, more than one group.
 SHAPES = [
@@ -70,7 +35,6 @@ SHAPES = [
     (200, 100, 96),
 ]
 LAYOUTS = [("contig", "contig"), ("transposed", "contig"), ("contig", "transposed"), ("sliced", "sliced")]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
 # matmul's contract through every op that offers it: one program per tile, and the persistent
 # schedule at several grid sizes: 1 program, 3, the default (the SM count; a few under the
@@ -143,10 +107,12 @@ def test_strided_bias(op, device):
 @pytest.mark.parametrize("op", BOTH)
 @pytest.mark.parametrize("M,N,K", [(0, 5, 7), (5, 0, 7), (0, 0, 0)])
 def test_empty_output(op, M, N, K, device):
-    a = torch.randn(M, K, device=device)
-    b = torch.randn(K, N, device=device)
+    a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    b = torch.randn(K, N, device=device, dtype=torch.bfloat16)
     out = OPS[op](a, b)
-    assert out.shape == (M, N)
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16 and out.device == a.device
+    out = OPS[op](a, b, out_dtype=torch.float32)
+    assert out.shape == (M, N) and out.dtype == torch.float32
 
 
 @pytest.mark.parametrize("op", BOTH)
@@ -277,15 +243,6 @@ SPLIT_CASES = [
 ]
 
 
-def split_cfg(split, dtype=torch.float32):
-    """The interpreter's config, or on the H200 a 64x64 tile with the dtype's BLOCK_K; SPLIT_K set."""
-    if onegemm.INTERPRET:
-        base = INTERPRET_CONFIG
-    else:
-        base = _cfg(64, 64, {1: 128, 2: 64, 4: 32}[torch.empty(0, dtype=dtype).element_size()], 4, 3)
-    return with_meta(base, SPLIT_K=split)
-
-
 @pytest.mark.parametrize("op", ["matmul", "persistent-1", "persistent-3", "persistent-many"])
 @pytest.mark.parametrize("M,N,K,split,dtype,layout_a,layout_b,tma,activation", SPLIT_CASES)
 def test_split_k(op, M, N, K, split, dtype, layout_a, layout_b, tma, activation, device):
@@ -353,30 +310,31 @@ def test_split_k_tuned_only_for_small_m():
     assert configs.split_of(pick(4096, 4096, 4096)) == 1
 
 
-def _bad_cases(device):
-    f32 = lambda *s: torch.randn(*s, device=device)  # noqa: E731
-    return [
-        ("a", dict(a=f32(3), b=f32(3, 4)), ValueError),
-        ("b", dict(a=f32(3, 4), b=f32(2, 4, 5)), ValueError),
-        ("b must be \\[K, N\\]", dict(a=f32(3, 4), b=f32(5, 6)), ValueError),
-        ("a and b must be of the same dtype", dict(a=f32(3, 4), b=f32(4, 5).half()), TypeError),
-        ("a must be of dtype", dict(a=torch.ones(3, 4, dtype=torch.int32, device=device), b=f32(4, 5)), TypeError),
-        ("both be float8_e5m2", dict(a=f32(3, 4).to(torch.float8_e5m2), b=f32(4, 5).to(torch.float8_e5m2)), TypeError),
-        ("bias must be of shape", dict(a=f32(3, 4), b=f32(4, 5), bias=f32(4)), ValueError),
-        ("bias must be", dict(a=f32(3, 4), b=f32(4, 5), bias=[1.0] * 5), TypeError),
-        ("activation must be one of", dict(a=f32(3, 4), b=f32(4, 5), activation="tanh"), ValueError),
-        ("out_dtype", dict(a=f32(3, 4), b=f32(4, 5), out_dtype=torch.int8), TypeError),
-        ("a must be a", dict(a=torch.empty(3, 4, device="meta"), b=f32(4, 5)), ValueError),
-        ("a must be a torch.Tensor", dict(a=[[1.0]], b=f32(1, 5)), TypeError),
-    ]
+# (match, kwargs(t), exception): t(*shape) is a random fp32 tensor on the test's device.
+BAD_CASES = [
+    pytest.param("a", lambda t: dict(a=t(3), b=t(3, 4)), ValueError, id="a 1-D"),
+    pytest.param("b", lambda t: dict(a=t(3, 4), b=t(2, 4, 5)), ValueError, id="b 3-D"),
+    pytest.param("b must be \\[K, N\\]", lambda t: dict(a=t(3, 4), b=t(5, 6)), ValueError, id="K mismatch"),
+    pytest.param("a and b must be of the same dtype", lambda t: dict(a=t(3, 4), b=t(4, 5).half()), TypeError,
+                 id="fp32 x fp16"),
+    pytest.param("a must be of dtype", lambda t: dict(a=t(3, 4).to(torch.int32), b=t(4, 5)), TypeError, id="int32"),
+    pytest.param("b must be float8_e4m3fn when a is float8_e5m2", lambda t: dict(a=t(3, 4).to(torch.float8_e5m2), b=t(4, 5).to(torch.float8_e5m2)),
+                 TypeError, id="e5m2 x e5m2"),
+    pytest.param("bias must be of shape", lambda t: dict(a=t(3, 4), b=t(4, 5), bias=t(4)), ValueError, id="bias [M]"),
+    pytest.param("bias must be", lambda t: dict(a=t(3, 4), b=t(4, 5), bias=[1.0] * 5), TypeError, id="bias a list"),
+    pytest.param("activation must be one of", lambda t: dict(a=t(3, 4), b=t(4, 5), activation="tanh"), ValueError,
+                 id="activation tanh"),
+    pytest.param("out_dtype", lambda t: dict(a=t(3, 4), b=t(4, 5), out_dtype=torch.int8), TypeError, id="out_dtype int8"),
+    pytest.param("a must be a", lambda t: dict(a=torch.empty(3, 4, device="meta"), b=t(4, 5)), ValueError, id="a on meta"),
+    pytest.param("a must be a torch.Tensor", lambda t: dict(a=[[1.0]], b=t(1, 5)), TypeError, id="a a list"),
+]
 
 
 @pytest.mark.parametrize("op", BOTH)
-@pytest.mark.parametrize("case", range(12))
-def test_bad_input(op, case, device):
-    match, kwargs, exc = _bad_cases(device)[case]
+@pytest.mark.parametrize("match,kwargs,exc", BAD_CASES)
+def test_bad_input(op, match, kwargs, exc, device):
     with pytest.raises(exc, match=match):
-        OPS[op](**kwargs)
+        OPS[op](**kwargs(lambda *shape: torch.randn(*shape, device=device)))
 
 
 def test_linear_bad_input(device):

@@ -138,7 +138,8 @@ def test_3d_2d_ragged_cols(sizes, tail, device):
 def test_empty_inputs(device):
     b = expert_weights(3, 8, 5, torch.float32, device)
     offs = torch.zeros(3, dtype=torch.int32, device=device)
-    assert onegemm.grouped_matmul(rand(0, 8, device=device), b, offs).shape == (0, 5)
+    empty = onegemm.grouped_matmul(rand(0, 8, device=device), b, offs)
+    assert empty.shape == (0, 5) and empty.dtype == torch.float32
     a = rand(6, 8, device=device)  # every group empty: all rows lie past offs[-1]
     out = onegemm.grouped_matmul(a, b, offs)
     assert (out == 0).all()

@@ -1,6 +1,9 @@
 """The one launch path (core/launch.py): plans, specialisation, scratch, threads, autotuning."""
 
+import json
 import threading
+import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,15 +308,61 @@ def test_table_reader_ignores_a_broken_file(tmp_path):
     assert launch._read(tmp_path / "missing.json") == {}
 
 
-def test_shipped_tables_parse_and_name_known_keys():
-    """Every shipped table entry is a config of its family, for a key its family can make."""
-    for path in launch.TABLE_DIR.glob("*.json"):
-        table = launch._read(path)
-        assert table, path
-        for family, entries in table.items():
-            assert family in configs.FAMILIES, (path, family)
-            for key, config in entries.items():
-                assert {"BLOCK_M", "BLOCK_K"} <= set(config.kwargs), (path, key)
+# The key type each family's entries are stored under (str(key) is the table's key).
+KEY_TYPES = {
+    "matmul": configs.MatmulKey, "blockscaled": configs.BlockscaledKey, "blockscaled_wgmma": configs.WgmmaKey,
+    "ragged": configs.RaggedKey, "list": configs.ListKey, "quantize": configs.QuantKey, "sort": configs.SortKey,
+    "row_tiles": configs.PrepKey, "gather_quantize": configs.PrepKey, "combine": configs.PrepKey,
+}
+TUNED = Path(configs.__file__).parent / "tuned"  # shipped as package data (pyproject.toml)
+H200_SMS = 132
+
+
+def _parse_key(key_type, text):
+    """The key whose str() is ``text``: its tokens are the fields in order, ``name=value`` (the
+    name a prefix of the field's) or a bare value; trailing fields left out take their default."""
+    tokens, fields = text.split(" "), key_type._fields
+    assert len(tokens) <= len(fields), text
+    values = []
+    for token, field in zip(tokens, fields):
+        name, _, value = token.rpartition("=")
+        assert field.startswith(name), (text, token, field)
+        kind = typing.get_type_hints(key_type)[field]
+        values.append(bool(int(value)) if kind is bool else int(value) if kind is int else "" if value == "-" else value)
+    return key_type(*values)
+
+
+def test_key_types_cover_every_family():
+    assert set(KEY_TYPES) == set(configs.FAMILIES)
+    key = configs.RaggedKey("bf16", "", 16, 64, 32, True, False, 2, True, False)
+    assert _parse_key(configs.RaggedKey, str(key)) == key
+    with pytest.raises(AssertionError):
+        _parse_key(configs.MatmulKey, str(configs.BlockscaledKey(16, 64, 32, True, False, 2, "1x128,128x128")))
+
+
+def test_the_h200_table_ships():
+    table = json.loads((TUNED / "NVIDIA_H200.json").read_text())
+    assert table["gpu"] == "NVIDIA H200"
+    assert len(table["configs"]["matmul"]) > 100 and len(table["configs"]["blockscaled"]) > 20
+
+
+@pytest.mark.parametrize("path", sorted(TUNED.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_table_entries_round_trip_through_their_family(path):
+    """Every entry of every family: the key parses back to the family's key type (and prints
+    as stored), the config reads back to the same JSON, and it is one of the candidates its
+    family offers for that key, so the autotuner could have picked it."""
+    table = json.loads(path.read_text())["configs"]
+    for family, entries in table.items():
+        assert family in configs.FAMILIES, (path.name, family)
+        policy = configs.FAMILIES[family]
+        for text, raw in entries.items():
+            key = _parse_key(KEY_TYPES[family], text)
+            assert str(key) == text, (family, text)
+            config = configs.from_json(raw)
+            assert configs.to_json(config) == raw, (family, text)
+            candidates = {configs.config_id(c) for c in policy.candidates(key, H200_SMS)}
+            assert configs.config_id(config) in candidates, (family, text, configs.label(config))
+            policy.heuristic(key, H200_SMS)  # the heuristic takes the key too
 
 
 @pytest.mark.gpu

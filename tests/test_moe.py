@@ -10,6 +10,7 @@ from onegemm.testing import (
     TOL,
     assert_close,
     calc_diff,
+    launched,
     moe_ffn_torch,
     moe_fp8_ref,
     moe_ref,
@@ -452,11 +453,16 @@ def test_gpu_moeffn_cuda_graph(fp8, device):
 
 @pytest.mark.parametrize("use_grouped_mm", [False, True])
 def test_moe_ffn_torch_peer_matches_reference(use_grouped_mm, device):
-    """The plain-torch peer (benchmarks, python -m onegemm) computes the same function."""
+    """The plain-torch peer (benchmarks, python -m onegemm) computes the same function, in
+    torch alone: no onegemm kernel runs (a peer running onegemm would measure onegemm)."""
     dtype = torch.bfloat16 if use_grouped_mm else torch.float64
     x, w_gate_up, w_down, weights, ids = moe_inputs(50, 32, 48, 6, 2, dtype, device)
+    ids = ids.long()
     ids[0, 1] = 6  # an id outside [0, E): contributes nothing
-    y = moe_ffn_torch(x, w_gate_up, w_down, weights, ids, use_grouped_mm=use_grouped_mm)
+    ids[3, 0] = 2**32 + 1  # however wide (range-checked before any narrowing)
+    out = []
+    assert launched(lambda: out.append(moe_ffn_torch(x, w_gate_up, w_down, weights, ids, use_grouped_mm=use_grouped_mm))) == []
+    (y,) = out
     assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 1e-12 if dtype == torch.float64 else 2e-2)
 
 

@@ -404,7 +404,7 @@ def test_route_fused_kernel_ties(logits, options, k, want, device, monkeypatch):
 
 
 def test_fused_fp8_experts_load_as_the_per_expert_file(tmp_path, device):
-    """transformers' fused FP8 layout (experts.gate_up_proj + _scale_inv, I a multiple of 128)
+    """transformers' fused FP8 layout (experts.gate_up_proj with its scale_inv twin, I a multiple of 128)
     loads the same layer as the per-expert names with weight_scale_inv."""
     E, H, I = 2, 16, 128
     w13, s13, w2, s2 = onegemm.quantize_experts(torch.randn(E, 2 * I, H, device=device) * 0.1,

@@ -17,7 +17,8 @@ from onegemm.core.configs import cfg as _cfg
 from onegemm.core.matmul import MATMUL
 from onegemm.core.runtime import default_programs
 from onegemm.testing import TOL, assert_close, matmul_ref
-from test_core import make, split_cfg, tol_for
+
+from helpers import make, split_cfg, tol_for
 
 
 @pytest.fixture

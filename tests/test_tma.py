@@ -16,7 +16,8 @@ from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
 from onegemm.core.configs import cfg as _cfg
 from onegemm.core.configs import warp_specialized, with_meta
 from onegemm.testing import TOL, assert_close, matmul_ref
-from test_core import DTYPES, FP8, make, tol_for
+
+from helpers import DTYPES, FP8, make, tol_for
 
 # Shapes whose row lengths are multiples of 16 bytes for every dtype (TMA-eligible whether an
 # operand is row- or column-major), with partial tiles on every edge (32 x 32 x 32 here).
@@ -59,30 +60,35 @@ def test_tma_persistent_and_split_k(M, N, K, num_programs, split_k, device):
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
 
 
-def _views(device, dtype=torch.bfloat16):
-    """(name, a, b, TMA-eligible?) for C = a @ b with M = 64, K = 96, N = 80."""
-    M, K, N = 64, 96, 80
-    big = torch.randn(M + 1, K + 8, device=device).to(dtype)
-    b = torch.randn(K, N, device=device).to(dtype)
-    return [
-        ("contiguous", torch.randn(M, K, device=device).to(dtype), b, True),
-        ("odd element offset (base not 16-byte aligned)", big[1:, 1 : K + 1], b, False),
-        ("row stride of K + 8 elements (16-byte multiple)", big[:M, :K], b, True),
-        ("odd row stride (K + 1)", torch.randn(M, K + 1, device=device).to(dtype)[:, :K], b, False),
-        ("strided in both dims", torch.randn(2 * M, 2 * K, device=device).to(dtype)[::2, ::2], b, False),
-        ("transposed a (column-major)", torch.randn(K, M, device=device).to(dtype).t(), b, True),
-        ("transposed a with an odd leading dim", torch.randn(K, M + 1, device=device).to(dtype)[:, 1:].t(), b, False),
-        ("b = W.t() (K-major)", big[:M, :K], torch.randn(N, K, device=device).to(dtype).t(), True),
-        ("b sliced at an odd column", big[:M, :K], torch.randn(K, N + 1, device=device).to(dtype)[:, 1:], False),
-    ]
+# (views(v) -> (a, b), TMA-eligible?) for C = a @ b with M = 64, K = 96, N = 80 in bf16:
+# v.r(*shape) is a random bf16 tensor, v.big a [M + 1, K + 8] one, v.b a contiguous [K, N].
+_M, _K, _N = 64, 96, 80
+VIEWS = [
+    pytest.param(lambda v: (v.r(_M, _K), v.b), True, id="contiguous"),
+    pytest.param(lambda v: (v.big[1:, 1 : _K + 1], v.b), False, id="odd element offset (base not 16-byte aligned)"),
+    pytest.param(lambda v: (v.big[:_M, :_K], v.b), True, id="row stride of K + 8 elements (16-byte multiple)"),
+    pytest.param(lambda v: (v.r(_M, _K + 1)[:, :_K], v.b), False, id="odd row stride (K + 1)"),
+    pytest.param(lambda v: (v.r(2 * _M, 2 * _K)[::2, ::2], v.b), False, id="strided in both dims"),
+    pytest.param(lambda v: (v.r(_K, _M).t(), v.b), True, id="transposed a (column-major)"),
+    pytest.param(lambda v: (v.r(_K, _M + 1)[:, 1:].t(), v.b), False, id="transposed a with an odd leading dim"),
+    pytest.param(lambda v: (v.big[:_M, :_K], v.r(_N, _K).t()), True, id="b = W.t() (K-major)"),
+    pytest.param(lambda v: (v.big[:_M, :_K], v.r(_K, _N + 1)[:, 1:]), False, id="b sliced at an odd column"),
+]
 
 
-@pytest.mark.parametrize("case", range(9))
+class _Views:
+    def __init__(self, device):
+        self.r = lambda *shape: torch.randn(*shape, device=device).to(torch.bfloat16)
+        self.big, self.b = self.r(_M + 1, _K + 8), self.r(_K, _N)
+
+
+@pytest.mark.parametrize("views,eligible", VIEWS)
 @pytest.mark.parametrize("op", ["persistent", "matmul"])
-def test_tma_eligibility_and_automatic_fallback(case, op, device):
+def test_tma_eligibility_and_automatic_fallback(views, eligible, op, device):
     """Ineligible views are detected, and tma=None gives the right answer for every view (on
     a GPU: TMA where eligible, pointer loads otherwise; on the interpreter: pointer loads)."""
-    name, a, b, eligible = _views(device)[case]
+    a, b = views(_Views(device))
+    name = f"{a.shape} {a.stride()} x {b.shape} {b.stride()}"
     c_like = torch.empty(a.shape[0], b.shape[1], device=device, dtype=a.dtype)
     assert (core_tma.tma_layout(a, b, c_like) is not None) == eligible, name
     fn = onegemm.persistent_matmul if op == "persistent" else onegemm.matmul
