@@ -24,7 +24,7 @@ from ..core import checks
 from ..core.matmul import matmul
 from ..core.runtime import INTERPRET
 from ..grouped.loading import read_layer
-from ..grouped.moe import _check_moe, check_expert_scales, check_expert_weights, moe_ffn
+from ..grouped.moe import _check_moe, check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn
 from ..grouped.routing import route
 from .comm import all_gather, all_to_all, reduce_scatter, resolve_group
 
@@ -274,12 +274,7 @@ class EPMoEFFN(nn.Module):
                  strategy: str = "auto", w_gate_up_scale=None, w_down_scale=None):
         super().__init__()
         self.group, world, rank = resolve_group(group)
-        checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
-        fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
-            isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
-        expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
-        checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
-        checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
+        fp8 = check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
         E, H = gate_weight.shape
         local = _local_experts(E, world)
         if w_gate_up.shape[0] != local:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core import checks
 from ..core.matmul import linear, matmul
-from .moe import check_expert_scales, check_expert_weights, moe_ffn, sort_by_expert
+from .moe import check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn, sort_by_expert
 from .ops import grouped_matmul
 from .routing import route
 
@@ -48,12 +48,7 @@ class MoEFFN(nn.Module):
                  gate_bias=None, w_gate_up_bias=None, w_down_bias=None, swiglu_limit=None,
                  swiglu_alpha: float = 1.702):
         super().__init__()
-        checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
-        fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
-            isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
-        expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
-        checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
-        checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
+        fp8 = check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
         E, H = gate_weight.shape
         if w_gate_up.shape[0] != E:
             raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)

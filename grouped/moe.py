@@ -75,6 +75,18 @@ def check_expert_weights(w_gate_up, w_down, H: int) -> None:
     checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
 
 
+def check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale=None, w_down_scale=None) -> bool:
+    """A layer's router gate_weight [E, H] (a float dtype) and its experts: 3-D, in the router's
+    dtype or float8_e4m3fn when scales are given or the experts are fp8. Returns whether FP8."""
+    checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
+        isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
+    expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
+    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
+    checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
+    return fp8
+
+
 def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None, x_dtypes=checks.FLOAT_DTYPES):
     """The checks every moe_ffn makes; the weights have x's dtype unless ``weight_dtypes``."""
     checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
