@@ -431,6 +431,10 @@ WGMMA_MIN_M = 128
 # the Triton body's 16-64-row tiles beat 128-row (SwiGLU: 64-row) ones, which compute a
 # group's last tile whole (the decode sweep in bench/results/moe_fp8.md).
 WGMMA_MIN_GROUP_ROWS = 256
+# ... and only for experts of at least this many weight elements (N * K): the stored tiny layer's
+# (256 x 1024) FP8 moe_ffn ran 0.78x bf16 on it against 0.93x on the Triton body, whose
+# pipeline has fewer launches around its GEMMs (bench/results/moe_fp8.md).
+WGMMA_MIN_EXPERT_ELEMENTS = 1 << 20
 # ... and its decode form (SWAP: the weights' rows on wgmma's M side) up to this many: 0, since
 # at every decode size measured the Triton body's thin tiles were faster (bench/results/moe_fp8.md).
 WGMMA_DECODE_MAX_ROWS = 0

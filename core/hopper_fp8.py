@@ -576,10 +576,10 @@ def wgmma_grouped(w, M: int, G: int, kind_a: str = "1x128", kind_b: str = "128x1
     scale_b, the experts w [G, N, K] TMA-readable (``experts_layout``) and a [M, K] too
     (``rows_layout``; ``a`` None: a row-major copy the caller writes, whose rows are K bytes):
     "grouped" from configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles
-    computed transposed, SWAP) up to configs.WGMMA_DECODE_MAX_ROWS. None (core's Triton
-    body): anything else, between the two, a forced config (the Triton body's family) or
-    tma=False."""
-    if config is not None or tma is False or M == 0:
+    computed transposed, SWAP) up to configs.WGMMA_DECODE_MAX_ROWS, for experts of at least
+    configs.WGMMA_MIN_EXPERT_ELEMENTS weights. None (core's Triton body): anything else,
+    between the two, a forced config (the Triton body's family) or tma=False."""
+    if config is not None or tma is False or M == 0 or w.shape[1] * w.shape[2] < configs.WGMMA_MIN_EXPERT_ELEMENTS:
         return None
     rows = M / max(G, 1)
     mode = "grouped" if rows >= configs.WGMMA_MIN_GROUP_ROWS else "decode" if rows <= configs.WGMMA_DECODE_MAX_ROWS else None

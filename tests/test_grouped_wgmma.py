@@ -139,7 +139,8 @@ def _expert_weights(G, N, K, dtype=E4M3):
 
 # (what changes from 256 rows per group of K = 256 over 8 experts of N = 512, the rule's
 # answer: the flavour's mode, or None for core's Triton body), with the thresholds at
-# 256 rows per group for "grouped" and 64 for "decode" (the tuned ones may differ)
+# 256 rows per group for "grouped", 64 for "decode" and experts of 512 x 128 weights at least
+# (the tuned ones may differ)
 ROWS, DECODE_ROWS = 256, 64
 GROUPED_DISPATCH_CASES = [
     pytest.param({}, "grouped", id="eligible"),
@@ -156,6 +157,7 @@ GROUPED_DISPATCH_CASES = [
     pytest.param({"w": "n_major"}, None, id="experts-n-major"),
     pytest.param({"a": "transposed"}, None, id="a-column-major"),
     pytest.param({"dtype": torch.float8_e5m2}, None, id="e5m2"),
+    pytest.param({"N": 16}, None, id="small-experts"),
 ]
 
 
@@ -166,6 +168,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
     monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
     monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", ROWS)
     monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", DECODE_ROWS)
+    monkeypatch.setattr(configs, "WGMMA_MIN_EXPERT_ELEMENTS", 512 * 128)
     args = dict(M=8 * ROWS, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
                 a="contig", dtype=E4M3)
     args.update(change)
@@ -199,6 +202,7 @@ def flavour(request, monkeypatch):
     """Both forms of the flavour on any group size: the rule picks them by rows per group for
     speed, not for correctness, so the kernels' tests force each."""
     big = 10**9
+    monkeypatch.setattr(configs, "WGMMA_MIN_EXPERT_ELEMENTS", 0)
     if request.param == "grouped":
         monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", 0)
     else:
