@@ -193,6 +193,13 @@ def kernel_params(fn) -> list:
     return [KernelParam(i, p, False, False) for i, p in enumerate(inspect.signature(fn.fn).parameters.values())]
 
 
+def plan_key(req: Request) -> tuple:
+    """What ``Launcher._make_plan`` reads from a request, as a key: a plan made from one
+    request serves every request with the same key."""
+    forced = None if req.forced is None else configs.config_id(req.forced)
+    return (req.key, tuple(req.constexprs.items()), req.device, forced)
+
+
 class Plan:
     """A key's chosen config, its constexprs and the kernels compiled for it.
 
@@ -257,6 +264,19 @@ class Launcher:
                     self._plans[key] = plan
         return plan
 
+    def plan_for(self, req: Request) -> Plan:
+        """The plan for ``req``, keyed on everything a plan is made from: the family key, the
+        constexprs, the device and the forced config (``plan_key``)."""
+        key = plan_key(req)
+        plan = self._plans.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._make_plan(req)
+                    self._plans[key] = plan
+        return plan
+
     def _make_plan(self, req: Request) -> Plan:
         if req.forced is not None:
             return Plan(self.params, req.forced, req.constexprs, req.device, "forced")
@@ -273,9 +293,12 @@ class Launcher:
         return Plan(self.params, config, req.constexprs, req.device, "heuristic")
 
     def clear(self) -> None:
-        """Forget every plan (tests; after changing tables or the autotune setting)."""
+        """Forget every plan (tests; after changing tables or the autotune setting), and the
+        eager path's records, which hold plans (core/dispatch.py)."""
         with self._lock:
             self._plans.clear()
+        for hook in _ON_CLEAR:
+            hook()
 
     # -- launching --
 
@@ -433,6 +456,16 @@ def plans(family: str) -> dict:
 def clear_plans() -> None:
     for launcher in _LAUNCHERS.values():
         launcher.clear()
+    for hook in _ON_CLEAR:
+        hook()
+
+
+_ON_CLEAR: list = []
+
+
+def on_clear(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` whenever plans are dropped (the eager path's records hold plans)."""
+    _ON_CLEAR.append(hook)
 
 
 # ---------------------------------------------------------------------------- prewarm

@@ -333,7 +333,7 @@ def _opcheck_cases(device):
         (torch.ops.onegemm.grouped_mm.default, (ga, gb, goffs, None, None, None, None, None)),
         (torch.ops.onegemm.moe_ffn.default, (leaf(x), leaf(w13), leaf(w2), leaf(weights), ids)),
         (torch.ops.onegemm.quantize_fp8.default, (a, "1x128", torch.float8_e4m3fn, False, False)),
-        (torch.ops.onegemm.blockscaled_mm.default, (q, qw.t(), s, sw.t(), torch.bfloat16, None, None, None)),
+        (torch.ops.onegemm.blockscaled_mm.default, (q, qw.t(), s, sw.t(), None, torch.bfloat16, None, None)),
         (torch.ops.onegemm.fp8_linear.default, (leaf(a), leaf(torch.randn(9, 24, device=device)), None, None)),
         (torch.ops.onegemm.moe_ffn_fp8.default, (x, q13, q2, weights, ids, s13, s2)),
     ]
