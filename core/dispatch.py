@@ -12,7 +12,7 @@ A call takes one of three routes:
   traces the call without a graph break, AOTAutograd differentiates it with the same
   backward, and a subclass sees the op in its ``__torch_dispatch__``. A subclass has no
   memory of its own to launch on, so the shortcut is taken only when every tensor argument
-  is a plain ``torch.Tensor``.
+  is a plain ``torch.Tensor`` (or an ``nn.Parameter``, which dispatches as one).
 
 **The signature cache.** Everything the checks, the route, the TMA eligibility, the config
 choice and the grid depend on is metadata, so each op keeps a bounded map from a call's
@@ -53,6 +53,8 @@ _ACTIVATIONS = {
 }
 
 _Tensor = torch.Tensor
+# What launches as it is: a tensor, or an nn.Parameter (a subclass without __torch_dispatch__).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _precision = torch._C._get_float32_matmul_precision  # torch.get_float32_matmul_precision without its wrapper
 
@@ -74,9 +76,10 @@ def wants_grad(*tensors) -> bool:
 
 
 def has_subclass(args) -> bool:
-    """Whether any argument is a tensor subclass (it must take the registered op)."""
+    """Whether any argument is a tensor subclass other than nn.Parameter (it must take the
+    registered op)."""
     for t in args:
-        if t.__class__ is not _Tensor and isinstance(t, _Tensor):
+        if t.__class__ not in _PLAIN and isinstance(t, _Tensor):
             return True
     return False
 
@@ -109,13 +112,14 @@ def begin(config, a, b, bias) -> bool:
 
 def signature(args: tuple, tensors: int) -> tuple | None:
     """The call's signature (module docstring): ``args[:tensors]`` are tensors or None, the
-    rest plain values. None when a tensor position holds anything but a plain torch.Tensor
-    or None (a subclass takes the registered op; another type gets the checks' TypeError)."""
+    rest plain values. None when a tensor position holds anything but a plain torch.Tensor,
+    an nn.Parameter or None (a subclass takes the registered op; another type gets the
+    checks' TypeError)."""
     key = [_grad_enabled(), _precision()]
     for t in args[:tensors]:
         if t is None:
             key.append(None)
-        elif t.__class__ is _Tensor:
+        elif t.__class__ in _PLAIN:
             key += (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15 == 0)
         else:
             return None
@@ -261,6 +265,22 @@ class Op:
                 "forward": staticmethod(forward),
                 "backward": staticmethod(backward),
             })
+
+            # The autograd route of a cached call: its forward runs the record the call's
+            # route made (passed last), not a second signature lookup.
+            def forward_recorded(ctx, *args):
+                *args, run = args
+                out = run(*args[:tensors])
+                setup_context(ctx, args, out)
+                return out
+
+            def backward_recorded(ctx, *grads):
+                return (*backward(ctx, *grads), None)
+
+            self.recorded = type(f"{name}_recorded", (torch.autograd.Function,), {
+                "forward": staticmethod(forward_recorded),
+                "backward": staticmethod(backward_recorded),
+            })
         self.record = record
         self.tensors = tensors
         self.activation = activation
@@ -274,20 +294,23 @@ class Op:
         n = self.tensors
         rest = args[n:]
         grad = self.function is not None and wants_grad(*args[:n])
-        if torch.compiler.is_compiling() or has_subclass(args[:n]):
-            apply = self.custom
-        elif grad:
-            self.record(*args)  # the checks, before any attribute of a wrong argument is read
-            checks.check_differentiable(**dict(zip(self.differentiable, args)))
-            apply = self.function.apply
-        else:
+        custom = torch.compiler.is_compiling() or has_subclass(args[:n])
+        if not custom and not grad:
             return self.record(*args)
         i = self.activation
         act = None if i is None or not grad else args[i]
+        if act is not None:
+            checks.check_activation(act)
+            rest = rest[: i - n] + (None,) + rest[i - n + 1:]
+        if custom:
+            apply = self.custom
+        else:
+            run = self.record(*args[:n], *rest)  # the checks, before any attribute of a wrong argument is read
+            checks.check_differentiable(**dict(zip(self.differentiable, args)))
+            recorded = self.recorded.apply
+            apply = lambda *a: recorded(*a, run)  # noqa: E731
         if act is None:
             return lambda *t: apply(*t, *rest)
-        checks.check_activation(act)
-        rest = rest[: i - n] + (None,) + rest[i - n + 1:]
         return lambda *t: activate(apply(*t, *rest), act)
 
     def __call__(self, *args, grad_inputs=()):

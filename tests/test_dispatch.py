@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_map
 
 import onegemm
 from onegemm.core import dispatch, launch
-from onegemm.core.matmul import DENSE
+from onegemm.core.matmul import DENSE, LINEAR
 from onegemm.grouped.ops import GROUPED
 from onegemm.testing import TOL, assert_close, grouped_mm_ref, matmul_ref, quantize_experts_ref, quantize_fp8_ref
 
@@ -109,6 +109,19 @@ def test_option_types_are_part_of_the_signature(fresh, device):
         onegemm.persistent_matmul(a, b, num_programs=2.0)
     with pytest.raises(TypeError, match="activation must be one of"):
         onegemm.matmul(a, b, activation=["relu"])  # unhashable: the full path names it
+
+
+def test_parameters_take_the_cache(fresh, monkeypatch, device):
+    """nn.Parameter (a module's weight) is no __torch_dispatch__ subclass: linear on a
+    layer's Parameters takes the signature cache, not the registered op."""
+    layer = torch.nn.Linear(16, 8, device=device)
+    x = torch.randn(5, 16, device=device)
+    with torch.no_grad():
+        onegemm.linear(x, layer.weight, layer.bias)
+        monkeypatch.setattr(DENSE, "custom", None)  # the registered op is not called
+        out = onegemm.linear(x, layer.weight, layer.bias)
+    assert len(LINEAR.records) == 1
+    assert_close(out, matmul_ref(x, layer.weight.detach().t(), layer.bias.detach()), TOL[torch.float32])
 
 
 def test_signature_holds_the_device():
