@@ -28,7 +28,7 @@ import torch
 import triton
 
 from ..core import checks, configs
-from ..core.dispatch import Op, Record
+from ..core.dispatch import Cached, Op, Record
 from ..core.hopper_fp8 import wgmma_body, wgmma_launch
 from ..core.launch import Launcher, Request
 from ..core.matmul import dense_launch, matmul_kernel
@@ -140,9 +140,15 @@ BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake, reco
 
 
 def run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None, activation=None, config=None, tma=None):
-    """blockscaled_matmul's body, on checked inputs whose scale granularities are known."""
+    """blockscaled_matmul's body, on checked inputs whose scale granularities are known
+    (Fp8Linear's GEMMs); on the signature cache unless a config is forced."""
+    if config is None:
+        return _SCALED(a, b, scale_a, scale_b, bias, kind_a, kind_b, out_dtype, activation, tma)
     return scaled_record(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)(
         a, b, scale_a, scale_b, bias)
+
+
+_SCALED = Cached(5, lambda args: scaled_record(*args[:4], *args[5:8], args[4], args[8], None, args[9]))
 
 
 def _scales(kind_a: str, kind_b: str):

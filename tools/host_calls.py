@@ -38,6 +38,7 @@ def ops():
     qgb, sgb = quantize_experts_ref(gb.transpose(1, 2).contiguous())
     lin = torch.nn.Linear(256, 512, dtype=BF16)
     fp8_lin = onegemm.Fp8Linear.from_linear(lin)
+    fp8_train = onegemm.Fp8Linear.from_linear(lin, trainable=True)
     E, T, H, I, k = 8, 64, 256, 512, 2
     x = torch.randn(T, H, dtype=BF16)
     w_gu = torch.randn(E, 2 * I, H, dtype=BF16) * H**-0.5
@@ -60,6 +61,7 @@ def ops():
         ("moe_ffn fp8", lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)),
         ("matmul, a requires grad", lambda: onegemm.matmul(ag, w.t())),
         ("linear, weight requires grad", lambda: onegemm.linear(a, wg, bias)),
+        ("Fp8Linear(trainable=True), forward + backward", lambda: fp8_train(a).sum().backward()),
     ]
 
 
