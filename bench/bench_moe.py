@@ -167,6 +167,7 @@ def decode_bodies(device):
     """FP8 moe_ffn at decode on each body, forced through the dispatch thresholds in
     onegemm.core.configs: the Triton body, the Gluon body's 128/64-row tiles and its SWAP form."""
     from onegemm.core import configs
+    from onegemm.core.launch import clear_plans
 
     saved = configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS
     bodies = {"triton": (10**9, -1), "gluon tiles": (0, -1), "gluon SWAP": (10**9, 10**9)}
@@ -184,6 +185,7 @@ def decode_bodies(device):
                 row = dict(model=name, T=T, pairs_per_expert=T * k / E, bf16_ms=t16)
                 for body, (lo, hi) in bodies.items():
                     configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS = lo, hi
+                    clear_plans()  # calls are cached with the body their first call chose
                     fn = lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)  # noqa: E731
                     row[f"{body} ms"] = bench_ms(fn, 10, 50)
                     row[f"{body} vs bf16"] = t16 / row[f"{body} ms"]
@@ -191,6 +193,7 @@ def decode_bodies(device):
                 rows.append(row)
     finally:
         configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS = saved
+        clear_plans()
     text = header("FP8 moe_ffn at decode on each body (GPU time)")
     text += ("Each column forces one body through the dispatch thresholds (onegemm.core.configs "
              "WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS); uniform routing. The rule sends these sizes to "

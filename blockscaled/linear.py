@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..core import checks
-from ..core.dispatch import Op, first_order_only
-from .matmul import run_blockscaled
+from ..core.dispatch import Cached, Op, first_order_only
+from .matmul import run_blockscaled, scaled_record
 from .quantize import _BLOCKS_BY_NAME, BLOCK, QUANTIZE_OP, _scale_view, quantize_fp8
 
 
@@ -26,12 +26,29 @@ def _fp8_linear_impl(x: torch.Tensor, weight: torch.Tensor, weight_scale: Option
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
     """y = x @ W.T + bias in FP8: x [M, K] quantised 1x128; W [N, K] either fp8 with its
     128x128 ``weight_scale`` or high precision (quantised 128x128 here, trainable layers)."""
+    return FP8_LINEAR.direct(x, weight, weight_scale, bias)
+
+
+def _fp8_linear_record(x, weight, weight_scale, bias):
+    """``_fp8_linear_impl`` for its arguments' signature: the quantiser's record for x (and
+    for a high-precision W) and the GEMM's, one callable. b = W.t(): K-major, the fast layout
+    for Hopper's fp8 MMA; its 128x128 scale [kb, nb] is then weight_scale.t(), torch._scaled_mm's
+    layout too."""
+    quantize_x = QUANTIZE_OP.direct.route((x, "1x128", torch.float8_e4m3fn, False, False))
+    quantize_w = None
     if weight.dtype != torch.float8_e4m3fn:
-        weight, weight_scale = _quantize(weight, "128x128")
-    q, scale = _quantize(x, "1x128")
-    # b = W.t(): K-major, the fast layout for Hopper's fp8 MMA; its 128x128 scale [kb, nb]
-    # is then weight_scale.t(), torch._scaled_mm's layout too.
-    return run_blockscaled(q, weight.t(), scale, weight_scale.t(), "1x128", "128x128", x.dtype, bias)
+        quantize_w = QUANTIZE_OP.direct.route((weight, "128x128", torch.float8_e4m3fn, False, False))
+        weight, weight_scale = quantize_w(weight)
+    q, scale = quantize_x(x)
+    gemm = scaled_record(q, weight.t(), scale.t(), weight_scale.t(), "1x128", "128x128", x.dtype, bias)
+
+    def run(x, weight, weight_scale, bias):
+        if quantize_w is not None:
+            weight, weight_scale = quantize_w(weight)
+        q, scale = quantize_x(x)
+        return gemm(q, weight.t(), scale.t(), weight_scale.t(), bias)
+
+    return run
 
 
 def _fp8_linear_fake(x, weight, weight_scale, bias):
@@ -78,7 +95,7 @@ def _fp8_linear_backward_fake(dy, x, weight, weight_scale, need_weight):
 FP8_LINEAR_BACKWARD = Op("fp8_linear_backward", _fp8_linear_backward_impl, _fp8_linear_backward_fake)
 # The backward quantises dy and runs FP8 GEMMs: no second derivative, and an error says so.
 FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup,
-                first_order_only(_fp8_linear_backward, "Fp8Linear"))
+                first_order_only(_fp8_linear_backward, "Fp8Linear"), record=_fp8_linear_record, tensors=4)
 
 
 class Fp8Linear(nn.Module):
@@ -193,34 +210,43 @@ class Fp8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        checks.check_tensor("x", x, dtypes=checks.FLOAT_DTYPES)
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise checks.bad_shape("x", f"[..., in_features] = [..., {self.in_features}]", x.shape)
-        self._check_buffers(x)
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = FP8_LINEAR(x2, self.weight, self.weight_scale, self.bias, grad_inputs=(x2, self.weight, self.bias))
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def _check_buffers(self, x) -> None:
-        """The weight, its scales and the bias as the GEMM reads them (they may have been
-        replaced since construction, e.g. by load_state_dict or assignment)."""
-        w, s, bias = self.weight, self.weight_scale, self.bias
-        kb, nb = -(-self.in_features // BLOCK), -(-self.out_features // BLOCK)
-        want = checks.FLOAT_DTYPES if self.trainable else (torch.float8_e4m3fn,)
-        if w.dtype not in want or w.shape != (self.out_features, self.in_features):
-            raise checks.bad_value("Fp8Linear.weight", f"{checks.dtype_names(want)} [{self.out_features}, {self.in_features}]",
-                                   f"{w.dtype} {tuple(w.shape)}")
-        if not self.trainable and (s.dtype != torch.float32 or s.shape != (nb, kb)):
-            raise checks.bad_value("Fp8Linear.weight_scale", f"float32 [{nb}, {kb}]", f"{s.dtype} {tuple(s.shape)}")
-        if bias is not None and (bias.shape != (self.out_features,) or bias.dtype not in checks.FLOAT_DTYPES):
-            raise checks.bad_value("Fp8Linear.bias", f"[{self.out_features}] of dtype in ({checks.dtype_names(checks.FLOAT_DTYPES)})",
-                                   f"{bias.dtype} {tuple(bias.shape)}")
-        checks.check_same_device(x=x, weight=w, weight_scale=s, bias=bias)
+        return _FORWARD(x, self.weight, self.weight_scale, self.bias, self.in_features, self.out_features, self.trainable)
 
     def extra_repr(self) -> str:
         weight = f"{self.weight.dtype} quantised 128x128 per call" if self.trainable else "float8_e4m3fn 128x128"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight={weight}, activations=1x128")
+
+
+def _forward_route(args):
+    """Fp8Linear.forward's checks (x, and the weight, its scales and the bias as the GEMM
+    reads them: they may have been replaced since construction, e.g. by load_state_dict or
+    assignment), then the registered op's route for x as [M, K]."""
+    x, w, s, bias, in_features, out_features, trainable = args
+    checks.check_tensor("x", x, dtypes=checks.FLOAT_DTYPES)
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise checks.bad_shape("x", f"[..., in_features] = [..., {in_features}]", x.shape)
+    kb, nb = -(-in_features // BLOCK), -(-out_features // BLOCK)
+    want = checks.FLOAT_DTYPES if trainable else (torch.float8_e4m3fn,)
+    if w.dtype not in want or w.shape != (out_features, in_features):
+        raise checks.bad_value("Fp8Linear.weight", f"{checks.dtype_names(want)} [{out_features}, {in_features}]",
+                               f"{w.dtype} {tuple(w.shape)}")
+    if not trainable and (s.dtype != torch.float32 or s.shape != (nb, kb)):
+        raise checks.bad_value("Fp8Linear.weight_scale", f"float32 [{nb}, {kb}]", f"{s.dtype} {tuple(s.shape)}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype not in checks.FLOAT_DTYPES):
+        raise checks.bad_value("Fp8Linear.bias", f"[{out_features}] of dtype in ({checks.dtype_names(checks.FLOAT_DTYPES)})",
+                               f"{bias.dtype} {tuple(bias.shape)}")
+    checks.check_same_device(x=x, weight=w, weight_scale=s, bias=bias)
+    x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
+    inner = FP8_LINEAR.call.route((x2, w, s, bias))
+    if x.dim() == 2:
+        return inner
+    shape = (*x.shape[:-1], out_features)
+    return lambda x, w, s, bias: inner(x.reshape(-1, in_features), w, s, bias).reshape(shape)
+
+
+# Fp8Linear.forward cached by signature: (x, weight, weight_scale, bias, in/out features, trainable).
+_FORWARD = Cached(4, _forward_route)
 
 
 def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:

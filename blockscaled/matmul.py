@@ -28,10 +28,10 @@ import torch
 import triton
 
 from ..core import checks, configs
-from ..core.dispatch import Op
-from ..core.hopper_fp8 import run_wgmma, wgmma_body
+from ..core.dispatch import Cached, Op, Record
+from ..core.hopper_fp8 import wgmma_body, wgmma_launch
 from ..core.launch import Launcher, Request
-from ..core.matmul import launch_dense, matmul_kernel
+from ..core.matmul import dense_launch, matmul_kernel
 from ..core.runtime import cdiv, empty
 from ..core.tiles import Operand, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta
@@ -91,12 +91,11 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     Traceable by torch.compile. Not differentiable (its operands are quantised values): an
     input that requires grad is an error; Fp8Linear(trainable=True) trains through FP8 GEMMs.
     """
-    checks.check_not_differentiable("blockscaled_matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
-    if config is not None:
-        if torch.compiler.is_compiling():
-            raise checks.bad_value("config", "None under torch.compile (a forced config is a benchmarking knob)", config)
-        return _blockscaled(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma)
-    return BLOCKSCALED_OP(a, b, scale_a, scale_b, out_dtype, bias, activation, tma)
+    if config is None:
+        return BLOCKSCALED_OP.call(a, b, scale_a, scale_b, bias, out_dtype, activation, tma)
+    if torch.compiler.is_compiling():
+        raise checks.bad_value("config", "None under torch.compile (a forced config is a benchmarking knob)", config)
+    return blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, config)(a, b, scale_a, scale_b, bias)
 
 
 def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
@@ -119,66 +118,83 @@ def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
     return kinds, checks.resolve_out_dtype(out_dtype, a.dtype)
 
 
-def _blockscaled(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
+def blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, config=None) -> Record:
+    """blockscaled_matmul's full path: its checks and decisions, as a Record (core/dispatch.py)."""
     (kind_a, kind_b), out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma)
-    return run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)
+    checks.check_not_differentiable("blockscaled_matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    return scaled_record(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)
 
 
 def _blockscaled_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                      out_dtype: Optional[torch.dtype], bias: Optional[torch.Tensor], activation: Optional[str],
+                      bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], activation: Optional[str],
                       tma: Optional[bool]) -> torch.Tensor:
-    return _blockscaled(a, b, scale_a, scale_b, out_dtype, bias, activation, None, tma)
+    return BLOCKSCALED_OP.direct(a, b, scale_a, scale_b, bias, out_dtype, activation, tma)
 
 
-def _blockscaled_fake(a, b, scale_a, scale_b, out_dtype, bias, activation, tma):
+def _blockscaled_fake(a, b, scale_a, scale_b, bias, out_dtype, activation, tma):
     _, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, None, tma)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake)
+BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake, record=blockscaled_record, tensors=5)
 
 
 def run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None, activation=None, config=None, tma=None):
-    """blockscaled_matmul's body, on checked inputs whose scale granularities are known."""
+    """blockscaled_matmul's body, on checked inputs whose scale granularities are known
+    (Fp8Linear's GEMMs); on the signature cache unless a config is forced."""
+    if config is None:
+        return _SCALED(a, b, scale_a, scale_b, bias, kind_a, kind_b, out_dtype, activation, tma)
+    return scaled_record(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)(
+        a, b, scale_a, scale_b, bias)
+
+
+_SCALED = Cached(5, lambda args: scaled_record(*args[:4], *args[5:8], args[4], args[8], None, args[9]))
+
+
+def _scales(kind_a: str, kind_b: str):
+    """(SA_ROWS, SB_COLS, scales(scale_a, scale_b) -> tiles.Scales) for these granularities:
+    block scales go to the K loop (rows / columns per scale: 1 or 128), the others to the
+    epilogue (stride 0 broadcasts the scalar)."""
+    a_block, b_block = kind_a in ("1x128", "128x128"), kind_b in ("128x1", "128x128")
+    a_tensor, b_tensor = kind_a == "tensor", kind_b == "tensor"
+
+    def scales(sa, sb):
+        parts = {}
+        if a_block:
+            parts["a"] = Operand(sa, *sa.stride())
+        else:
+            parts["m"] = Vector(sa, 0 if a_tensor else sa.stride(0))
+        if b_block:
+            parts["b"] = Operand(sb, *sb.stride())
+        else:
+            parts["n"] = Vector(sb, 0 if b_tensor else sb.stride(1))
+        return Scales(**parts)
+
+    return (BLOCK if kind_a == "128x128" else 1), (BLOCK if kind_b == "128x128" else 1), scales
+
+
+def scaled_record(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None, activation=None, config=None,
+                  tma=None) -> Record:
+    """The launch of a checked block-scaled GEMM whose scale granularities are known: core's
+    Gluon body where ``wgmma_body`` takes it, else core's dense kernel with its scales on."""
     M, K = a.shape
     N = b.shape[1]
-    c = empty((M, N), device=a.device, dtype=out_dtype)
     if M == 0 or N == 0:
-        return c
-
+        return Record((M, N), out_dtype, a.device)
+    c = empty((M, N), device=a.device, dtype=out_dtype)
     if wgmma_body(a, b, c, kind_a, kind_b, tma, config):
         key = configs.WgmmaKey(configs.m_bucket(M), N, K, f"{kind_a},{kind_b}", configs.dtype_name(out_dtype))
-        run_wgmma(a, b, c, scale_a, scale_b, kind_a, kind_b, bias, activation, key, config)
-        return c
-
-    # Block scales -> the K loop (rows / columns per scale: 1 or 128); the others -> the
-    # epilogue (stride 0 broadcasts the scalar).
-    parts = {}
-    sa_rows = sb_cols = 1
-    if kind_a in ("1x128", "128x128"):
-        parts["a"], sa_rows = Operand(scale_a, *scale_a.stride()), (1 if kind_a == "1x128" else BLOCK)
-    else:
-        parts["m"] = Vector(scale_a, 0 if kind_a == "tensor" else scale_a.stride(0))
-    if kind_b in ("128x1", "128x128"):
-        parts["b"], sb_cols = Operand(scale_b, *scale_b.stride()), (1 if kind_b == "128x1" else BLOCK)
-    else:
-        parts["n"] = Vector(scale_b, 0 if kind_b == "tensor" else scale_b.stride(1))
-    scales = Scales(**parts)
-
+        return Record((M, N), out_dtype, a.device, [wgmma_launch(a, b, c, kind_a, kind_b, bias, activation, key, config,
+                                                                       scale_a, scale_b)])
+    sa_rows, sb_cols, scales = _scales(kind_a, kind_b)
     layout = choose_tma(tma, a, b, c)
-    scaling = f"{kind_a},{kind_b}"
-    key = (a.dtype, b.dtype, out_dtype, bias is None or bias.dtype, activation, configs.m_bucket(M), N, K,
-           a.stride(1) == 1, b.stride(0) == 1, layout, tma, scaling, a.get_device(), config)
-
-    def request():
-        return Request(
-            configs.BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
-                                   configs.flavour_mode(tma, layout is not None), scaling),
-            # UPCAST off: the interpreter computes fp8 tiles right; PRECISION is unused for fp8.
-            dict(ACTIVATION=activation, UPCAST=False, PRECISION="ieee", SA_ROWS=sa_rows, SB_COLS=sb_cols,
-                 **layout_meta(layout)),
-            a.device, forced_flavour(config, layout), lambda plan: launch_dense(BLOCKSCALED, plan, a, b, c, bias, scales),
-        )
-
-    launch_dense(BLOCKSCALED, BLOCKSCALED.plan(key, request), a, b, c, bias, scales)
-    return c
+    plan = BLOCKSCALED.plan_for(Request(
+        configs.BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
+                               configs.flavour_mode(tma, layout is not None), f"{kind_a},{kind_b}"),
+        # UPCAST off: the interpreter computes fp8 tiles right; PRECISION is unused for fp8.
+        dict(ACTIVATION=activation, UPCAST=False, PRECISION="ieee", SA_ROWS=sa_rows, SB_COLS=sb_cols,
+             **layout_meta(layout)),
+        a.device, forced_flavour(config, layout),
+        lambda plan: dense_launch(BLOCKSCALED, plan, a, b, c, scales=scales).run(c, a, b, scale_a, scale_b, bias),
+    ))
+    return Record((M, N), out_dtype, a.device, [dense_launch(BLOCKSCALED, plan, a, b, c, scales=scales)])

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..core import checks, configs
-from ..core.dispatch import Op
+from ..core.dispatch import Cached, Op
 from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty
@@ -104,37 +104,50 @@ def _scale_shape(block, M: int, K: int) -> tuple:
 
 def _quantize_triton(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
     """The fused kernel for (1, 128), (128, 128) and "row"; returns (q, scale)."""
+    return _triton_quantizer(x, block, dtype, pow2_scale)(x)
+
+
+def _triton_quantizer(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
+    """``_quantize_triton`` as a callable x -> (q, scale) for inputs of x's signature (the
+    plan, grid and strides fixed): what a record keeps."""
     M, K = x.shape
-    q = empty((M, K), dtype=dtype, device=x.device)
-    if block == (1, BLOCK):
-        # [M, kb] stored outer-dim-major (a transposed [kb, M]): the layout torch._scaled_mm's
-        # blockwise mode wants for scale_a, and the GEMM's K loop then loads BLOCK_M
-        # consecutive scales (coalesced) per K block.
-        scale = empty((cdiv(K, BLOCK), M), dtype=torch.float32, device=x.device).t()
-    else:
-        scale = empty(_scale_shape(block, M, K), dtype=torch.float32, device=x.device)
+    device = x.device
+    kb = cdiv(K, BLOCK)
+    # 1x128: [M, kb] stored outer-dim-major (a transposed [kb, M]): the layout
+    # torch._scaled_mm's blockwise mode wants for scale_a, and the GEMM's K loop then loads
+    # BLOCK_M consecutive scales (coalesced) per K block.
+    outer = block == (1, BLOCK)
+    shape = _scale_shape(block, M, K)
+    s_strides = (1, M) if outer else (shape[1], 1)
     cols_per_scale = K if block == "row" else BLOCK
     rows_per_scale = BLOCK if block == (BLOCK, BLOCK) else 1
-
     kind = {(1, BLOCK): "1x128", (BLOCK, BLOCK): "128x128", "row": "row"}[block]
-    key = (x.dtype, dtype, kind, pow2_scale, configs.m_bucket(M), K, x.get_device())
-    args = (x, q, scale, M, K, cols_per_scale,
-            x.stride(0), x.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1))
+    sx0, sx1 = x.stride()
 
-    def request():
-        return Request(
-            configs.QuantKey(configs.m_bucket(M), K, kind),
-            dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
-            x.device, None, lambda plan: _launch(plan, args),
-        )
+    def outputs():
+        q = empty((M, K), dtype=dtype, device=device)
+        scale = empty((kb, M), dtype=torch.float32, device=device).t() if outer else \
+            empty(shape, dtype=torch.float32, device=device)
+        return q, scale
 
-    _launch(QUANTIZE.plan(key, request), args)
-    return q, scale
+    def args(x, q, scale):
+        return (x, q, scale, M, K, cols_per_scale, sx0, sx1, K, 1, *s_strides)
 
+    def grid(plan):
+        return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
 
-def _launch(plan, args):
-    M, K, cols_per_scale = args[3], args[4], args[5]
-    QUANTIZE.launch(plan, (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale)), args)
+    q0, s0 = outputs()
+    plan = QUANTIZE.plan_for(Request(
+        configs.QuantKey(configs.m_bucket(M), K, kind), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
+        device, None, lambda plan: QUANTIZE.launch(plan, grid(plan), args(x, q0, s0))))
+    g = grid(plan)
+
+    def run(x):
+        q, scale = outputs()
+        QUANTIZE.launch(plan, g, args(x, q, scale))
+        return q, scale
+
+    return run
 
 
 # ---- torch: the CPU path (the interpreter's fp32 -> fp8 cast is wrong) and "tensor" ----
@@ -195,11 +208,22 @@ def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=F
     On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
     Traceable by torch.compile. Not differentiable: an x that requires grad is an error.
     """
+    return QUANTIZE_FP8(x, block, dtype, pow2_scale, check_finite)
+
+
+def _quantize_fp8_route(args):
+    """quantize_fp8's checks, then the registered op's route (core/dispatch.py)."""
+    x, block, dtype, pow2_scale, check_finite = args
     block = _check_args(x, block, dtype, pow2_scale)
     checks.check_bool("check_finite", check_finite)
     checks.check_not_differentiable("quantize_fp8", x=x)
-    q, scale = QUANTIZE_OP(x, _BLOCK_NAMES[block], dtype, pow2_scale, check_finite)
-    return q, _scale_view(scale, block)
+    inner = QUANTIZE_OP.route((x, _BLOCK_NAMES[block], dtype, pow2_scale, check_finite))
+
+    def run(x):
+        q, scale = inner(x)
+        return q, _scale_view(scale, block)
+
+    return run
 
 
 def _scale_view(scale, block):
@@ -216,20 +240,32 @@ def _quantize_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: 
                    check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8 on checked arguments, the block by name; 1x128 scales come back as their
     [ceil(K/128), M] storage (``_scale_view`` gives the [M, ceil(K/128)] view)."""
+    return QUANTIZE_OP.direct(x, block, dtype, pow2_scale, check_finite)
+
+
+def _quantize_record(x, block: str, dtype, pow2_scale, check_finite):
+    """The registered op's body for x's signature: a callable x -> (q, scale storage)."""
     block = _BLOCKS_BY_NAME[block]
     M, K = x.shape
     if x.numel() == 0:
-        ones = torch.ones(_scale_shape(block, M, K), device=x.device)
-        return torch.empty((M, K), dtype=dtype, device=x.device), _scale_view(ones, block).contiguous()
+        def run(x):
+            ones = torch.ones(_scale_shape(block, M, K), device=x.device)
+            return torch.empty((M, K), dtype=dtype, device=x.device), _scale_view(ones, block).contiguous()
+        return run
     if INTERPRET or block == "tensor":
         # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
         # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it.
-        q, scale = _quantize_torch(x, block, dtype, pow2_scale)
+        quantize = lambda x: _quantize_torch(x, block, dtype, pow2_scale)  # noqa: E731
     else:
-        q, scale = _quantize_triton(x, block, dtype, pow2_scale)
-    if check_finite and not bool(torch.isfinite(scale).all()):
-        raise checks.bad_value("x", "finite with check_finite=True", "NaN or inf (a block's scale would be inf)")
-    return q, _scale_view(scale, block).contiguous()
+        quantize = _triton_quantizer(x, block, dtype, pow2_scale)
+
+    def run(x):
+        q, scale = quantize(x)
+        if check_finite and not bool(torch.isfinite(scale).all()):
+            raise checks.bad_value("x", "finite with check_finite=True", "NaN or inf (a block's scale would be inf)")
+        return q, _scale_view(scale, block).contiguous()
+
+    return run
 
 
 def _quantize_fake(x, block, dtype, pow2_scale, check_finite):
@@ -238,4 +274,5 @@ def _quantize_fake(x, block, dtype, pow2_scale, check_finite):
     return x.new_empty((M, K), dtype=dtype), x.new_empty(shape[::-1] if block == "1x128" else shape, dtype=torch.float32)
 
 
-QUANTIZE_OP = Op("quantize_fp8", _quantize_impl, _quantize_fake)
+QUANTIZE_OP = Op("quantize_fp8", _quantize_impl, _quantize_fake, record=_quantize_record, tensors=1)
+QUANTIZE_FP8 = Cached(1, _quantize_fp8_route)

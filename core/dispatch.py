@@ -1,28 +1,48 @@
-"""How a public op reaches its kernels from PyTorch, in one of three ways.
+"""The eager path: how a public op reaches its kernels from PyTorch.
 
-- **Eager, no gradient** (the common inference call): the implementation directly. Nothing of
-  PyTorch's dispatcher is on the path, so the call costs what the launch costs.
-- **Eager, an input requires grad**: through a ``torch.autograd.Function`` whose backward runs
-  onegemm's own kernels.
-- **Under torch.compile**: through a ``torch.library`` custom op (namespace ``onegemm``) with a
-  fake implementation, so Dynamo traces the call without a graph break and AOTAutograd
-  differentiates it with the same backward.
+A call takes one of three routes:
 
-``Op`` builds the three from one definition: the implementation, its fake (shapes and dtypes
-only), ``setup_context`` (what the backward keeps) and the backward. Eager calls do not go
-through the registered op: a registered custom op with autograd costs more host time per call
-than an autograd.Function, and both more than the direct call (bench/results/autograd.md has
-the figures).
+- **Eager, no gradient** (the common inference call): the op's *record* directly (below).
+  Nothing of PyTorch's dispatcher is on the path, so the call costs what the launch costs.
+- **Eager, an input requires grad**: through a ``torch.autograd.Function`` whose forward is
+  the first route and whose backward runs onegemm's own kernels.
+- **Under torch.compile, or with a tensor subclass in any tensor argument** (a FakeTensor,
+  a functional or proxy tensor, a DTensor, any ``__torch_dispatch__`` subclass): through a
+  ``torch.library`` custom op (namespace ``onegemm``) with a fake implementation, so Dynamo
+  traces the call without a graph break, AOTAutograd differentiates it with the same
+  backward, and a subclass sees the op in its ``__torch_dispatch__``. A subclass has no
+  memory of its own to launch on, so the shortcut is taken only when every tensor argument
+  is a plain ``torch.Tensor`` (or an ``nn.Parameter``, which dispatches as one).
+
+**The signature cache.** Everything the checks, the route, the TMA eligibility, the config
+choice and the grid depend on is metadata, so each op keeps a bounded map from a call's
+*signature* (``signature``) to a ready callable: a ``Record`` (output recipe, plans, grids,
+argument builders) or the autograd route built on one. A repeat call builds the signature,
+does one dict lookup, allocates its output and launches. A miss runs the op's full path
+(its checks and decisions, in its own module) and stores what it made. The signature holds,
+per tensor argument, its shape, strides, dtype, device, requires_grad and whether its data
+pointer is 16-byte aligned (Triton's specialisation and TMA's rule both read only that), plus
+grad mode, torch's float32 matmul precision and the other arguments with their types (so
+``tma=1`` does not hit the entry of ``tma=True``). What reads values (``check_offs``) runs in
+the record on every call. Dropping the plans (``launch.clear_plans``: tables reloaded,
+autotuning switched on) drops every record too.
+
+``Op`` builds the routes from one definition: the record builder, the fake (shapes and dtypes
+only), ``setup_context`` (what the backward keeps) and the backward. A registered custom op
+with autograd costs more host time per eager call than an autograd.Function, and both more
+than the direct call (bench/results/autograd.md has the figures), which is why eager calls do
+not go through the registered op.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import checks
+from . import checks, launch, runtime
 
 _ACTIVATIONS = {
     None: lambda x: x,
@@ -31,6 +51,12 @@ _ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
 }
+
+_Tensor = torch.Tensor
+# What launches as it is: a tensor, or an nn.Parameter (a subclass without __torch_dispatch__).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_grad_enabled = torch.is_grad_enabled
+_precision = torch._C._get_float32_matmul_precision  # torch.get_float32_matmul_precision without its wrapper
 
 
 def activate(x: torch.Tensor, activation) -> torch.Tensor:
@@ -49,6 +75,25 @@ def wants_grad(*tensors) -> bool:
     return False
 
 
+def has_subclass(args) -> bool:
+    """Whether any argument is a tensor subclass other than nn.Parameter (it must take the
+    registered op)."""
+    for t in args:
+        if t.__class__ not in _PLAIN and isinstance(t, _Tensor):
+            return True
+    return False
+
+
+def fused(op: "Op", args: Callable, activation, grad: bool):
+    """``op`` on ``args(activation)`` with the activation fused in its epilogue; with gradients,
+    ``op`` on ``args(None)`` followed by the torch activation (``Op.route`` does the same for
+    ops on the signature cache)."""
+    if grad and activation is not None:
+        checks.check_activation(activation)
+        return activate(op.run(args(None), True), activation)
+    return op.run(args(activation), grad)
+
+
 def begin(config, a, b, bias) -> bool:
     """The start every differentiable op shares: whether gradients are recorded for a, b or
     bias, with the checks that go with it (no gradient through fp8 operands; a forced
@@ -62,15 +107,121 @@ def begin(config, a, b, bias) -> bool:
     return grad
 
 
-def fused(op: "Op", args: Callable, activation, grad: bool):
-    """``op`` on ``args(activation)`` with the activation fused in its epilogue; with gradients,
-    ``op`` on ``args(None)`` followed by the torch activation, so autograd keeps the
-    pre-activation for the activation's backward (as for nn.Linear and an activation module)
-    and the backward needs no second forward GEMM."""
-    if grad and activation is not None:
-        checks.check_activation(activation)
-        return activate(op.run(args(None), True), activation)
-    return op.run(args(activation), grad)
+# ---------------------------------------------------------------------------- the signature
+
+
+def signature(args: tuple, tensors: int) -> tuple | None:
+    """The call's signature (module docstring): ``args[:tensors]`` are tensors or None, the
+    rest plain values. None when a tensor position holds anything but a plain torch.Tensor,
+    an nn.Parameter or None (a subclass takes the registered op; another type gets the
+    checks' TypeError)."""
+    key = [_grad_enabled(), _precision()]
+    for t in args[:tensors]:
+        if t is None:
+            key.append(None)
+        elif t.__class__ in _PLAIN:
+            key += (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15 == 0)
+        else:
+            return None
+    rest = args[tensors:]
+    key.append(rest)
+    key.append(tuple(map(type, rest)))
+    return tuple(key)
+
+
+class Records:
+    """A bounded, thread-safe map from signatures to ready calls (the oldest entry goes when
+    it is full). Reads take no lock: a dict lookup is atomic."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._map: dict = {}
+        self._lock = threading.Lock()
+        self.get = self._map.get
+        launch.on_clear(self.clear)
+
+    def put(self, sig: tuple, run: Callable) -> None:
+        with self._lock:
+            if len(self._map) >= self.size:
+                self._map.pop(next(iter(self._map)))
+            self._map[sig] = run
+
+    def clear(self) -> None:
+        with self._lock:
+            self._map.clear()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+class Cached:
+    """A call cached by signature: ``route(args)`` (the full path: checks and decisions)
+    returns a callable of the tensor arguments, which a call with the same signature reuses."""
+
+    def __init__(self, tensors: int, route: Callable, size: int = 256):
+        self.tensors = tensors
+        self.route = route
+        self.records = Records(size)
+
+    def __call__(self, *args):
+        n = self.tensors
+        sig = None
+        if not torch.compiler.is_compiling():
+            sig = signature(args, n)
+            if sig is not None:
+                try:
+                    run = self.records.get(sig)
+                except TypeError:  # an unhashable argument: the full path's checks name it
+                    run = sig = None
+                if run is not None:
+                    return run(*args[:n])
+        run = self.route(args)
+        if sig is not None:
+            self.records.put(sig, run)
+        return run(*args[:n])
+
+
+# ---------------------------------------------------------------------------- records
+
+
+class Launch(NamedTuple):
+    """One kernel launch of a record: ``launcher.launch(plan, grid, build(out, *tensors))``."""
+
+    launcher: object
+    plan: object
+    grid: tuple
+    build: Callable
+
+    def run(self, out, *tensors) -> None:
+        self.launcher.launch(self.plan, self.grid, self.build(out, *tensors))
+
+
+class Record:
+    """A ready call: the output's shape and dtype, the launches that fill it, an optional
+    ``finish(out)`` (a zero fill) and an optional ``check(*tensors)``: a check that reads
+    values, not metadata (offs on the CPU), so it runs on every call. Called with the call's
+    tensor arguments."""
+
+    __slots__ = ("shape", "dtype", "device", "launches", "finish", "check")
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device, launches=(), finish=None, check=None):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.device = device
+        self.launches = tuple(launches)
+        self.finish = finish
+        self.check = check
+
+    def __call__(self, *tensors):
+        if self.check is not None:
+            self.check(*tensors)
+        out = runtime.empty(self.shape, dtype=self.dtype, device=self.device)
+        for launcher, plan, grid, build in self.launches:
+            launcher.launch(plan, grid, build(out, *tensors))
+        return out if self.finish is None else self.finish(out)
+
+
+# ---------------------------------------------------------------------------- ops
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -121,10 +272,21 @@ class Op:
     setup_context(ctx, inputs, output) and backward(ctx, *grads) -> one grad per input (None
         for non-tensor inputs): torch.library.register_autograd's contract, which the
         autograd.Function reuses as it is. None for an op without gradients.
+
+    With ``record`` (an op on the signature cache): ``record(*args) -> Record``, the op's
+    checks and decisions for ``args``, of which the first ``tensors`` are tensors (or None)
+    and the rest plain values; ``impl`` is then ``op.direct(*args)``. ``op.call(*args)`` is
+    the public entry (every route, cached), ``op.direct(*args)`` the first route alone (what
+    the registered op and the autograd forward run). ``activation``: the index of an
+    ``activation`` argument, fused in the epilogue without gradients and applied by torch
+    after the GEMM with them (so autograd keeps the pre-activation and the backward needs no
+    second forward GEMM). ``differentiable``: the names of the leading tensor arguments
+    whose fp8 dtype rules gradients out.
     """
 
     def __init__(self, name: str, impl: Callable, fake: Callable, setup_context: Callable | None = None,
-                 backward: Callable | None = None):
+                 backward: Callable | None = None, *, record: Callable | None = None, tensors: int = 0,
+                 activation: int | None = None, differentiable: tuple = ()):
         self.name = name
         self.impl = impl
         self.custom = torch.library.custom_op(f"onegemm::{name}", impl, mutates_args=())
@@ -143,6 +305,53 @@ class Op:
                 "backward": staticmethod(backward),
             })
 
+            # The autograd route of a cached call: its forward runs the record the call's
+            # route made (passed last), not a second signature lookup.
+            def forward_recorded(ctx, *args):
+                *args, run = args
+                out = run(*args[:tensors])
+                setup_context(ctx, args, out)
+                return out
+
+            def backward_recorded(ctx, *grads):
+                return (*backward(ctx, *grads), None)
+
+            self.recorded = type(f"{name}_recorded", (torch.autograd.Function,), {
+                "forward": staticmethod(forward_recorded),
+                "backward": staticmethod(backward_recorded),
+            })
+        self.record = record
+        self.tensors = tensors
+        self.activation = activation
+        self.differentiable = differentiable
+        if record is not None:
+            self.direct = Cached(tensors, lambda args: record(*args))
+            self.call = Cached(tensors, self.route)
+
+    def route(self, args: tuple) -> Callable:
+        """The callable a call on ``args`` takes (module docstring), made on a cache miss."""
+        n = self.tensors
+        rest = args[n:]
+        grad = self.function is not None and wants_grad(*args[:n])
+        custom = torch.compiler.is_compiling() or has_subclass(args[:n])
+        if not custom and not grad:
+            return self.record(*args)
+        i = self.activation
+        act = None if i is None or not grad else args[i]
+        if act is not None:
+            checks.check_activation(act)
+            rest = rest[: i - n] + (None,) + rest[i - n + 1:]
+        if custom:
+            apply = self.custom
+        else:
+            run = self.record(*args[:n], *rest)  # the checks, before any attribute of a wrong argument is read
+            checks.check_differentiable(**dict(zip(self.differentiable, args)))
+            recorded = self.recorded.apply
+            apply = lambda *a: recorded(*a, run)  # noqa: E731
+        if act is None:
+            return lambda *t: apply(*t, *rest)
+        return lambda *t: activate(apply(*t, *rest), act)
+
     def __call__(self, *args, grad_inputs=()):
         """Run the op on ``args`` (the first a tensor); ``grad_inputs``: the tensors among them
         that may require grad."""
@@ -150,10 +359,7 @@ class Op:
 
     def run(self, args: tuple, grad: bool):
         """``__call__`` for a caller that has already asked ``wants_grad``."""
-        first = args[0]
-        # A tensor subclass (a fake, functional or proxy tensor: AOTAutograd tracing a backward,
-        # opcheck, export) has no memory to launch on: it takes the registered op too.
-        if torch.compiler.is_compiling() or (type(first) is not torch.Tensor and isinstance(first, torch.Tensor)):
+        if torch.compiler.is_compiling() or has_subclass(args):
             return self.custom(*args)
         if grad and self.function is not None:
             return self.function.apply(*args)

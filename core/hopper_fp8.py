@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import checks, configs
+from .dispatch import Launch
 from .launch import Launcher, Request
 from .runtime import INTERPRET, cdiv, sm_count
 from .fp8 import amax_input, fp8_grid, fp8_scale
@@ -536,24 +537,30 @@ def wgmma_body(a, b, c, kind_a: str, kind_b: str, tma: bool | None, config) -> b
 def run_wgmma(a, b, c, scale_a, scale_b, kind_a, kind_b, bias, activation, key: configs.WgmmaKey, config=None):
     """c = act((a * scale_a) @ (b * scale_b) + bias) through this body, on operands
     ``wgmma_body`` accepted; ``key``: the call's WgmmaKey (tuning tables)."""
+    wgmma_launch(a, b, c, kind_a, kind_b, bias, activation, key, config, scale_a, scale_b).run(c, a, b, scale_a, scale_b, bias)
+
+
+def wgmma_launch(a, b, c, kind_a, kind_b, bias, activation, key: configs.WgmmaKey, config=None, scale_a=None,
+                 scale_b=None) -> Launch:
+    """This body's launch for operands shaped like a, b, c (``wgmma_body`` accepted them):
+    a core/dispatch.py Launch whose builder takes (c, a, b, scale_a, scale_b, bias).
+    scale_a, scale_b: the call's scales, for autotuning's trial launches."""
     M, K = a.shape
     N = b.shape[1]
 
-    def request():
-        return Request(key, dict(ACTIVATION=activation, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b]), a.device,
-                       config, lambda plan: launch(plan))
+    def build(c, a, b, scale_a, scale_b, bias):
+        return (Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
+                Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, *scale_b.stride())),
+                NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), Groups(None, None, 1, N, 0, 0))
 
-    def launch(plan):
-        meta = plan.meta
-        tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
-        BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
-            Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
-            Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, *scale_b.stride())),
-            NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), Groups(None, None, 1, N, 0, 0),
-        ))
+    def launch_of(plan):
+        tiles = cdiv(M, plan.meta["BLOCK_M"]) * cdiv(N, plan.meta["BLOCK_N"])
+        return Launch(BLOCKSCALED_WGMMA, plan, (min(tiles, sm_count(plan.device_index)),), build)
 
-    plan_key = (key, a.dtype, b.dtype, c.dtype, bias is None or bias.dtype, activation, a.get_device(), config)
-    launch(BLOCKSCALED_WGMMA.plan(plan_key, request))
+    plan = BLOCKSCALED_WGMMA.plan_for(Request(
+        key, dict(ACTIVATION=activation, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b]), a.device, config,
+        lambda plan: launch_of(plan).run(c, a, b, scale_a, scale_b, bias)))
+    return launch_of(plan)
 
 
 def rows_layout(a: torch.Tensor) -> bool:

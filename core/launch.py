@@ -1,19 +1,20 @@
 """The one launch path: every kernel launch in onegemm goes through a ``Launcher``.
 
-An op checks its inputs, allocates its output and builds a *key*: everything its launch
-depends on (dtypes, the M bucket, N, K, the layout class, the device, a forced config). The
-launcher keeps one *plan* per key: the config chosen for it (core/configs.py: forced, tuned
-table, opt-in autotuning or the heuristic), the kernel's constexprs, and the compiled kernels
-by argument specialisation. A repeat call only builds the argument tuple and starts the
-compiled kernel through Triton's C launcher, skipping Triton's Python launch path (argument
-binding, cache-key hashing, the autotuner); nothing on that path scans configs, queries the
-device or allocates scratch memory.
+An op's full path (core/dispatch.py) checks its inputs and builds a ``Request``: the family's
+key (dtypes, the M bucket, N, K, the layout class), the call's constexprs, the device and a
+forced config. The launcher keeps one *plan* per request (``plan_key``): the config chosen
+for it (core/configs.py: forced, tuned table, opt-in autotuning or the heuristic), the
+kernel's constexprs, and the compiled kernels by argument specialisation. A launch builds the
+argument tuple and starts the compiled kernel through Triton's C launcher, skipping Triton's
+Python launch path (argument binding, cache-key hashing, the autotuner); nothing on that path
+scans configs, queries the device or allocates scratch memory.
 
 Specialisation: Triton compiles a kernel for the divisibility by 16 of its integer arguments
-and pointers, integers equal to 1 and None arguments (``_spec`` mirrors that rule;
+and pointers, integers equal to 1 and None arguments (core/triton_abi.py states the rule;
 tests/test_launch.py checks it against Triton's own). A plan holds one compiled kernel per
 specialisation it has met, so a call with other strides or alignment never reuses a kernel
-compiled for different ones.
+compiled for different ones. On a Triton other than the one triton_abi.py knows, launches go
+through Triton's public ``kernel[grid](...)`` instead.
 
 Under Triton's interpreter there is nothing to compile: a launch runs the kernel in Python,
 with one lock for the whole process (the interpreter patches global state and is not safe to
@@ -22,6 +23,7 @@ run from two threads at once).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -34,134 +36,13 @@ from typing import Callable, NamedTuple
 
 import torch
 import triton
-from triton import knobs
 
-from . import checks, configs, runtime, scratch
+from . import checks, configs, runtime
 from .runtime import INTERPRET, sm_count
-from .tma import ensure_allocator
+from . import triton_abi
+from .triton_abi import async_compile, compile_and_launch, compiled, direct, preparer
 
 _INTERPRET_LOCK = threading.Lock()
-
-
-# ---------------------------------------------------------------------------- specialisation
-
-def _prepare(args) -> tuple:
-    """(``_spec(args)``, args with each tensor replaced by its data pointer) in one pass:
-    Triton's C launcher takes an int as a pointer as it is, where for a tensor it calls
-    data_ptr() and asks the driver about the address (the ops have checked the devices).
-    Tuples (the tile body's NamedTuples) are prepared element by element, as Triton
-    specialises them."""
-    spec, raw = [], []
-    for x in args:
-        if x.__class__ is int:
-            spec.append(-1 if x == 1 else (x & 15 == 0) + (0 if -2147483648 <= x <= 2147483647 else 2))
-            raw.append(x)
-        elif x is None:
-            spec.append(None)
-            raw.append(None)
-        elif isinstance(x, torch.Tensor):
-            p = x.data_ptr()
-            spec.append((x.dtype, p & 15 == 0))
-            raw.append(p)
-        elif isinstance(x, tuple):
-            s, r = _prepare(x)
-            spec.append(s)
-            raw.append(r)
-        else:
-            spec.append(x.__class__)
-            raw.append(x)
-    return tuple(spec), tuple(raw)
-
-
-def _kinds(args) -> tuple | None:
-    """Each argument's kind for a generated preparer ('T' tensor, 'I' int, 'N' None, a tuple
-    of kinds for a tuple), or None when an argument is of another kind (a float): those take
-    ``_prepare``."""
-    kinds = []
-    for x in args:
-        if x.__class__ is int:
-            kinds.append("I")
-        elif x is None:
-            kinds.append("N")
-        elif isinstance(x, torch.Tensor):
-            kinds.append("T")
-        elif isinstance(x, tuple):
-            inner = _kinds(x)
-            if inner is None:
-                return None
-            kinds.append(inner)
-        else:
-            return None
-    return tuple(kinds)
-
-
-_PREPARERS: dict = {}
-
-
-def _tuple_src(items: list) -> str:
-    return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
-
-
-def _prepare_src(kinds: tuple, names: list, unpack: list, guard: list, ptrs: list) -> tuple[list, list]:
-    """The spec and raw expressions of arguments ``names`` of ``kinds``, with the statements
-    they need: tuple unpacking (a tuple of another length raises ValueError), kind guards and
-    data_ptr() reads."""
-    spec, raw = [], []
-    for name, kind in zip(names, kinds):
-        if isinstance(kind, tuple):
-            inner = [f"{name}_{i}" for i in range(len(kind))]
-            unpack.append(f"    {', '.join(inner)}{',' if len(inner) == 1 else ''} = {name}")
-            s, r = _prepare_src(kind, inner, unpack, guard, ptrs)
-            spec.append(_tuple_src(s))
-            raw.append(_tuple_src(r))
-        elif kind == "T":
-            ptrs.append(f"    p_{name} = {name}.data_ptr()")
-            spec.append(f"({name}.dtype, p_{name} & 15 == 0)")
-            raw.append(f"p_{name}")
-        elif kind == "I":
-            guard.append(f"{name}.__class__ is not int")
-            spec.append(f"(-1 if {name} == 1 else ({name} & 15 == 0) + (0 if -2147483648 <= {name} <= 2147483647 else 2))")
-            raw.append(name)
-        else:
-            guard.append(f"{name} is not None")
-            spec.append("None")
-            raw.append("None")
-    return spec, raw
-
-
-def _preparer(kinds: tuple):
-    """``_prepare`` written out for one nesting of argument kinds (no loop, no appends): what
-    a plan uses once its first launch has shown its arguments' kinds, which the plan's key
-    fixes (which optional tensors are present is part of every op's key). An argument of
-    another kind raises TypeError or ValueError, and the launch falls back to ``_prepare``."""
-    fn = _PREPARERS.get(kinds)
-    if fn is not None:
-        return fn
-    names = [f"a{i}" for i in range(len(kinds))]
-    unpack, guard, ptrs = [f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args"], [], []
-    spec, raw = _prepare_src(kinds, names, unpack, guard, ptrs)
-    check = [f"    if {' or '.join(guard)}:", "        raise TypeError('argument kinds changed')"] if guard else []
-    src = "\n".join(["def prepare(args):", *unpack, *check, *ptrs,
-                     f"    return {_tuple_src(spec)}, {_tuple_src(raw)}"]) + "\n"
-    namespace: dict = {}
-    exec(src, namespace)  # noqa: S102 - code generated from the kinds above, nothing else
-    fn = _PREPARERS[kinds] = namespace["prepare"]
-    return fn
-
-
-def _spec(args) -> tuple:
-    """What Triton's compiled kernel depends on in the runtime arguments: per int whether it is
-    1, a multiple of 16 and within int32; None; per tensor its dtype and 16-byte alignment; a
-    tuple element by element; the type of anything else (bools and floats are not specialised
-    on their value)."""
-    return tuple([
-        (-1 if x == 1 else (x & 15 == 0) + (0 if -2147483648 <= x <= 2147483647 else 2)) if x.__class__ is int
-        else x if x is None
-        else (x.dtype, x.data_ptr() & 15 == 0) if isinstance(x, torch.Tensor)
-        else _spec(x) if isinstance(x, tuple)
-        else x.__class__
-        for x in args
-    ])
 
 
 # ---------------------------------------------------------------------------- plans
@@ -191,6 +72,13 @@ def kernel_params(fn) -> list:
     from triton.runtime.jit import KernelParam
 
     return [KernelParam(i, p, False, False) for i, p in enumerate(inspect.signature(fn.fn).parameters.values())]
+
+
+def plan_key(req: Request) -> tuple:
+    """What ``Launcher._make_plan`` reads from a request, as a key: a plan made from one
+    request serves every request with the same key."""
+    forced = None if req.forced is None else configs.config_id(req.forced)
+    return (req.key, tuple(req.constexprs.items()), req.device, forced)
 
 
 class Plan:
@@ -257,6 +145,19 @@ class Launcher:
                     self._plans[key] = plan
         return plan
 
+    def plan_for(self, req: Request) -> Plan:
+        """The plan for ``req``, keyed on everything a plan is made from: the family key, the
+        constexprs, the device and the forced config (``plan_key``)."""
+        key = plan_key(req)
+        plan = self._plans.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._make_plan(req)
+                    self._plans[key] = plan
+        return plan
+
     def _make_plan(self, req: Request) -> Plan:
         if req.forced is not None:
             return Plan(self.params, req.forced, req.constexprs, req.device, "forced")
@@ -273,23 +174,25 @@ class Launcher:
         return Plan(self.params, config, req.constexprs, req.device, "heuristic")
 
     def clear(self) -> None:
-        """Forget every plan (tests; after changing tables or the autotune setting)."""
+        """Forget every plan (tests; after changing tables or the autotune setting), and the
+        eager path's records, which hold plans (core/dispatch.py)."""
         with self._lock:
             self._plans.clear()
+        for hook in _ON_CLEAR:
+            hook()
 
     # -- launching --
 
     def launch(self, plan: Plan, grid: tuple, args: tuple) -> None:
         """Run the kernel on ``grid`` with ``args`` (runtime arguments) and ``plan``."""
-        if INTERPRET:
-            with _INTERPRET_LOCK:
-                self.fn[grid](*args, **plan.meta, **plan.options)
+        if not triton_abi.NATIVE:
+            self._public_launch(plan, grid, args)
             return
         prepare = plan.prepare
         try:
-            spec, raw = prepare(args) if prepare is not None else _prepare(args)
+            spec, raw = prepare(args) if prepare is not None else triton_abi.prepare(args)
         except (TypeError, ValueError, AttributeError):
-            spec, raw = _prepare(args)
+            spec, raw = triton_abi.prepare(args)
         kernel = plan.kernels.get(spec)
         device = plan.device_index
         if kernel is None or torch._C._cuda_getDevice() != device:
@@ -297,35 +200,46 @@ class Launcher:
                 if kernel is None:
                     self._first_launch(plan, spec, grid, args)
                 else:
-                    _direct(kernel, grid, raw, plan.tail, device)
+                    direct(kernel, grid, raw, plan.tail, device)
             return
-        _direct(kernel, grid, raw, plan.tail, device)
+        direct(kernel, grid, raw, plan.tail, device)
+
+    def _public_launch(self, plan: Plan, grid: tuple, args: tuple) -> None:
+        """Triton's public ``kernel[grid](...)`` launch: under the interpreter (one launch at a
+        time in the process), and on a GPU with a Triton whose internals core/triton_abi.py
+        does not know."""
+        if INTERPRET:
+            with _INTERPRET_LOCK:
+                self.fn[grid](*args, **plan.meta, **plan.options)
+            return
+        _join_prewarm()
+        triton_abi.ensure_allocator()
+        with torch.cuda.device(plan.device_index):
+            self.fn[grid](*args, **plan.meta, **plan.options)
 
     def _first_launch(self, plan: Plan, spec: tuple, grid: tuple, args: tuple) -> None:
         if len(args) != self.num_args:
             raise TypeError(f"the {self.family.name} kernel takes {self.num_args} runtime arguments, got {len(args)}")
         _join_prewarm()
-        ensure_allocator()  # Triton's own launch allocates TMA scratch through it
+        constexprs = {**plan.meta, **plan.options}
         if _WARMUP.on:  # autotuning's parallel compile: compile only, launch nothing
-            self.fn.run(*args, grid=grid, warmup=True, **plan.meta, **plan.options)
+            compile_and_launch(self.fn, grid, args, constexprs, warmup=True)
             return
-        kernel = self.fn.run(*args, grid=grid, warmup=False, **plan.meta, **plan.options)
-        plan.kernels[spec] = _compiled(kernel)
-        kinds = _kinds(args)
+        plan.kernels[spec] = compiled(compile_and_launch(self.fn, grid, args, constexprs))
+        kinds = triton_abi.kinds(args)
         if plan.prepare is None and kinds is not None:
-            plan.prepare = _preparer(kinds)
+            plan.prepare = preparer(kinds)
 
     # -- autotuning (opt-in) --
 
     def _tune(self, req: Request) -> Plan:
         """Time every candidate for ``req.key`` in GPU time, keep the fastest, store it."""
-        from triton.runtime._async_compile import AsyncCompileMode
-
         plans = [Plan(self.params, c, req.constexprs, req.device, "tuned")
                  for c in self.family.candidates(req.key, sm_count(req.device.index))]
-        # Compile every candidate first, in parallel threads (ptxas runs as a subprocess).
+        # Compile every candidate first, in parallel threads (ptxas runs as a subprocess); on a
+        # Triton core/triton_abi.py does not know, each compiles at its first timed launch.
         with ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 2) - 1))) as pool:
-            with AsyncCompileMode(pool, ignore_errors=True):
+            with (async_compile(pool) if triton_abi.NATIVE else contextlib.nullcontext()):
                 _WARMUP.on = True
                 try:
                     for p in plans:
@@ -360,68 +274,6 @@ _WARMUP = _Warmup()
 _TUNE_WARMUP_MS, _TUNE_REP_MS, _FINALISTS = 5, 25, 3
 
 
-class _Compiled(NamedTuple):
-    """A compiled kernel and what its launch needs, read once: Triton's launcher (``run``),
-    its C entry point (``raw``, None where the kernel needs profiler scratch), and the bytes
-    of global scratch memory per program (TMA descriptors), which the launch supplies."""
-
-    kernel: object
-    run: object
-    function: int
-    packed: object
-    raw: object
-    scratch: int
-
-
-def _compiled(kernel) -> _Compiled:
-    run = kernel.run
-    raw = None
-    if (getattr(run, "profile_scratch_size", 1) == 0 and hasattr(run, "launch_cooperative_grid")
-            and hasattr(run, "launch_pdl") and hasattr(run, "global_scratch_size")):
-        raw = run.launch
-    size = getattr(run, "global_scratch_size", 0) * getattr(run, "num_ctas", 1)
-    return _Compiled(kernel, run, kernel.function, kernel.packed_metadata, raw, size)
-
-
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook would do anything (3.6 keeps an empty HookChain)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _direct(c: _Compiled, grid, args, tail, device) -> None:
-    """Start a compiled kernel through Triton's C launcher (what JITFunction.run ends with);
-    ``args`` are the runtime arguments as ``_prepare`` returns them (pointers as ints).
-
-    Launch hooks (a profiler's) get their metadata; with none registered none is built. A
-    kernel that builds TMA descriptors gets its global scratch from core/scratch.py's cache
-    instead of an allocation per launch.
-    """
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    full = args + tail
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    if c.raw is None or _hooked(enter) or _hooked(leave):
-        ensure_allocator()
-        metadata = c.kernel.launch_metadata(grid, stream, *full)
-        c.run(grid[0], g1, g2, stream, c.function, c.packed, metadata, enter, leave, *full)
-        return
-    global_scratch = None
-    if c.scratch:
-        global_scratch = scratch.get(_DEVICES[device], "tma_descriptors", grid[0] * g1 * g2 * c.scratch, torch.int8).data_ptr()
-    c.raw(grid[0], g1, g2, stream, c.function, c.run.launch_cooperative_grid, c.run.launch_pdl, global_scratch, None,
-          c.packed, None, None, None, *full)
-
-
-class _DeviceCache(dict):
-    def __missing__(self, index):
-        self[index] = torch.device("cuda", index)
-        return self[index]
-
-
-_DEVICES = _DeviceCache()
-
-
 _LAUNCHERS: dict[str, Launcher] = {}
 
 
@@ -433,6 +285,16 @@ def plans(family: str) -> dict:
 def clear_plans() -> None:
     for launcher in _LAUNCHERS.values():
         launcher.clear()
+    for hook in _ON_CLEAR:
+        hook()
+
+
+_ON_CLEAR: list = []
+
+
+def on_clear(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` whenever plans are dropped (the eager path's records hold plans)."""
+    _ON_CLEAR.append(hook)
 
 
 # ---------------------------------------------------------------------------- prewarm

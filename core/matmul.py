@@ -9,9 +9,9 @@ import triton
 import triton.language as tl
 
 from . import checks, configs, splitk
-from .dispatch import Op, begin, fused
+from .dispatch import Cached, Launch, Op, Record, begin
 from .launch import Launcher, Request
-from .runtime import empty, interpretable, tile_grid
+from .runtime import INTERPRET, empty, interpretable, tile_grid
 from .tiles import NO_SCALES, NO_VECTOR, Operand, Routing, SplitK, TileSpec, Vector, gemm_tile, make_operands, program_units, swizzle_tile
 from .tma import choose_tma, forced_flavour, layout_meta
 
@@ -84,24 +84,76 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
     interpreter runs one program per tile unless True.
     Differentiable in a, b and bias (docs/autograd.md), and traceable by torch.compile.
     """
-    return dense(a, b, bias, activation, out_dtype, config, tma, persistent, None)
+    if config is None:
+        return DENSE.call(a, b, bias, activation, out_dtype, tma, persistent, None)
+    return forced(a, b, bias, activation, out_dtype, config, tma, persistent, None)
 
 
-def dense(a, b, bias, activation, out_dtype, config, tma, persistent, programs):
-    """The entry of every dense op (matmul, persistent_matmul, linear): the kernel directly,
-    through autograd, or as the registered op under torch.compile (core/dispatch.py)."""
-    grad = begin(config, a, b, bias)
-    if config is not None:
-        M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
-        return run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent, programs)
-    return fused(DENSE, lambda act: (a, b, bias, act, out_dtype, tma, persistent, programs), activation, grad)
+def forced(a, b, bias, activation, out_dtype, config, tma, persistent, programs):
+    """A dense call with a forced ``config`` (a benchmarking knob: never with gradients or
+    under torch.compile), off the signature cache."""
+    begin(config, a, b, bias)
+    return dense_record(a, b, bias, activation, out_dtype, tma, persistent, programs, config)(a, b, bias)
+
+
+def dense_record(a, b, bias, activation, out_dtype, tma, persistent, programs, config=None) -> Record:
+    """The full path of every dense op (matmul, persistent_matmul, linear): its checks and
+    decisions for these arguments, as a Record of the launch (core/dispatch.py).
+    ``programs``: the persistent grid size asked for (persistent_matmul's ``num_programs``;
+    None: SM count x the config's PROGRAMS_PER_SM)."""
+    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
+    schedule = configs.schedule_mode(persistent)
+    checks.check_tma(tma)
+    checks.check_config(config)
+    if programs is not None:
+        checks.check_int("num_programs", programs, 1, what="(the number of programs to launch) or None")
+    if M == 0 or N == 0:
+        return Record((M, N), out_dtype, a.device)
+    c = empty((M, N), device=a.device, dtype=out_dtype)
+    layout = choose_tma(tma, a, b, c)
+    if config is not None and persistent is not None:
+        config = configs.with_meta(config, PERSISTENT=persistent)
+    plan = MATMUL.plan_for(Request(
+        configs.MatmulKey(configs.dtype_name(a.dtype), configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
+                          configs.flavour_mode(tma, layout is not None), schedule, programs or 0),
+        dict(ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype), PRECISION=checks.dot_precision(a.dtype),
+             PERSISTENT=persistent is True, **layout_meta(layout)),
+        a.device, forced_flavour(config, layout),
+        lambda plan: dense_launch(MATMUL, plan, a, b, c, programs).run(c, a, b, bias),
+    ))
+    return Record((M, N), out_dtype, a.device, [dense_launch(MATMUL, plan, a, b, c, programs)])
+
+
+def dense_launch(launcher, plan, a, b, c, programs=None, scales=None) -> Launch:
+    """matmul_kernel's launch with ``plan`` for operands shaped like a, b, c: C = act(A @ B +
+    bias), scaled by ``scales(*scale tensors)`` (a tiles.Scales; blockscaled/ passes its own
+    launcher, whose family tunes fp8 configs, and its scales). Its builder takes
+    ``(c, a, b, bias)``, or ``(c, a, b, scale_a, scale_b, bias)`` with scales."""
+    M, K = a.shape
+    N = b.shape[1]
+    (sa0, sa1), (sb0, sb1), (sc0, sc1) = a.stride(), b.stride(), c.stride()
+    split = plan.meta.get("SPLIT_K", 1) != 1
+    fp8 = INTERPRET and a.dtype in checks.FP8_DTYPES
+    meta = plan.meta
+
+    def args(c, a, b, bias, scales):
+        ws, locks = splitk.for_plan(meta, c.device, M, N) if split else (None, None)
+        if fp8:
+            a, b = interpretable(a), interpretable(b)
+        return (Operand(a, sa0, sa1), Operand(b, sb0, sb1), Operand(c, sc0, sc1),
+                NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), scales, M, N, K, ws, locks)
+
+    if scales is None:
+        build = lambda c, a, b, bias: args(c, a, b, bias, NO_SCALES)  # noqa: E731
+    else:
+        build = lambda c, a, b, sa, sb, bias: args(c, a, b, bias, scales(sa, sb))  # noqa: E731
+    return Launch(launcher, plan, tile_grid(M, N, meta, plan.device_index, programs), build)
 
 
 def _dense_impl(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
                 out_dtype: Optional[torch.dtype], tma: Optional[bool], persistent: Optional[bool],
                 programs: Optional[int]) -> torch.Tensor:
-    M, N, K, out_dtype = check_matmul_inputs(a, b, bias, activation, out_dtype)
-    return run_matmul(a, b, bias, activation, out_dtype, None, tma, persistent, programs)
+    return DENSE.direct(a, b, bias, activation, out_dtype, tma, persistent, programs)
 
 
 def _dense_fake(a, b, bias, activation, out_dtype, tma, persistent, programs):
@@ -128,7 +180,8 @@ def _dense_backward(ctx, grad):
     return da, db, dbias, None, None, None, None, None
 
 
-DENSE = Op("matmul", _dense_impl, _dense_fake, _dense_setup, _dense_backward)
+DENSE = Op("matmul", _dense_impl, _dense_fake, _dense_setup, _dense_backward, record=dense_record, tensors=3,
+           activation=3, differentiable=("a", "b"))
 
 
 def check_matmul_inputs(a, b, bias, activation, out_dtype):
@@ -151,53 +204,6 @@ def check_matmul_inputs(a, b, bias, activation, out_dtype):
     return M, N, K, checks.resolve_out_dtype(out_dtype, a.dtype)
 
 
-def run_matmul(a, b, bias, activation, out_dtype, config, tma, persistent, programs=None):
-    """matmul's body, on inputs ``check_matmul_inputs`` (or the caller) has checked.
-    ``programs``: the persistent grid size asked for (persistent_matmul's ``num_programs``;
-    None: SM count x the config's PROGRAMS_PER_SM)."""
-    M, K = a.shape
-    N = b.shape[1]
-    schedule = configs.schedule_mode(persistent)
-    checks.check_config(config)
-    c = empty((M, N), device=a.device, dtype=out_dtype)
-    if M == 0 or N == 0:
-        return c
-    layout = choose_tma(tma, a, b, c)
-    precision = checks.dot_precision(a.dtype)
-    sa, sb = a.stride(), b.stride()
-    key = (a.dtype, b.dtype, out_dtype, bias is None or bias.dtype, activation, configs.m_bucket(M), N, K,
-           sa[1] == 1, sb[0] == 1, layout, tma, schedule, programs, precision, a.get_device(), config)
-
-    def request():
-        forced = config
-        if forced is not None and persistent is not None:
-            forced = configs.with_meta(forced, PERSISTENT=persistent)
-        return Request(
-            configs.MatmulKey(configs.dtype_name(a.dtype), configs.m_bucket(M), N, K, sa[1] == 1, sb[0] == 1,
-                              configs.flavour_mode(tma, layout is not None), schedule, programs or 0),
-            dict(ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype), PRECISION=precision,
-                 PERSISTENT=persistent is True, **layout_meta(layout)),
-            a.device, forced_flavour(forced, layout), lambda plan: launch_dense(MATMUL, plan, a, b, c, bias, programs=programs),
-        )
-
-    launch_dense(MATMUL, MATMUL.plan(key, request), a, b, c, bias, programs=programs)
-    return c
-
-
-def launch_dense(launcher, plan, a, b, c, bias, scales=NO_SCALES, programs=None):
-    """One launch of matmul_kernel with ``plan``: C = act(A @ B + bias), scaled by ``scales``
-    (a tiles.Scales; blockscaled/ passes its own launcher, whose family tunes fp8 configs)."""
-    M, K = a.shape
-    N = b.shape[1]
-    ws, locks = splitk.for_plan(plan.meta, a.device, M, N)
-    a, b = interpretable(a), interpretable(b)
-    sa, sb, sc = a.stride(), b.stride(), c.stride()
-    launcher.launch(plan, tile_grid(M, N, plan.meta, plan.device_index, programs), (
-        Operand(a, sa[0], sa[1]), Operand(b, sb[0], sb[1]), Operand(c, sc[0], sc[1]),
-        NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), scales, M, N, K, ws, locks,
-    ))
-
-
 def linear(x, weight, bias=None, *, activation=None):
     """F.linear semantics with an optional fused activation: act(x @ weight.T + bias).
 
@@ -205,6 +211,13 @@ def linear(x, weight, bias=None, *, activation=None):
     bias [N]. The output has x's leading dims and x's dtype. Differentiable in x, weight and
     bias.
     """
+    return LINEAR(x, weight, bias, activation)
+
+
+def _linear_route(args):
+    """linear's checks, then matmul's route for x as [M, K] and weight.t() (which checks
+    nothing linear has not: on a miss only)."""
+    x, weight, bias, activation = args
     checks.check_tensor("x", x)
     checks.check_tensor("weight", weight, ndim=2)
     checks.check_operand_dtypes(x, weight, "x", "weight")
@@ -217,7 +230,12 @@ def linear(x, weight, bias=None, *, activation=None):
         checks.check_activation(activation)
     checks.check_bias(bias, (weight.shape[0],))
     checks.check_same_device(x=x, weight=weight, bias=bias)
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    inner = DENSE.route((x2, weight.t(), bias, activation, None, None, None, None))
     if x.dim() == 2:
-        return dense(x, weight.t(), bias, activation, None, None, None, None, None)
-    y = dense(x.reshape(-1, K), weight.t(), bias, activation, None, None, None, None, None)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+        return lambda x, weight, bias: inner(x, weight.t(), bias)
+    shape = (*x.shape[:-1], weight.shape[0])
+    return lambda x, weight, bias: inner(x.reshape(-1, K), weight.t(), bias).reshape(shape)
+
+
+LINEAR = Cached(3, _linear_route)

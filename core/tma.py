@@ -20,11 +20,11 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
 
 from . import checks
 from .configs import with_meta
 from .runtime import INTERPRET
+from .triton_abi import ensure_allocator  # noqa: F401 - where the allocator is given (Triton internals)
 
 _ALIGN = 16  # bytes: TMA's requirement on the base address and on every non-unit stride
 
@@ -126,27 +126,6 @@ def no_tma(why: str) -> ValueError:
     """tma=True on operands TMA cannot read."""
     return checks.bad_value("tma", "None (automatic) or False for these operands", "True",
                             why + "; tma=None falls back to pointer loads")
-
-
-def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
-    # Descriptors are 128-byte records the kernel writes and the TMA unit reads; torch's
-    # caching allocator returns 256-byte aligned blocks, above any alignment Triton asks for.
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_allocator() -> None:
-    """Give this thread (this context) the scratch allocator in-kernel descriptors need.
-
-    ``triton.set_allocator`` stores the allocator in a ContextVar: it is per thread, and a new
-    ``threading.Thread`` starts without one ("Kernel requires a runtime memory allocation").
-    An allocator the user set is kept; only the missing one is filled in.
-    """
-    if INTERPRET:
-        return  # the interpreter builds descriptors in Python, with no scratch memory
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_alloc)
 
 
 def layout_meta(layout: TmaLayout | None) -> dict:

@@ -18,12 +18,12 @@ import torch
 from ..core import checks, configs
 from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
-from ..blockscaled.quantize import BLOCK, quantize_fp8
-from ..core.runtime import empty, next_pow2
-from ..core.tiles import Operand, Scales
-from .kernels import Stacked, sort_by_expert_kernel
+from ..blockscaled.quantize import BLOCK, QUANTIZE_FP8, quantize_fp8
 from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
-from .ops import combine, gather_quantize, grouped_matmul, launch_ragged, row_tiles
+from ..core.runtime import empty, next_pow2
+from ..core.tiles import NO_SCALES, Operand, Routing, Scales
+from .kernels import Stacked, sort_by_expert_kernel
+from .ops import combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles
 
 
 def sort_by_expert(topk_ids, num_experts: int):
@@ -55,16 +55,32 @@ SORT = Launcher(sort_by_expert_kernel, configs.SORT)
 
 
 def _sort_small(flat, E: int, k: int):
-    P = flat.shape[0]
-    pair = torch.empty(P, dtype=torch.int32, device=flat.device)
-    token = torch.empty(P, dtype=torch.int32, device=flat.device)
-    offs = torch.empty(E, dtype=torch.int32, device=flat.device)
+    return _small_sorter(flat.shape[0], E, k, flat.device)(flat)
+
+
+def _small_sorter(P: int, E: int, k: int, device):
+    """The one-program sort of P pairs as a callable flat ids -> (pair, token, offs)."""
     e_block = next_pow2(E + 1)
-    key = (flat.dtype, e_block, flat.get_device())
-    plan = SORT.plan(key, lambda: Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, BLOCK=max(16, min(256, 8192 // e_block))),
-                                          flat.device))
-    SORT.launch(plan, (1,), (flat, pair, token, offs, P, E, k))
-    return pair, token, offs
+    plan = SORT.plan_for(Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, BLOCK=max(16, min(256, 8192 // e_block))),
+                                 device))
+
+    def sort(flat):
+        pair = torch.empty(P, dtype=torch.int32, device=device)
+        token = torch.empty(P, dtype=torch.int32, device=device)
+        offs = torch.empty(E, dtype=torch.int32, device=device)
+        SORT.launch(plan, (1,), (flat, pair, token, offs, P, E, k))
+        return pair, token, offs
+
+    return sort
+
+
+def _sorter(topk_ids, E: int):
+    """``sort_by_expert`` for ids of topk_ids' signature, as a callable ids -> (pair, token, offs)."""
+    T, k = topk_ids.shape
+    if T * k <= configs.SORT_MAX_PAIRS and topk_ids.is_contiguous():
+        sort = _small_sorter(T * k, E, k, topk_ids.device)
+        return lambda ids: sort(ids.view(-1))
+    return lambda ids: sort_by_expert(ids, E)
 
 
 def check_expert_weights(w_gate_up, w_down, H: int) -> None:
@@ -124,14 +140,10 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     """
     checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
                                   w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, x_scale=x_scale)
-    fp8 = w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None
-    if fp8 or (w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES):
-        checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
-                                        topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
-                                        w_down_scale=w_down_scale, x_scale=x_scale)
-        return MOE_FP8.run((x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale),
-                           False)
-    return MOE(x, w_gate_up, w_down, topk_weights, topk_ids, grad_inputs=(x, w_gate_up, w_down, topk_weights))
+    fp8_weights = w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES
+    if w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None or fp8_weights:
+        return MOE_FP8.call(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+    return MOE.call(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def quantize_experts(w_gate_up, w_down):
@@ -161,32 +173,78 @@ def quantize_experts(w_gate_up, w_down):
 
 def _moe_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+    return MOE.direct(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """moe_ffn's full path for its arguments' signature: the checks, then the sort's and both
+    GEMMs' launches made once, as one callable of the five tensors."""
     _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
-    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
-    if P == 0:
-        return torch.zeros_like(x)
-    pair, token, offs = sort_by_expert(topk_ids, E)
-
-    # GEMM1: h[r] = silu(x[token[r]] @ W1_e^T) * (x[token[r]] @ W3_e^T), rows sorted by expert.
-    # B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
-    h = empty((P, I), dtype=x.dtype, device=x.device)
-    _expert_gemm(x, w_gate_up, h, offs, a_rows=token, swiglu=True)
-    return _down_and_combine(h, w_down, offs, pair, topk_weights, x, k)
+    return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def _down_and_combine(h, w_down, offs, pair, topk_weights, x, k, **kwargs):
-    """GEMM2 and the combine, ``kwargs``: the FP8 call's scales.
+def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
+    """The sort, GEMM1 (gather + SwiGLU), GEMM2 (routing weight, scatter) and the combine:
+    their plans and grids made here, once; the callable runs them on a call's tensors.
 
+    GEMM1: h[r] = silu(x[token[r]] @ W1_e^T) * (x[token[r]] @ W3_e^T), rows sorted by expert;
+    B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
     GEMM2 writes y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) in x's dtype: for 16-bit x
     that halves the bytes GEMM2 writes and the combine reads, against an fp32 intermediate.
     The combine is torch's sum over each token's k rows (fp32 accumulation, no atomics), so
     the result has the same bits on every run.
+
+    FP8 experts (the scales given): x is quantised once per token (T rows, not T * k) and
+    GEMM1 gathers fp8 rows and their scales; GEMM1 writes silu(gate) * up as fp8 with its
+    1x128 scales, stored [ceil(I/128), P] (the outer-dim-major layout quantize_fp8 gives, so
+    GEMM2's K loop reads them coalesced). ``x_scale``: x is already quantised (fp8 rows with
+    their 1x128 scales); nothing is quantised again and the output is bfloat16.
     """
-    T, H = x.shape
-    y_pairs = empty((T * k, H), dtype=_out_dtype(x), device=x.device)
+    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
+    device, dtype = x.device, _out_dtype(x)
+    if P == 0:
+        return lambda x, *rest: torch.zeros_like(x, dtype=dtype)
+    fp8 = w_gate_up_scale is not None
+    sort = _sorter(topk_ids, E)
+    pair, token, offs = sort(topk_ids)
+    quantize = QUANTIZE_FP8.route((x, (1, BLOCK), w_gate_up.dtype, False, False)) if fp8 and x_scale is None else None
+    h_dtype = w_gate_up.dtype if fp8 else dtype
+
+    def scales(xs, hs, w_gate_up_scale, w_down_scale):
+        """GEMM1's and GEMM2's tiles.Scales (FP8 experts)."""
+        if not fp8:
+            return NO_SCALES, NO_SCALES
+        w13s, w2s = w_gate_up_scale.transpose(1, 2), w_down_scale.transpose(1, 2)
+        return (Scales(a=Operand(xs, *xs.stride()), b=Stacked(w13s, *w13s.stride()), out=Operand(hs, *hs.stride())),
+                Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
+
+    def h_scales():
+        return empty((-(-I // BLOCK), P), dtype=torch.float32, device=device).t() if fp8 else None
+
+    a1, xs = (quantize(x) if quantize is not None else (x, x_scale)) if fp8 else (x, None)
+    h = empty((P, I), dtype=h_dtype, device=device)
+    y_pairs = empty((T * k, H), dtype=dtype, device=device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _expert_gemm(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, **kwargs)
-    return y_pairs.view(T, k, H).sum(dim=1)
+    s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
+    gemm1 = _expert_launch(a1, w_gate_up, h, offs, a_rows=token, swiglu=True, scales=s1,
+                           **(dict(scaling="1x128,128x128" + configs.FP8_OUT) if fp8 else {}))
+    gemm2 = _expert_launch(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, scales=s2,
+                           **(dict(scaling="1x128,128x128") if fp8 else {}))
+
+    def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
+        pair, token, offs = sort(topk_ids)
+        h = empty((P, I), dtype=h_dtype, device=device)
+        xs = x_scale
+        if quantize is not None:
+            x, xs = quantize(x)
+        s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
+        gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h, x, w_gate_up, offs, token, None, None, s1))
+        y_pairs = empty((T * k, H), dtype=dtype, device=device)
+        weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        gemm2.launcher.launch(gemm2.plan, gemm2.grid, gemm2.build(y_pairs, h, w_down, offs, None, pair, weights, s2))
+        return y_pairs.view(T, k, H).sum(dim=1)
+
+    return run
 
 
 def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> None:
@@ -228,29 +286,28 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                   topk_ids: torch.Tensor, w_gate_up_scale: Optional[torch.Tensor],
                   w_down_scale: Optional[torch.Tensor], x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """moe_ffn with fp8 experts: _moe_impl's pipeline on fp8 operands with 1x128 x 128x128 scales."""
+    return MOE_FP8.direct(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+
+
+def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+    """The FP8 moe_ffn's full path for its arguments' signature: the checks, then the Gluon
+    pipeline (on sm_90, ``hopper_fp8.wgmma_grouped``) or the Triton body's (_moe_pipeline)."""
     _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+    checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
+                                    topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
+                                    w_down_scale=w_down_scale, x_scale=x_scale)
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
-    if P == 0:
-        return torch.zeros_like(x, dtype=_out_dtype(x))
-    pair, token, offs = sort_by_expert(topk_ids, E)
-    fp8 = w_gate_up.dtype
-    mode = wgmma_grouped(w_gate_up, P, E)
+    mode = wgmma_grouped(w_gate_up, P, E) if P else None
     if mode is not None and wgmma_grouped(w_down, P, E) == mode:
-        return _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token,
-                              offs, mode, x_scale)
-    # x is quantised once per token (T rows, not T * k); GEMM1 gathers fp8 rows and their scales.
-    xq, xs = quantize_fp8(x, dtype=fp8) if x_scale is None else (x, x_scale)
-    # GEMM1 writes silu(gate) * up as fp8 with its 1x128 scales, stored [ceil(I/128), P] (the
-    # outer-dim-major layout quantize_fp8 gives, so GEMM2's K loop reads them coalesced).
-    h = empty((P, I), dtype=fp8, device=x.device)
-    hs = empty((-(-I // BLOCK), P), dtype=torch.float32, device=x.device).t()
-    w13s = w_gate_up_scale.transpose(1, 2)
-    _expert_gemm(xq, w_gate_up, h, offs, a_rows=token, swiglu=True,
-                 scales=Scales(a=Operand(xs, *xs.stride()), b=Stacked(w13s, *w13s.stride()), out=Operand(hs, *hs.stride())),
-                 scaling="1x128,128x128" + configs.FP8_OUT)
-    w2s = w_down_scale.transpose(1, 2)
-    return _down_and_combine(h, w_down, offs, pair, topk_weights, x, k, scaling="1x128,128x128",
-                             scales=Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
+        sort = _sorter(topk_ids, E)
+
+        def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+            pair, token, offs = sort(topk_ids)
+            return _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair,
+                                  token, offs, mode, x_scale)
+
+        return run
+    return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
 
 
 def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs,
@@ -308,11 +365,23 @@ def _moe_sizes(x, w_gate_up, topk_ids):
 def _expert_gemm(a, w, c, offs, **kwargs):
     """c[r] = a[r] @ w[e].T for the rows r of expert e (2D x 3D, offs over rows; ``kwargs``:
     launch_ragged's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
+    launch = _expert_launch(a, w, c, offs, **kwargs)
+    launch.launcher.launch(launch.plan, launch.grid, launch.build(
+        c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_SCALES)))
+
+
+def _expert_launch(a, w, c, offs, **kwargs):
+    """``_expert_gemm``'s launch for operands shaped like these: a core/dispatch.py Launch whose
+    builder takes (c, a, w, offs, a_rows, c_rows, weight, scales)."""
     wt = w.transpose(1, 2)
-    N = c.shape[1]
-    launch_ragged(a, wt, c, offs, ragged="M", G=w.shape[0], M=c.shape[0], N=N, K=a.shape[1],
-                  strides_a=(0, a.stride(0), a.stride(1)), strides_b=tuple(wt.stride()),
-                  strides_c=(0, c.stride(0), c.stride(1)), rows_per_group=c.shape[0] // w.shape[0], **kwargs)
+    G, N, K, M = w.shape[0], c.shape[1], a.shape[1], c.shape[0]
+    strides = ((0, a.stride(0), a.stride(1)), tuple(wt.stride()), (0, c.stride(0), c.stride(1)))
+
+    def build(c, a, w, offs, a_rows, c_rows, weight, scales):
+        return ragged_args(a, w.transpose(1, 2), c, None, offs, strides, Routing(a_rows, c_rows, weight), scales, G, M, N, K)
+
+    return ragged_launch(a, wt, c, offs, ragged="M", G=G, M=M, N=N, K=K, strides_a=strides[0], strides_b=strides[1],
+                         strides_c=strides[2], rows_per_group=M // G, build=build, **kwargs)
 
 
 def _moe_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
@@ -391,7 +460,7 @@ def _moe_backward_fake(dy, x, w_gate_up, w_down, topk_weights, topk_ids):
 
 
 MOE_BACKWARD = Op("moe_ffn_backward", _moe_backward_impl, _moe_backward_fake)
-MOE = Op("moe_ffn", _moe_impl, _moe_fake, _moe_setup, _moe_backward)
+MOE = Op("moe_ffn", _moe_impl, _moe_fake, _moe_setup, _moe_backward, record=_moe_record, tensors=5)
 # FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
 # be traced on every bf16 call too), without a gradient.
-MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake)
+MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake, record=_moe_fp8_record, tensors=8)

@@ -8,10 +8,12 @@ import torch
 
 from ..blockscaled.quantize import BLOCK
 from ..core import checks, configs
-from ..core.dispatch import Op, activate, begin, fused, wants_grad
+from ..core.dispatch import Launch, Op, Record, activate, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, sm_count
-from ..core.tiles import NO_OPERAND, NO_SCALES, Operand, Routing, Scales, Vector
+from ..core.tiles import NO_OPERAND, NO_SCALES, NO_VECTOR, Operand, Routing, Scales, Vector
+
+NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
 from .kernels import Stacked, combine_kernel, gather_quantize_kernel, list_kernel, ragged_kernel, row_tiles_kernel
@@ -85,7 +87,13 @@ def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
     if offs.dim() != 1 or (G >= 0 and offs.shape[0] != G):
         want = "1-D" if G < 0 else f"1-D with {G} entries (one end offset per group)"
         raise checks.bad_shape("offs", f"{want} for {what}", offs.shape)
-    if validate and offs.shape[0] > 0:
+    if validate:
+        check_offs_values(offs, total, what)
+
+
+def check_offs_values(offs, total: int, what: str) -> None:
+    """offs non-decreasing, >= 0 and at most ``total`` (read on the host: a sync on a GPU)."""
+    if offs.shape[0] > 0:
         o = offs.to("cpu", torch.int64)
         if (o[0] < 0) or bool((o[1:] < o[:-1]).any()):
             raise checks.bad_value("offs", "non-decreasing and >= 0 (cumulative end offsets)", o.tolist())
@@ -134,12 +142,19 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     return None
 
 
-def launch_ragged(
+def launch_ragged(a, b, c, offs, **kwargs):
+    """Launch ragged_kernel once (``ragged_launch``'s arguments); returns c."""
+    ragged_launch(a, b, c, offs, **kwargs).run(c)
+    return c
+
+
+def ragged_launch(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
-    rows_per_group=None, config=None, tma=None, scales=NO_SCALES, scaling="",
-):
-    """Launch ragged_kernel (see its docstring for the meaning of every argument).
+    rows_per_group=None, config=None, tma=None, scales=NO_SCALES, scaling="", build=None,
+) -> Launch:
+    """ragged_kernel's launch (see its docstring for the meaning of every argument), as a
+    core/dispatch.py Launch.
 
     scales, scaling: an FP8 grouped GEMM's tiles.Scales (as ragged_kernel takes them) and its
     granularities, "<a>,<b>" of "1x128" / "row" and "128x128" / "col", plus ",fp8out" when
@@ -147,48 +162,47 @@ def launch_ragged(
     rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
+    build: the launch's argument builder ``build(c, *tensors)`` for a record that launches it
+    again on other tensors of the same signature; default, these arguments' own (``build(c)``).
     """
     if scaling and config is not None and config.kwargs.get("BLOCK_K") != BLOCK:
         raise checks.bad_value("config", f"a config with BLOCK_K = {BLOCK} (the scale block) for an FP8 grouped GEMM",
                                f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
     layout = _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a, strides_b, strides_c))
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
-    a_k, b_k = strides_a[2] == 1, strides_b[1] == 1
-    key = (a.dtype, b.dtype, c.dtype, bias is None or bias.dtype, activation, ragged, swiglu, a_rows is not None,
-           c_rows is not None, weight is not None, m, N, K, a_k, b_k, layout, tma, checks.dot_precision(a.dtype),
-           next_pow2(G + 1), a.get_device(), config, scaling)
-    args = (
-        Stacked(interpretable(a), *strides_a), Stacked(interpretable(b), *strides_b), Stacked(c, *strides_c),
-        _bias_operand(bias), None if offs is None else Vector(offs, offs.stride(0)), Routing(a_rows, c_rows, weight),
-        scales, G, M, N, K,
-    )
-
-    def request():
-        return Request(
-            configs.RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, a_k, b_k,
-                              configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling),
-            dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
-                 PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
-                 SA_ROWS=1, SB_COLS=BLOCK if "128x128" in scaling.split(",") else 1, **layout_meta(layout)),
-            a.device, forced_flavour(config, layout), lambda plan: _launch_ragged(plan, args, ragged, G, M, N, swiglu),
-        )
-
-    _launch_ragged(RAGGED.plan(key, request), args, ragged, G, M, N, swiglu)
-    return c
+    routing = Routing(a_rows, c_rows, weight)
+    strides = (strides_a, strides_b, strides_c)
+    own = lambda c: ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K)  # noqa: E731
+    plan = RAGGED.plan_for(Request(
+        configs.RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
+                          configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling),
+        dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
+             PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
+             SA_ROWS=1, SB_COLS=BLOCK if "128x128" in scaling.split(",") else 1, **layout_meta(layout)),
+        a.device, forced_flavour(config, layout),
+        lambda plan: Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own).run(c),
+    ))
+    return Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own if build is None else build)
 
 
-def _launch_ragged(plan, args, ragged, G, M, N, swiglu):
+def ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K) -> tuple:
+    """ragged_kernel's runtime arguments. strides: per operand, its (group, dim 0, dim 1)
+    strides; routing: a tiles.Routing; scales: a tiles.Scales."""
+    sa, sb, sc = strides
+    return (Stacked(interpretable(a), *sa), Stacked(interpretable(b), *sb), Stacked(c, *sc), _bias_operand(bias),
+            None if offs is None else Vector(offs, offs.stride(0)), routing, scales, G, M, N, K)
+
+
+def _ragged_grid(plan, ragged, G, M, N, swiglu):
     """ragged_kernel's grid: an upper bound on the tiles that needs no offs values."""
     bm, bn = plan.meta["BLOCK_M"], plan.meta["BLOCK_N"]
     if swiglu:
         bn //= 2
     if ragged == "M":
-        grid = ((cdiv(M, bm) + G + 1) * cdiv(N, bn),)
-    elif ragged == "N":
-        grid = (cdiv(M, bm) * (cdiv(N, bn) + G + 1),)
-    else:
-        grid = (G * cdiv(M, bm) * cdiv(N, bn),)
-    RAGGED.launch(plan, grid, args)
+        return ((cdiv(M, bm) + G + 1) * cdiv(N, bn),)
+    if ragged == "N":
+        return (cdiv(M, bm) * (cdiv(N, bn) + G + 1),)
+    return (G * cdiv(M, bm) * cdiv(N, bn),)
 
 
 def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=None, check_offs=None, config=None, tma=None,
@@ -224,29 +238,30 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     (docs/autograd.md); list mode in every a_i and b_i (each pair's backward is two list-mode
     calls). Traceable by torch.compile, list mode excepted (eager only).
     """
-    checks.check_config(config)
-    checks.check_tma(tma)
-    if check_offs is not None:
-        checks.check_bool("check_offs", check_offs)
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        checks.check_config(config)
         for name, value in (("offs", offs), ("bias", bias), ("tma", tma or None), ("scale_a", scale_a), ("scale_b", scale_b)):
             if value is not None:
                 raise checks.bad_value(name, "None in list mode (grouped_matmul([a0, ...], [b0, ...]))", type(value).__name__)
         return _list_mode(a, b, activation, out_dtype, config)
-    if scale_a is not None or scale_b is not None:
+    fp8 = scale_a is not None or scale_b is not None
+    if config is None:
+        if fp8:
+            return GROUPED_FP8.call(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
+        return GROUPED.call(a, b, offs, bias, activation, out_dtype, check_offs, tma)
+    if fp8:
         checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a,
                                         scale_b=scale_b, bias=bias)
-    grad = begin(config, a, b, bias)
-    if config is not None:
-        return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma, scale_a, scale_b)
-    if scale_a is not None or scale_b is not None:
-        return GROUPED_FP8.run((a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma), False)
-    return fused(GROUPED, lambda act: (a, b, offs, bias, act, out_dtype, check_offs, tma), activation, grad)
+    begin(config, a, b, bias)
+    record = grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config, scale_a, scale_b)
+    return record(a, b, offs, scale_a, scale_b, bias) if fp8 else record(a, b, offs, bias)
 
 
 def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b, fake=False):
     """The checks of grouped_matmul's tensor modes; returns (output shape, out_dtype, launch
-    arguments). ``fake``: on fake tensors (no offs values to read)."""
+    arguments, ``scales(scale_a, scale_b)`` -> tiles.Scales or None without scales, and
+    (total, what) when offs values are checked on every call, else None). ``fake``: on fake
+    tensors (no offs values to read)."""
     checks.check_tensor("a", a, ndim=(2, 3))
     checks.check_tensor("b", b, ndim=(2, 3))
     checks.check_operand_dtypes(a, b)
@@ -259,6 +274,7 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
     validate = not fake and (check_offs if check_offs is not None else (offs is not None and offs.is_cpu))
     mode = (a.dim(), b.dim())
+    bound = None
     if mode != (3, 3) and offs is None:
         raise checks.bad_value("offs", f"int32 [G] cumulative end offsets for {a.dim()}D x {b.dim()}D grouped_matmul", None)
 
@@ -267,7 +283,8 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
         M = a.shape[0]
         if a.shape[1] != K:
             raise checks.bad_shape("b", f"[G, K, N] with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)})", b.shape)
-        validate_offs(offs, G, M, "a's rows (2D x 3D)", validate)
+        bound = (M, "a's rows (2D x 3D)")
+        validate_offs(offs, G, *bound, validate)
         checks.check_bias(bias, (G, N), "each group's output")
         shape, ragged, rows_per_group = (M, N), "M", M // max(G, 1)
     elif mode == (3, 3):
@@ -285,7 +302,8 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
         if b.shape[0] != K:
             raise checks.bad_shape("b", f"[{K}, N] (a is [M, sum_K] = {tuple(a.shape)})", b.shape)
         G = offs.shape[0] if offs.dim() == 1 else -1
-        validate_offs(offs, G, K, "the reduction dimension K (2D x 2D)", validate)
+        bound = (K, "the reduction dimension K (2D x 2D)")
+        validate_offs(offs, G, *bound, validate)
         checks.check_bias(bias, (G, N), "each group's output")
         shape, ragged, rows_per_group = (G, M, N), "K", M
     else:  # (3, 2)
@@ -293,13 +311,15 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
         N = b.shape[1]
         if b.shape[0] != K:
             raise checks.bad_shape("b", f"[{K}, sum_N] (a is [G, M, K] = {tuple(a.shape)})", b.shape)
-        validate_offs(offs, G, N, "b's columns (3D x 2D)", validate)
+        bound = (N, "b's columns (3D x 2D)")
+        validate_offs(offs, G, *bound, validate)
         checks.check_bias(bias, (N,), "the output (one value per column of [M, sum_N])")
         shape, ragged, rows_per_group = (M, N), "N", M
     args = dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
+    scales = None
     if scale_a is not None or scale_b is not None:
-        args["scales"], args["scaling"] = _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K)
-    return shape, out_dtype, args
+        scales, args["scaling"] = _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K)
+    return shape, out_dtype, args, scales, (bound if validate else None)
 
 
 def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
@@ -315,65 +335,102 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
     checks.check_fp8("b", b, ndim=3)
     checks.check_same_device(a=a, scale_a=scale_a, scale_b=scale_b)
     kb, nb = -(-K // BLOCK), -(-N // BLOCK)
-    parts = {}
     if tuple(scale_a.shape) == (M, kb):
-        parts["a"], kind_a = Operand(scale_a, *scale_a.stride()), "1x128"
+        kind_a = "1x128"
     elif tuple(scale_a.shape) == (M, 1):
-        parts["m"], kind_a = Vector(scale_a, scale_a.stride(0)), "row"
+        kind_a = "row"
     else:
         raise checks.bad_shape("scale_a", f"[sum_M, ceil(K/128)] = [{M}, {kb}] (1x128 per token) or [sum_M, 1] = "
                                f"[{M}, 1] (row-wise)", scale_a.shape)
     if tuple(scale_b.shape) == (G, kb, nb):
-        parts["b"], kind_b = Stacked(scale_b, *scale_b.stride()), "128x128"
+        kind_b = "128x128"
     elif tuple(scale_b.shape) == (G, 1, N):
-        parts["n"], kind_b = Operand(scale_b, scale_b.stride(0), scale_b.stride(2)), "col"
+        kind_b = "col"
     else:
         raise checks.bad_shape("scale_b", f"[G, ceil(K/128), ceil(N/128)] = [{G}, {kb}, {nb}] (128x128) or [G, 1, N] "
                                f"= [{G}, 1, {N}] (per output channel)", scale_b.shape)
-    return Scales(**parts), f"{kind_a},{kind_b}"
+    a_block, b_block = kind_a == "1x128", kind_b == "128x128"
+
+    def scales(sa, sb):
+        return Scales(a=Operand(sa, *sa.stride()) if a_block else NO_OPERAND,
+                      m=NO_VECTOR if a_block else Vector(sa, sa.stride(0)),
+                      b=Stacked(sb, *sb.stride()) if b_block else NO_OPERAND,
+                      n=NO_VECTOR if b_block else Operand(sb, sb.stride(0), sb.stride(2)))
+
+    return scales, f"{kind_a},{kind_b}"
 
 
-def _grouped(a, b, offs, bias, activation, out_dtype, check_offs, config, tma, scale_a=None, scale_b=None):
-    """grouped_matmul's tensor modes, on the kernel."""
-    shape, out_dtype, args = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b)
-    c = empty(shape, dtype=out_dtype, device=a.device)
+def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config=None, scale_a=None,
+                   scale_b=None) -> Record:
+    """grouped_matmul's tensor modes: the full path (checks and decisions) as a Record
+    (core/dispatch.py), called with (a, b, offs, bias), or (a, b, offs, scale_a, scale_b, bias)
+    with scales."""
+    checks.check_config(config)
+    checks.check_tma(tma)
+    if check_offs is not None:
+        checks.check_bool("check_offs", check_offs)
+    shape, out_dtype, args, scales, bound = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs,
+                                                            scale_a, scale_b)
+    fp8 = scales is not None
+    if fp8:
+        checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a,
+                                        scale_b=scale_b, bias=bias)
+    # offs values are read on every call (check_offs, or offs on the CPU); the rest is metadata.
+    check = None if bound is None else (lambda a, b, offs, *rest: check_offs_values(offs, *bound))
+    device = a.device
+    c = empty(shape, dtype=out_dtype, device=device)
     if c.numel() == 0 or args["G"] == 0:
-        return c.zero_()
-    if "scaling" in args:
-        G, M, N, K = args["G"], args["M"], args["N"], args["K"]
+        return Record(shape, out_dtype, device, finish=torch.Tensor.zero_, check=check)
+    G, M, N, K = args["G"], args["M"], args["N"], args["K"]
+    if fp8:
         kind_a, kind_b = args["scaling"].split(",")
         w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
         mode = wgmma_grouped(w, M, G, kind_a, kind_b, a=a, tma=tma, config=config)
         if mode is not None:
-            key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(c.dtype), mode)
-            run_wgmma_grouped(a, w, c, lambda block_m: row_tiles(offs, G, M, block_m), scale_a, scale_b, N=N, key=key,
-                              bias=bias, activation=activation)
-            return c
+            key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(out_dtype), mode)
+
+            def run(a, b, offs, scale_a, scale_b, bias):  # row tiles from offs, then the Gluon body
+                if check is not None:
+                    check(a, b, offs, scale_a, scale_b, bias)
+                c = empty(shape, dtype=out_dtype, device=a.device)
+                run_wgmma_grouped(a, b.transpose(1, 2), c, lambda block_m: row_tiles(offs, G, M, block_m), scale_a,
+                                  scale_b, N=N, key=key, bias=bias, activation=activation)
+                return c
+
+            return run
     # The group stride of a 2-D operand is 0: offs cuts it instead.
-    sa, sb, sc = ((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()) for t in (a, b, c))
-    return launch_ragged(a, b, c, offs, strides_a=sa, strides_b=sb, strides_c=sc, bias=bias, activation=activation,
-                         config=config, tma=tma, **args)
+    strides = tuple((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()) for t in (a, b, c))
+    if fp8:
+        def build(c, a, b, offs, sa, sb, bias):
+            return ragged_args(a, b, c, bias, offs, strides, NO_ROUTING, scales(sa, sb), G, M, N, K)
+        args["scales"] = scales(scale_a, scale_b)
+    else:
+        def build(c, a, b, offs, bias):
+            return ragged_args(a, b, c, bias, offs, strides, NO_ROUTING, NO_SCALES, G, M, N, K)
+    launch = ragged_launch(a, b, c, offs, strides_a=strides[0], strides_b=strides[1], strides_c=strides[2], bias=bias,
+                           activation=activation, config=config, tma=tma, build=build, **args)
+    return Record(shape, out_dtype, device, [launch], check=check)
 
 
 def _grouped_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   activation: Optional[str], out_dtype: Optional[torch.dtype], check_offs: Optional[bool],
                   tma: Optional[bool]) -> torch.Tensor:
-    return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, None, tma)
+    return GROUPED.direct(a, b, offs, bias, activation, out_dtype, check_offs, tma)
 
 
 def _grouped_fake(a, b, offs, bias, activation, out_dtype, check_offs, tma):
-    shape, out_dtype, _ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, None, None, fake=True)
+    shape, out_dtype, *_ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, None, None, fake=True)
     return a.new_empty(shape, dtype=out_dtype)
 
 
 def _grouped_fp8_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], scale_a: torch.Tensor,
                       scale_b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
                       out_dtype: Optional[torch.dtype], check_offs: Optional[bool], tma: Optional[bool]) -> torch.Tensor:
-    return _grouped(a, b, offs, bias, activation, out_dtype, check_offs, None, tma, scale_a, scale_b)
+    return GROUPED_FP8.direct(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
 
 
 def _grouped_fp8_fake(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma):
-    shape, out_dtype, _ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b, fake=True)
+    shape, out_dtype, *_ = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b, fake=True)
     return a.new_empty(shape, dtype=out_dtype)
 
 
@@ -428,9 +485,11 @@ def _grouped_backward(ctx, grad):
     return da, db, None, dbias, None, None, None, None
 
 
-GROUPED = Op("grouped_mm", _grouped_impl, _grouped_fake, _grouped_setup, _grouped_backward)
+GROUPED = Op("grouped_mm", _grouped_impl, _grouped_fake, _grouped_setup, _grouped_backward, tensors=4, activation=4,
+             differentiable=("a", "b"), record=grouped_record)
 # The FP8 (scaled) 2D x 3D call: its own registered op, without a gradient.
-GROUPED_FP8 = Op("grouped_mm_fp8", _grouped_fp8_impl, _grouped_fp8_fake)
+GROUPED_FP8 = Op("grouped_mm_fp8", _grouped_fp8_impl, _grouped_fp8_fake, tensors=6,
+                 record=lambda a, b, offs, sa, sb, bias, *rest: grouped_record(a, b, offs, bias, *rest, None, sa, sb))
 
 
 def _list_mode(As, Bs, activation, out_dtype, config):

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import triton
 
-from ..core import checks
-from ..core.matmul import dense
+from ..core.matmul import DENSE, forced
 
 
 def persistent_matmul(
@@ -42,6 +41,6 @@ def persistent_matmul(
         loads on a Hopper GPU when a, b and the output allow TMA; False forces pointer loads;
         True forces TMA or raises ValueError.
     """
-    if num_programs is not None:
-        checks.check_int("num_programs", num_programs, 1, what="(the number of programs to launch) or None")
-    return dense(a, b, bias, activation, out_dtype, config, tma, True, num_programs)
+    if config is None:
+        return DENSE.call(a, b, bias, activation, out_dtype, tma, True, num_programs)
+    return forced(a, b, bias, activation, out_dtype, config, tma, True, num_programs)

@@ -462,7 +462,7 @@ def _opcheck_moe(d, grad=True):
 def _opcheck_blockscaled(d):
     q, s = onegemm.quantize_fp8(_r(17, 24, d=d))
     qw, sw = onegemm.quantize_fp8(_r(9, 24, d=d), (128, 128))
-    return q, qw.t(), s, sw.t(), torch.bfloat16, None, None, None
+    return q, qw.t(), s, sw.t(), None, torch.bfloat16, None, None  # (a, b, scale_a, scale_b, bias, out_dtype, activation, tma)
 
 
 def _opcheck_moe_fp8(d):

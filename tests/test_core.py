@@ -442,3 +442,12 @@ def test_fp8_special_values(case, device):
     rows = torch.isnan(ref).any(1)
     assert torch.equal(torch.isnan(out).any(1), rows)
     assert_close(out[~rows], ref[~rows], FP8_MMA_TOL)
+
+
+def test_example_bias_gelu_epilogue_runs():
+    """examples/bias_gelu_epilogue.py (the fused bias + GELU exercise) runs and checks itself
+    against float64 (on the interpreter: a small problem, no timing)."""
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(onegemm.__file__).parent / "examples" / "bias_gelu_epilogue.py"), run_name="__main__")

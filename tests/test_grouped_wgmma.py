@@ -11,7 +11,7 @@ import torch
 
 import onegemm
 from onegemm.core import configs, hopper_fp8
-from onegemm.core.launch import plans
+from onegemm.core.launch import clear_plans, plans
 from onegemm.grouped.ops import combine, gather_quantize, row_tiles
 from onegemm.testing import (
     assert_close,
@@ -208,7 +208,9 @@ def flavour(request, monkeypatch):
     else:
         monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", big)
         monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", big)
-    return request.param
+    clear_plans()  # the calls cached under the tuned thresholds' decisions
+    yield request.param
+    clear_plans()
 
 
 def fp8_grouped(sizes, K, N, device, tail=3):
