@@ -435,8 +435,9 @@ WGMMA_MIN_GROUP_ROWS = 256
 # (256 x 1024) FP8 moe_ffn ran 0.78x bf16 on it against 0.93x on the Triton body, whose
 # pipeline has fewer launches around its GEMMs (bench/results/moe_fp8.md).
 WGMMA_MIN_EXPERT_ELEMENTS = 1 << 20
-# ... and its decode form (SWAP: the weights' rows on wgmma's M side) up to this many: 0, since
-# at every decode size measured the Triton body's thin tiles were faster (bench/results/moe_fp8.md).
+# ... and its decode form (SWAP: the weights' rows on wgmma's M side) up to this many: 0 for now.
+# It led the Triton body by 1-9% at 0.25-16 pairs per expert on Qwen3 and Mixtral, but the
+# DeepSeek-V3 EP8 rows are not measured yet (bench/results/moe_decode_bodies.md).
 WGMMA_DECODE_MAX_ROWS = 0
 _SMEM = 232448  # bytes of shared memory a program may use on sm_90
 

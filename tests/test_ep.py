@@ -270,11 +270,11 @@ def test_ep_bad_input(one_rank):
         onegemm.ep.combine(d.x, None)
 
 
-def test_ep_needs_a_process_group():
-    x = torch.randn(5, 32)
-    weights, ids = onegemm.route(torch.randn(5, 4), 2)
+def test_ep_needs_a_process_group(device):
+    x = torch.randn(5, 32, device=device)
+    weights, ids = onegemm.route(torch.randn(5, 4, device=device), 2)
     with pytest.raises(ValueError, match="group must be a process group of an initialised torch.distributed"):
-        onegemm.ep_moe_ffn(x, torch.randn(4, 48, 32), torch.randn(4, 32, 24), weights, ids)
+        onegemm.ep_moe_ffn(x, torch.randn(4, 48, 32, device=device), torch.randn(4, 32, 24, device=device), weights, ids)
 
 
 # ---- GPU: NCCL with one rank (bench/bench_ep.py times it; issue 30 runs several GPUs) ----

@@ -458,8 +458,9 @@ def test_from_pretrained_multimodal_llama4(tmp_path, device):
 @pytest.mark.gpu
 def test_gpu_deepseek_layer_cuda_graph_and_compile(device, monkeypatch):
     """A DeepSeek-V3-style layer (groups, bias, shared experts; at T = 64 its routing is the
-    fused kernel) is captured in a CUDA graph and replayed on new tokens, and compiled with
-    fullgraph=True (routing by the torch ops); both give the eager result's bits."""
+    fused kernel) is captured in a CUDA graph and replayed on new tokens (the eager result's
+    bits), and compiled with fullgraph=True (routing by the torch ops; Inductor's fused
+    elementwise roundings within bf16's tolerance)."""
     E, H, I, S = 16, 256, 128, 256
     gate = torch.randn(E, H, device=device).to(torch.bfloat16) * H**-0.5
     w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(torch.bfloat16)
@@ -484,4 +485,6 @@ def test_gpu_deepseek_layer_cuda_graph_and_compile(device, monkeypatch):
         from onegemm.grouped import routing
 
         monkeypatch.setattr(routing, "use_fused", lambda logits, n_group: False)  # what the trace runs
-        assert torch.equal(compiled, layer(x))
+        # Inductor fuses the shared expert's and the combine's elementwise bf16 ops: their
+        # roundings, not the routing, may differ from eager's
+        assert_close(compiled, layer(x).double(), 1e-2)

@@ -70,6 +70,11 @@ def build(family, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
+    # transformers before 5.2x hard-codes gpt-oss's clamp (limit 7.0, alpha 1.702) instead of
+    # reading config.json's swiglu_limit / swiglu_alpha, which the checkpoint (and onegemm) use
+    for module in model.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.limit, module.alpha = cfg.swiglu_limit, getattr(cfg, "swiglu_alpha", 1.702)
     return model
 
 
