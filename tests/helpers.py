@@ -9,7 +9,7 @@ import torch
 
 import onegemm
 from onegemm.core.configs import MATMUL_INTERPRET, cfg, with_meta
-from onegemm.testing import TF32_TOL, TOL
+from onegemm.testing import TF32_TOL, TOL, dequantize_ref, quantize_experts_ref
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The input dtypes every dense-GEMM flavour runs.
@@ -55,3 +55,57 @@ def split_cfg(split, dtype=torch.float32):
     else:
         base = cfg(64, 64, {1: 128, 2: 64, 4: 32}[torch.empty(0, dtype=dtype).element_size()], 4, 3)
     return with_meta(base, SPLIT_K=split)
+
+
+# ---- grouped and MoE inputs (tests/test_grouped.py, test_moe.py, test_grouped_wgmma.py) ----
+
+
+def offs_of(sizes, device):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def fp8_grouped_inputs(kind_a, kind_b, sizes, K, N, device, tail=3):
+    """(qa, qb, scale_a, scale_b, offs, dequantised a, dequantised b) for a 2D x 3D FP8 call:
+    activations quantised per token (1x128 or row), expert weights [G, N, K] per 128x128 block
+    or with a random per-channel scale, b and scale_b handed over transposed as checkpoints
+    store them. ``tail``: rows of a past offs[-1]."""
+    G = len(sizes)
+    x = torch.randn(sum(sizes) + tail, K, device=device)
+    qa, sa = onegemm.quantize_fp8(x, (1, 128) if kind_a == "1x128" else "row")
+    w = torch.randn(G, N, K, device=device) * K**-0.5
+    if kind_b == "128x128":
+        qw, sw = (torch.stack(t) for t in zip(*[onegemm.quantize_fp8(w[g], (128, 128)) for g in range(G)]))
+        sb = sw.transpose(1, 2)  # [G, ceil(K/128), ceil(N/128)]
+        b_deq = torch.stack([dequantize_ref(qw[g], sw[g], 128, 128) for g in range(G)]).transpose(1, 2)
+    else:
+        qw = w.to(torch.float8_e4m3fn)
+        sb = torch.rand(G, 1, N, device=device) + 0.5
+        b_deq = qw.double().transpose(1, 2) * sb.double()
+    a_deq = dequantize_ref(qa, sa, 1, 128) if kind_a == "1x128" else qa.double() * sa.double()
+    return qa, qw.transpose(1, 2), sa, sb, offs_of(sizes, device), a_deq, b_deq
+
+
+def moe_inputs(T, H, I, E, k, dtype, device, skewed=False):
+    """x, experts at 1/sqrt(fan-in) and routing of random logits (``skewed``: most tokens pick
+    experts 0 and 1)."""
+    x = torch.randn(T, H, device=device).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, device=device) * I**-0.5).to(dtype)
+    logits = torch.randn(T, E, device=device)
+    if skewed:
+        logits[:, :2] += 4.0
+    weights, ids = onegemm.route(logits, k)
+    return x, w_gate_up, w_down, weights, ids
+
+
+def fp8_moe_inputs(T, H, I, E, k, dtype, device, bad_ids=False, skewed=False):
+    """Random bf16-scale experts quantised by the reference quantiser (gate and up apart)."""
+    x, w13, w2, weights, ids = moe_inputs(T, H, I, E, k, torch.float32, device, skewed)
+    gate_q, gate_s = quantize_experts_ref(w13[:, :I])
+    up_q, up_s = quantize_experts_ref(w13[:, I:])
+    w2q, w2s = quantize_experts_ref(w2)
+    if bad_ids:  # expert-parallel: ids of experts on other ranks contribute nothing
+        ids[::3, 0] = E + 1
+        ids[1::4, -1] = -1
+    return (x.to(dtype), torch.cat([gate_q, up_q], 1), w2q, weights, ids,
+            dict(w_gate_up_scale=torch.cat([gate_s, up_s], 1), w_down_scale=w2s), (w13, w2))

@@ -4,15 +4,12 @@ import pytest
 import torch
 
 import onegemm
+from helpers import fp8_grouped_inputs, offs_of
 from onegemm.core.configs import EITHER, RAGGED_CONFIGS, flavoured
 from onegemm.core.configs import cfg as _cfg
 
 GROUPED_CONFIGS = flavoured(RAGGED_CONFIGS, EITHER)  # every ragged config in both load flavours
-from onegemm.testing import TOL, assert_close, dequantize_ref, grouped_mm_ref, matmul_ref
-
-
-def offs_of(sizes, device):
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+from onegemm.testing import TOL, assert_close, grouped_mm_ref, matmul_ref
 
 
 def rand(*shape, dtype=torch.float32, device="cpu"):
@@ -449,27 +446,6 @@ FP8_CASES = [
     ("1x128", "col", [1, 0, 2]),
     ("row", "128x128", [5, 0, 17]),
 ]
-
-
-def fp8_grouped_inputs(kind_a, kind_b, sizes, K, N, device):
-    """(qa, qb, scale_a, scale_b, offs, dequantised a, dequantised b) for a 2D x 3D FP8 call:
-    activations quantised per token (1x128 or row), expert weights [G, N, K] per 128x128 block
-    or with a random per-channel scale, b and scale_b handed over transposed as checkpoints
-    store them."""
-    G = len(sizes)
-    x = torch.randn(sum(sizes) + 3, K, device=device)
-    qa, sa = onegemm.quantize_fp8(x, (1, 128) if kind_a == "1x128" else "row")
-    w = torch.randn(G, N, K, device=device) * K**-0.5
-    if kind_b == "128x128":
-        qw, sw = (torch.stack(t) for t in zip(*[onegemm.quantize_fp8(w[g], (128, 128)) for g in range(G)]))
-        sb = sw.transpose(1, 2)  # [G, ceil(K/128), ceil(N/128)]
-        b_deq = torch.stack([dequantize_ref(qw[g], sw[g], 128, 128) for g in range(G)]).transpose(1, 2)
-    else:
-        qw = w.to(torch.float8_e4m3fn)
-        sb = torch.rand(G, 1, N, device=device) + 0.5
-        b_deq = qw.double().transpose(1, 2) * sb.double()
-    a_deq = dequantize_ref(qa, sa, 1, 128) if kind_a == "1x128" else qa.double() * sa.double()
-    return qa, qw.transpose(1, 2), sa, sb, offs_of(sizes, device), a_deq, b_deq
 
 
 @pytest.mark.parametrize("kind_a,kind_b,sizes", FP8_CASES)

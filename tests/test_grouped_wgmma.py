@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import onegemm
+from helpers import fp8_grouped_inputs, fp8_moe_inputs, offs_of
 from onegemm.core import configs, hopper_fp8
 from onegemm.core.launch import clear_plans, plans
 from onegemm.grouped.ops import combine, gather_quantize, row_tiles
@@ -17,19 +18,13 @@ from onegemm.testing import (
     assert_close,
     calc_diff,
     launched,
-    dequantize_ref,
     grouped_mm_ref,
     moe_fp8_ref,
     moe_ref,
-    quantize_experts_ref,
     quantize_fp8_ref,
 )
 
 E4M3 = torch.float8_e4m3fn
-
-
-def offs_of(sizes, device):
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
 
 def row_tiles_ref(sizes, M, block_m):
@@ -213,18 +208,6 @@ def flavour(request, monkeypatch):
     clear_plans()
 
 
-def fp8_grouped(sizes, K, N, device, tail=3):
-    """(qa, qb, scale_a, scale_b, offs, a_deq, b_deq): per-token 1x128 activations, 128x128
-    expert weights [G, N, K] handed over transposed, as checkpoints store them."""
-    G = len(sizes)
-    x = torch.randn(sum(sizes) + tail, K, device=device)
-    qa, sa = onegemm.quantize_fp8(x, (1, 128))
-    w = torch.randn(G, N, K, device=device) * K**-0.5
-    qw, sw = (torch.stack(t) for t in zip(*[onegemm.quantize_fp8(w[g], (128, 128)) for g in range(G)]))
-    b_deq = torch.stack([dequantize_ref(qw[g], sw[g], 128, 128) for g in range(G)]).transpose(1, 2)
-    return qa, qw.transpose(1, 2), sa, sw.transpose(1, 2), offs_of(sizes, device), dequantize_ref(qa, sa, 1, 128), b_deq
-
-
 # (group sizes, K, N): empty groups, 1, 127, 129, 300 rows; K and N not multiples of 128 (K a
 # multiple of 16: TMA rows); skewed (one group holds most rows)
 GROUPED_GPU_CASES = [
@@ -239,7 +222,7 @@ GROUPED_GPU_CASES = [
 @pytest.mark.parametrize("sizes,K,N", GROUPED_GPU_CASES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias-silu"])
 def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, device, flavour):
-    qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped(sizes, K, N, device)
+    qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped_inputs("1x128", "128x128", sizes, K, N, device)
     G = len(sizes)
     bias = torch.randn(G, N, device=device) if with_bias else None
     act = "silu" if with_bias else None
@@ -259,28 +242,10 @@ def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, device, flavour):
 @pytest.mark.gpu
 @pytest.mark.sm90
 def test_gpu_grouped_fp8_wgmma_bad_offs(device, flavour):
-    qa, qb, sa, sb, _, _, _ = fp8_grouped([300, 300], 256, 256, device, tail=0)
+    qa, qb, sa, sb, _, _, _ = fp8_grouped_inputs("1x128", "128x128", [300, 300], 256, 256, device, tail=0)
     bad = torch.tensor([400, 100], dtype=torch.int32, device=device)
     out = onegemm.grouped_matmul(qa, qb, bad, scale_a=sa, scale_b=sb)
     assert out.isnan().all()
-
-
-def fp8_experts(T, H, I, E, k, device, dtype=torch.bfloat16, skew=False, foreign=False):
-    x = torch.randn(T, H, device=device).to(dtype)
-    w13 = torch.randn(E, 2 * I, H, device=device) * H**-0.5
-    w2 = torch.randn(E, H, I, device=device) * I**-0.5
-    logits = torch.randn(T, E, device=device)
-    if skew:  # most tokens to expert 0 and 1
-        logits[:, :2] += 4.0
-    weights, ids = onegemm.route(logits, k)
-    if foreign:  # experts on other ranks contribute nothing
-        ids[::3, 0] = E + 2
-        ids[1::5, -1] = -1
-    gate_q, gate_s = quantize_experts_ref(w13[:, :I])
-    up_q, up_s = quantize_experts_ref(w13[:, I:])
-    w2q, w2s = quantize_experts_ref(w2)
-    scales = dict(w_gate_up_scale=torch.cat([gate_s, up_s], 1), w_down_scale=w2s)
-    return x, torch.cat([gate_q, up_q], 1), w2q, weights, ids, scales, (w13, w2)
 
 
 # (T, H, I, E, k, routing): I not a multiple of 128 (the up half's scale blocks start after
@@ -298,8 +263,8 @@ MOE_GPU_CASES = [
 @pytest.mark.sm90
 @pytest.mark.parametrize("T,H,I,E,k,routing", MOE_GPU_CASES)
 def test_gpu_moe_ffn_fp8_on_wgmma(T, H, I, E, k, routing, device, flavour):
-    x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_experts(
-        T, H, I, E, k, device, skew=routing == "skewed", foreign=routing == "foreign")
+    x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_moe_inputs(
+        T, H, I, E, k, torch.bfloat16, device, bad_ids=routing == "foreign", skewed=routing == "skewed")
     y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
     gemm1 = "swiglu" if flavour == "grouped" else "decode_swiglu"
     assert _runs_wgmma(lambda: onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), gemm1), "the Gluon body did not run"

@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import onegemm
+from helpers import fp8_moe_inputs, moe_inputs
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER, sort_by_expert
 from onegemm.testing import (
     TOL,
@@ -18,14 +19,6 @@ from onegemm.testing import (
     quantize_fp8_ref,
     route_ref,
 )
-
-
-def moe_inputs(T, H, I, E, k, dtype, device):
-    x = torch.randn(T, H, device=device).to(dtype)
-    w_gate_up = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(dtype)
-    w_down = (torch.randn(E, H, I, device=device) * I**-0.5).to(dtype)
-    weights, ids = onegemm.route(torch.randn(T, E, device=device), k)
-    return x, w_gate_up, w_down, weights, ids
 
 
 # ---- routing ----
@@ -238,19 +231,6 @@ def test_from_safetensors_wrong_prefix(device):
 
 
 # ---- FP8 experts (DeepSeek-V3 format: e4m3 weights, 128x128 scales; 1x128 activations) ----
-
-
-def fp8_moe_inputs(T, H, I, E, k, dtype, device, bad_ids=False):
-    """Random bf16-scale experts quantised by the reference quantiser (gate and up apart)."""
-    x, w13, w2, weights, ids = moe_inputs(T, H, I, E, k, torch.float32, device)
-    gate_q, gate_s = quantize_experts_ref(w13[:, :I])
-    up_q, up_s = quantize_experts_ref(w13[:, I:])
-    w2q, w2s = quantize_experts_ref(w2)
-    if bad_ids:  # expert-parallel: ids of experts on other ranks contribute nothing
-        ids[::3, 0] = E + 1
-        ids[1::4, -1] = -1
-    return (x.to(dtype), torch.cat([gate_q, up_q], 1), w2q, weights, ids,
-            dict(w_gate_up_scale=torch.cat([gate_s, up_s], 1), w_down_scale=w2s), (w13, w2))
 
 
 # (T, H, I, E, k, x dtype, extra): H, I not multiples of 128 (partial scale blocks; the up
