@@ -24,7 +24,7 @@ import math
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
 import torch.nn.functional as F
-from common import bench_ms, geomean, header, markdown_table, write_results
+from common import bench_ms, geomean, header, markdown_table, update_summary, write_results
 from onegemm.testing import assert_close, host_us, moe_ffn_torch
 from torch import nn
 
@@ -189,8 +189,11 @@ def main():
 
     gemm_rows = measure_linear(QUICK["linear"] if quick else LINEAR_SHAPES, device, timer)
     gemm_rows += measure_moe(QUICK["moe"] if quick else MOE_SHAPES, device, timer)
-    d, steps, batch = QUICK["mlp"] if quick else (4096, args.steps, 8192)
-    train_row, bf16_losses, fp8_losses = measure_fp8_training(d, steps, batch, device)
+    d, steps, batches = (QUICK["mlp"][0], QUICK["mlp"][1], [QUICK["mlp"][2]]) if quick else (4096, args.steps, [8192, 16384])
+    train_rows = []
+    for batch in batches:
+        train_row, bf16_losses, fp8_losses = measure_fp8_training(d, steps, batch, device)
+        train_rows.append(train_row)
     if quick:
         assert all(math.isfinite(x) for x in bf16_losses + fp8_losses)
         print("quick: every path ran; no files written")
@@ -213,13 +216,23 @@ def main():
         "Step time: median of the second half of the steps (forward, backward, AdamW), eager. "
         "Targets: final loss within 5% of bf16's; step >= 1.3x faster at hidden 4096.\n\n"
     )
-    text += markdown_table([train_row]) + "\n"
+    text += markdown_table(train_rows) + "\n"
     text += "![loss curves](fp8_training.png)\n\n"
     text += "## Eager host time of one call (us), M = 16, 4096 x 4096 bf16\n\n" + markdown_table(host_rows) + "\n"
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_autograd.py regenerates everything else. -->\n\n")
     write_results("autograd", text)
     plot_losses(bf16_losses, fp8_losses)
+    by_op = lambda op: geomean([r["vs_torch"] for r in gemm_rows if r["op"] == op])  # noqa: E731
+    update_summary([
+        dict(name="linear_fwd_bwd_vs_torch", value=by_op("linear"), peer="F.linear forward+backward, GPU time, M >= 4096"),
+        dict(name="grouped_fwd_bwd_vs_torch", value=by_op("grouped_matmul 2Dx3D"),
+             peer="torch._grouped_mm forward+backward, GPU time (Qwen3-30B-A3B and Mixtral gate_up)"),
+        dict(name="moe_ffn_fwd_bwd_vs_torch", value=by_op("moe_ffn"),
+             peer="the torch MoE on torch._grouped_mm forward+backward, GPU time (Qwen3 T=8192, Mixtral T=4096)"),
+        dict(name="fp8_mlp_train_vs_bf16", value=geomean([r["fp8_speedup"] for r in train_rows]),
+             peer="bf16 nn.Linear MLP 4096->16384->4096 training step, eager (8192 and 16384 tokens)"),
+    ])
 
 
 def plot_losses(bf16_losses, fp8_losses):

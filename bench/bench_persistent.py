@@ -29,7 +29,7 @@ import sys
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
 import triton
-from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, write_results
+from common import bench_ms, geomean, header, markdown_table, plot_ratios, tflops, update_summary, write_results
 from onegemm import testing
 from onegemm.core import configs
 from onegemm.testing import TOL, assert_close, matmul_ref, rel_err
@@ -184,6 +184,9 @@ def run(quick: bool, dname: str):
     path = plot_ratios(name, labels, series, "speed ratio X/Y (Y time / X time)",
                        f"persistent vs launch-per-tile ({dname}) on {torch.cuda.get_device_name()}")
     print(f"wrote {path}")
+    if dname == "bf16":
+        update_summary([dict(name="persistent_vs_launch_per_tile", value=summarize(rows)[0]["pers_tma/lpt_tma"],
+                             peer="onegemm.matmul launch-per-tile (TMA), GPU time, geomean over bench_persistent's shapes")])
 
 
 if __name__ == "__main__":

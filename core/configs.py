@@ -719,8 +719,9 @@ def sort_heuristic(key: SortKey, sms: int) -> triton.Config:
 
 
 class PrepKey(NamedTuple):
-    what: str       # "row_tiles", "gather_quantize" or "combine"
-    size: int       # row_tiles: G_BLOCK; gather_quantize: the m bucket of its rows; combine: H
+    what: str       # "row_tiles", "gather_quantize", "combine" or "swiglu_backward"
+    size: int       # row_tiles: G_BLOCK; gather_quantize: the m bucket of its rows; combine: H;
+                    # swiglu_backward: I
 
     def __str__(self):
         return f"{self.what} {self.size}"
@@ -731,6 +732,8 @@ def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
         return triton.Config({"CHUNK": max(16, min(32, 8192 // key.size))}, num_warps=4, num_stages=1)
     if key.what == "combine":  # one token's row per program, in 16-byte vectors
         return triton.Config({"BLOCK_H": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
+    if key.what == "swiglu_backward":  # one pair's row per program, in chunks of up to 1024 columns
+        return triton.Config({"BLOCK_I": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
     return triton.Config({"BLOCK_R": 32 if key.size >= 4096 else 16}, num_warps=4, num_stages=1)
 
 
@@ -794,6 +797,7 @@ SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_war
 ROW_TILES = Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
 GATHER_QUANTIZE = Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
 COMBINE = Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
+SWIGLU_BACKWARD = Family("swiglu_backward", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
 ROUTE = Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1))
 FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT, ROW_TILES,
-                                  GATHER_QUANTIZE, COMBINE, ROUTE)}
+                                  GATHER_QUANTIZE, COMBINE, SWIGLU_BACKWARD, ROUTE)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -11,7 +12,7 @@ import triton.language as tl
 from . import checks, configs, splitk
 from .dispatch import Cached, Launch, Op, Record, begin
 from .launch import Launcher, Request
-from .runtime import INTERPRET, empty, interpretable, tile_grid
+from .runtime import INTERPRET, empty, interpretable, product_like, tile_grid
 from .tiles import NO_SCALES, NO_VECTOR, Operand, Routing, SplitK, TileSpec, Vector, gemm_tile, make_operands, program_units, swizzle_tile
 from .tma import choose_tma, forced_flavour, layout_meta
 
@@ -172,9 +173,9 @@ def _dense_backward(ctx, grad):
     a, b = ctx.saved_tensors
     da = db = dbias = None
     if ctx.needs_input_grad[0]:
-        da = matmul(grad.to(b.dtype), b.t(), out_dtype=a.dtype)
+        da = product_like(a, partial(matmul, out_dtype=a.dtype), grad.to(b.dtype), b.t())
     if ctx.needs_input_grad[1]:
-        db = matmul(a.t(), grad.to(a.dtype), out_dtype=b.dtype)
+        db = product_like(b, partial(matmul, out_dtype=b.dtype), a.t(), grad.to(a.dtype))
     if ctx.needs_input_grad[2]:
         dbias = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return da, db, dbias, None, None, None, None, None

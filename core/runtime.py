@@ -57,6 +57,16 @@ def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     return out
 
 
+def product_like(like: torch.Tensor, mm, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """mm(x, y) (a matmul-like op: x @ y over the last two dims) laid out like ``like``, the
+    tensor it is the gradient of. Autograd copies a gradient whose strides differ from its
+    input's (a weight passed as W.t() gets a contiguous W^T-shaped gradient: a transposing
+    copy of the whole weight), so for a column-major ``like`` it is computed as (y^T x^T)^T."""
+    if like.dim() >= 2 and like.stride(-2) == 1 and like.stride(-1) != 1 and min(like.shape[-2:]) > 1:
+        return mm(y.transpose(-2, -1), x.transpose(-2, -1)).transpose(-2, -1)
+    return mm(x, y)
+
+
 def graph_bench(fn, warmup: float = 25, rep: float = 100, quantiles=None, return_mode: str = "mean"):
     """GPU time of ``fn()``: captured once in a CUDA graph, replays timed by
     triton.testing.do_bench (CUDA events, L2 flushed between replays).

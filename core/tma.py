@@ -96,14 +96,17 @@ def _hopper(index: int) -> bool:
 def choose_tma(tma: bool | None, a, b, c, strides=(None, None, None)) -> TmaLayout | None:
     """Resolve a public op's ``tma`` argument to a layout (TMA flavour) or None (pointers).
 
-    tma=None: automatic, TMA on a Hopper GPU when every operand allows it (the interpreter
-        defaults to pointers: that is the flavour CPU users run).
+    tma=None: automatic, TMA on a Hopper GPU when every operand allows it and C is not fp32
+        beside 16- or 8-bit inputs (the interpreter defaults to pointers: that is the flavour
+        CPU users run).
     tma=False: always pointers. tma=True: TMA, or a ValueError saying which operand prevents it
         (benchmarks use it, so they measure the flavour they name).
     """
     if tma is None:
         if INTERPRET or not a.is_cuda or not _hopper(a.get_device()) or a.numel() == 0 or b.numel() == 0:
             return None
+        if c.element_size() == 4 and a.element_size() < 4:
+            return None  # the TMA store's fp32 C tile does not fit in shared memory beside a 16/8-bit pipeline
         return tma_layout(a, b, c, strides)
     checks.check_tma(tma)
     if tma is False:

@@ -30,7 +30,7 @@ _FUNC_ALL_TO_ALL = funcol.all_to_all_single_autograd
 SKIP_ONE_RANK = True
 
 
-def _alone(group) -> bool:
+def alone(group) -> bool:
     return SKIP_ONE_RANK and dist.get_world_size(group) == 1
 
 
@@ -111,7 +111,7 @@ def _traced(x) -> bool:
 
 def all_gather(x, group):
     """[n, ...] on each of W ranks -> [W * n, ...], rank-major; the gradient reduce-scatters."""
-    if _alone(group):
+    if alone(group):
         return x
     if _traced(x):
         return _FUNC_ALL_GATHER(x.contiguous(), 0, group)
@@ -121,7 +121,7 @@ def all_gather(x, group):
 def reduce_scatter(x, group):
     """[W * n, ...] on each rank -> this rank's [n, ...] block of the sum over ranks; the
     gradient all-gathers."""
-    if _alone(group):
+    if alone(group):
         return x
     if _traced(x):
         return _FUNC_REDUCE_SCATTER(x.contiguous(), "sum", 0, group)
@@ -131,7 +131,7 @@ def reduce_scatter(x, group):
 def all_to_all(x, out_splits: list, in_splits: list, group):
     """Rows in_splits[d] of x to rank d; the rows from rank s arrive in order of s. The
     gradient sends the rows back the way they came."""
-    if _alone(group):
+    if alone(group):
         return x
     if _traced(x):
         return _FUNC_ALL_TO_ALL(x.contiguous(), out_splits, in_splits, group)

@@ -26,7 +26,7 @@ from ..core.runtime import INTERPRET
 from ..grouped.loading import read_layer
 from ..grouped.moe import _check_moe, check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn
 from ..grouped.routing import route
-from .comm import all_gather, all_to_all, reduce_scatter, resolve_group
+from .comm import all_gather, all_to_all, alone, reduce_scatter, resolve_group
 
 STRATEGIES = ("auto", "allgather", "alltoall")
 # "auto" all-gathers up to this many tokens per rank (decode) and goes all-to-all above it
@@ -85,6 +85,8 @@ def ep_moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, group=None, stra
     if fp8:  # quantised once, before the send: fp8 bytes on the wire
         x, x_scale = quantize_fp8(x)
     experts = _Experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, rank, world)
+    if alone(group):  # every expert is local and every collective the identity: moe_ffn itself
+        return experts(x, x_scale, topk_weights, topk_ids).to(out_dtype)
     run = _allgather if strategy == "allgather" else _alltoall
     return run(x, x_scale, topk_weights, topk_ids, experts, group).to(out_dtype)
 

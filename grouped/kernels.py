@@ -19,7 +19,8 @@ The memory-bound helpers around the MoE GEMMs: ``sort_by_expert_kernel`` (the ro
 decode sizes); for core's Gluon FP8 body (core/hopper_fp8.py, its grouped flavour)
 ``row_tiles_kernel`` (the groups' row tiles, from offs on the device), ``gather_quantize_kernel``
 (x quantised once per pair in expert order: TMA cannot gather rows) and ``combine_kernel``
-(the top-k sum that skips other ranks' slots); ``route_kernel`` (fused routing at decode).
+(the top-k sum that skips other ranks' slots); ``route_kernel`` (fused routing at decode);
+``swiglu_backward_kernel`` (the expert FFN's activation backward, one pass over its rows).
 """
 
 from typing import Any, NamedTuple
@@ -411,6 +412,38 @@ def combine_kernel(Y, ids, Out, E, H, k: tl.constexpr, BLOCK_H: tl.constexpr):
         if (e >= 0) & (e < E):
             acc += tl.load(Y.ptr + (t * k + j) * Y.stride0 + cols * Y.stride1, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out.ptr + t * Out.stride0 + cols * Out.stride1, acc.to(Out.ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_backward_kernel(Hpre, dHu, w, dHpre, Hout, dw, I, BLOCK_I: tl.constexpr):
+    """MoE GEMM1's SwiGLU backward for one (token, slot) row r per program, all in fp32:
+    g, u = Hpre[r, :I], Hpre[r, I:]; h = silu(g) * u; dw[r] = <dHu[r], h> (summed in a fixed
+    order); dh = w[r] * dHu[r]; dHpre[r] = [dh * u * silu'(g), dh * silu(g)]; Hout[r] = h.
+
+    Hpre: Operand over [P, 2I] (GEMM1's pre-activation, recomputed); dHu: Operand over [P, I]
+    fp32 (dy @ W2_e: h's gradient before the routing weight); w: fp32 [P] contiguous (each
+    row's routing weight); dHpre: Operand over [P, 2I]; Hout: Operand over [P, I] (dW2's
+    operand); dw: fp32 [P] (the routing weights' gradient). Grid: (P,).
+    """
+    r = tl.program_id(0).to(tl.int64)
+    wr = tl.load(w + r)
+    acc = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for c0 in range(0, I, BLOCK_I):
+        cols = c0 + tl.arange(0, BLOCK_I)
+        mask = cols < I
+        g = tl.load(Hpre.ptr + r * Hpre.stride0 + cols * Hpre.stride1, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(Hpre.ptr + r * Hpre.stride0 + (cols + I) * Hpre.stride1, mask=mask, other=0.0).to(tl.float32)
+        dhu = tl.load(dHu.ptr + r * dHu.stride0 + cols * dHu.stride1, mask=mask, other=0.0)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        h = silu * u
+        acc += dhu * h
+        dh = dhu * wr
+        out = dHpre.ptr + r * dHpre.stride0
+        tl.store(out + cols * dHpre.stride1, (dh * u * sig * (1 + g * (1 - sig))).to(dHpre.ptr.dtype.element_ty), mask=mask)
+        tl.store(out + (cols + I) * dHpre.stride1, (dh * silu).to(dHpre.ptr.dtype.element_ty), mask=mask)
+        tl.store(Hout.ptr + r * Hout.stride0 + cols * Hout.stride1, h.to(Hout.ptr.dtype.element_ty), mask=mask)
+    tl.store(dw + r, tl.sum(acc, axis=0))
 
 
 @triton.jit

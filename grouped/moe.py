@@ -23,7 +23,7 @@ from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
 from ..core.runtime import empty, next_pow2
 from ..core.tiles import NO_SCALES, Operand, Routing, Scales
 from .kernels import Stacked, sort_by_expert_kernel
-from .ops import combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles
+from .ops import combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles, swiglu_backward
 
 
 def sort_by_expert(topk_ids, num_experts: int):
@@ -429,29 +429,37 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
     if P == 0:
         return torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down), torch.zeros_like(topk_weights)
     pair, token, offs = sort_by_expert(topk_ids, E)
-    pair = pair.long()
+    w_s = topk_weights.reshape(-1)[pair].float()
+    dy_x = dy.to(x.dtype)
     if differentiable:
+        pair = pair.long()
         h_pre = grouped_matmul(x[token], w_gate_up.transpose(1, 2), offs)
-    else:
+        g, u = h_pre[:, :I].float(), h_pre[:, I:].float()
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        h = silu * u
+        dh_u = grouped_matmul(dy_x[token], w_down, offs, out_dtype=torch.float32)  # [P, I]: b = W2_e [H, I]
+        dweights = torch.empty(P, device=x.device, dtype=torch.float32)
+        dweights[pair] = (dh_u * h).sum(1)
+        dh = dh_u * w_s[:, None]
+        dh_pre = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], dim=1).to(x.dtype)
+        h = h.to(x.dtype)
+        dx_pairs = torch.empty(P, H, device=x.device, dtype=torch.float32)
+        dx_pairs[pair] = grouped_matmul(dh_pre, w_gate_up, offs, out_dtype=torch.float32)  # [P, H]: b = W13_e
+        dx = dx_pairs.view(T, k, H).sum(1).to(x.dtype)
+    else:  # the gathers and the scatter inside the GEMMs, the activation's backward in one pass
         h_pre = empty((P, 2 * I), dtype=x.dtype, device=x.device)
         _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
-    g, u = h_pre[:, :I].float(), h_pre[:, I:].float()
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    h = silu * u
-    dy_s = dy.to(x.dtype)[token]
-    w_s = topk_weights.reshape(-1)[pair].float()
-    dh_u = grouped_matmul(dy_s, w_down, offs, out_dtype=torch.float32)  # [P, I]: b = W2_e [H, I]
-    dweights = torch.empty(P, device=x.device, dtype=torch.float32)
-    dweights[pair] = (dh_u * h).sum(1)
-    dh = dh_u * w_s[:, None]
-    dh_pre = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], dim=1).to(x.dtype)
-    dx_s = grouped_matmul(dh_pre, w_gate_up, offs, out_dtype=torch.float32)  # [P, H]: b = W13_e [2I, H]
-    dx_pairs = torch.empty_like(dx_s)
-    dx_pairs[pair] = dx_s
-    dx = dx_pairs.view(T, k, H).sum(1).to(x.dtype)
+        dh_u = empty((P, I), dtype=torch.float32, device=x.device)
+        _expert_gemm(dy_x, w_down.transpose(1, 2), dh_u, offs, a_rows=token)
+        dh_pre, h, dw_s = swiglu_backward(h_pre, dh_u, w_s.contiguous())
+        dweights = torch.empty(P, device=x.device, dtype=torch.float32)
+        dweights[pair] = dw_s
+        dx_pairs = empty((P, H), dtype=torch.float32, device=x.device)
+        _expert_gemm(dh_pre, w_gate_up.transpose(1, 2), dx_pairs, offs, c_rows=pair)
+        dx = combine(dx_pairs, topk_ids, E, x.dtype)
     dw13 = grouped_matmul(dh_pre.t(), x[token], offs, out_dtype=w_gate_up.dtype)  # 2D x 2D over the rows
-    dw2 = grouped_matmul((dy_s.float() * w_s[:, None]).to(x.dtype).t(), h.to(x.dtype), offs, out_dtype=w_down.dtype)
+    dw2 = grouped_matmul((dy_x[token].float() * w_s[:, None]).to(x.dtype).t(), h, offs, out_dtype=w_down.dtype)
     return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
 
 

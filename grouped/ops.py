@@ -10,19 +10,21 @@ from ..blockscaled.quantize import BLOCK
 from ..core import checks, configs
 from ..core.dispatch import Launch, Op, Record, activate, begin, wants_grad
 from ..core.launch import Launcher, Request
-from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, sm_count
+from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
 from ..core.tiles import NO_OPERAND, NO_SCALES, NO_VECTOR, Operand, Routing, Scales, Vector
 
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
-from .kernels import Stacked, combine_kernel, gather_quantize_kernel, list_kernel, ragged_kernel, row_tiles_kernel
+from .kernels import (Stacked, combine_kernel, gather_quantize_kernel, list_kernel, ragged_kernel, row_tiles_kernel,
+                      swiglu_backward_kernel)
 
 RAGGED = Launcher(ragged_kernel, configs.RAGGED)
 LIST = Launcher(list_kernel, configs.LIST)
 ROW_TILES = Launcher(row_tiles_kernel, configs.ROW_TILES)
 GATHER_QUANTIZE = Launcher(gather_quantize_kernel, configs.GATHER_QUANTIZE)
 COMBINE = Launcher(combine_kernel, configs.COMBINE)
+SWIGLU_BACKWARD = Launcher(swiglu_backward_kernel, configs.SWIGLU_BACKWARD)
 
 
 def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True):
@@ -72,6 +74,22 @@ def combine(y_pairs, topk_ids, E: int, dtype):
     COMBINE.launch(plan, (T, cdiv(H, plan.meta["BLOCK_H"])),
                    (Operand(y_pairs, *y_pairs.stride()), ids, Operand(out, *out.stride()), E, H))
     return out
+
+
+def swiglu_backward(h_pre, dh_u, weight):
+    """The expert FFN's SwiGLU backward (swiglu_backward_kernel): h_pre [P, 2I] (gate | up),
+    dh_u fp32 [P, I], weight fp32 [P] -> (dh_pre [P, 2I] in h_pre's dtype, h [P, I] in h_pre's
+    dtype, dweight fp32 [P])."""
+    P, I = dh_u.shape
+    dh_pre, h = torch.empty_like(h_pre), empty((P, I), dtype=h_pre.dtype, device=h_pre.device)
+    dweight = empty((P,), dtype=torch.float32, device=h_pre.device)
+    if P == 0:
+        return dh_pre, h, dweight
+    key = configs.PrepKey("swiglu_backward", I)
+    plan = SWIGLU_BACKWARD.plan((key, h_pre.dtype, h_pre.get_device()), lambda: Request(key, {}, h_pre.device))
+    SWIGLU_BACKWARD.launch(plan, (P,), (Operand(h_pre, *h_pre.stride()), Operand(dh_u, *dh_u.stride()), weight,
+                                        Operand(dh_pre, *dh_pre.stride()), Operand(h, *h.stride()), dweight, I))
+    return dh_pre, h, dweight
 
 
 def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
@@ -448,34 +466,38 @@ def _grouped_backward(ctx, grad):
     dz_a, dz_b = grad.to(b.dtype), grad.to(a.dtype)
     da = db = dbias = None
     mode = (a.dim(), b.dim())
+
+    def like(t, x, y):  # t's gradient x @ y (a grouped mode; offs is None in 3D x 3D), in t's layout
+        return product_like(t, lambda p, q: grouped_matmul(p, q, offs, out_dtype=t.dtype), x, y)
+
     if mode == (2, 3):  # z [sum_M, N] = a_g [M_g, K] @ b[g] [K, N]
         if need_a:
-            da = grouped_matmul(dz_a, b.transpose(1, 2), offs, out_dtype=a.dtype)
+            da = like(a, dz_a, b.transpose(1, 2))
         if need_b:
-            db = grouped_matmul(a.t(), dz_b, offs, out_dtype=b.dtype)  # 2D x 2D over sum_M
+            db = like(b, a.t(), dz_b)  # 2D x 2D over sum_M
         if need_bias:
             # 1 x rows of each group: the group sums of grad's rows, in onegemm's (fixed order) K loop.
             ones = torch.ones(1, grad.shape[0], device=grad.device, dtype=torch.float32)
             dbias = grouped_matmul(ones, grad.float(), offs)[:, 0].to(ctx.bias_dtype)
     elif mode == (3, 3):  # z [G, M, N] = a[g] @ b[g]
         if need_a:
-            da = grouped_matmul(dz_a, b.transpose(1, 2), out_dtype=a.dtype)
+            da = like(a, dz_a, b.transpose(1, 2))
         if need_b:
-            db = grouped_matmul(a.transpose(1, 2), dz_b, out_dtype=b.dtype)
+            db = like(b, a.transpose(1, 2), dz_b)
         if need_bias:
             dbias = grad.sum(1, dtype=torch.float32).to(ctx.bias_dtype)
     elif mode == (2, 2):  # z [G, M, N] = a[:, K_g] @ b[K_g, :]
         if need_a:
-            da = grouped_matmul(dz_a, b.t(), offs, out_dtype=a.dtype)  # 3D x 2D: [M, sum_K]
+            da = like(a, dz_a, b.t())  # 3D x 2D: [M, sum_K]
         if need_b:
-            db = grouped_matmul(a.t(), dz_b, offs, out_dtype=b.dtype)  # 2D x 3D: [sum_K, N]
+            db = like(b, a.t(), dz_b)  # 2D x 3D: [sum_K, N]
         if need_bias:
             dbias = grad.sum(1, dtype=torch.float32).to(ctx.bias_dtype)
     else:  # (3, 2): z [M, sum_N] = a[g] @ b[:, N_g]
         if need_a:
-            da = grouped_matmul(dz_a, b.t(), offs, out_dtype=a.dtype)  # 2D x 2D over sum_N: [G, M, K]
+            da = like(a, dz_a, b.t())  # 2D x 2D over sum_N: [G, M, K]
         if need_b:
-            db = grouped_matmul(a.transpose(1, 2), dz_b, offs, out_dtype=b.dtype)  # 3D x 2D: [K, sum_N]
+            db = like(b, a.transpose(1, 2), dz_b)  # 3D x 2D: [K, sum_N]
         if need_bias:
             # Columns past offs[-1] are written as zero, bias or not: they get no bias gradient.
             # (No group at all: no column is live. offs[-1:] stays on the device: no sync.)

@@ -88,6 +88,51 @@ def test_dense_gradient_of_one_input_only(device):
     assert_close(a.grad, want, GRAD_TOL[torch.float32])
 
 
+# Weights are passed transposed (nn.Linear's W as b = W.t(), experts as W.transpose(1, 2)):
+# their gradients must arrive in the leaf's own layout, or autograd adds a transposing copy
+# of the whole weight to every backward. (name, leaves, call)
+LAYOUT_CASES = [
+    ("linear", lambda d: [torch.randn(9, 32, device=d), torch.randn(48, 32, device=d)],
+     lambda x, w: onegemm.linear(x, w)),
+    ("matmul b=W.t()", lambda d: [torch.randn(9, 32, device=d), torch.randn(48, 32, device=d)],
+     lambda x, w: onegemm.matmul(x, w.t())),
+    ("matmul a=X.t()", lambda d: [torch.randn(32, 9, device=d), torch.randn(32, 48, device=d)],
+     lambda x, w: onegemm.matmul(x.t(), w)),
+    ("2Dx3D b=W.transpose", lambda d: [torch.randn(20, 32, device=d), torch.randn(3, 48, 32, device=d)],
+     lambda x, w: onegemm.grouped_matmul(x, w.transpose(1, 2), torch.tensor([7, 7, 20], dtype=torch.int32, device=x.device))),
+    ("3Dx3D b=W.transpose", lambda d: [torch.randn(3, 9, 32, device=d), torch.randn(3, 48, 32, device=d)],
+     lambda x, w: onegemm.grouped_matmul(x, w.transpose(1, 2))),
+    ("2Dx2D b=W.t()", lambda d: [torch.randn(9, 20, device=d), torch.randn(48, 20, device=d)],
+     lambda x, w: onegemm.grouped_matmul(x, w.t(), torch.tensor([5, 5, 20], dtype=torch.int32, device=x.device))),
+]
+
+
+@pytest.mark.parametrize("name,leaves,call", LAYOUT_CASES, ids=[c[0] for c in LAYOUT_CASES])
+def test_gradients_arrive_in_the_inputs_layout(name, leaves, call, device):
+    inputs = [leaf(t) for t in leaves(device)]
+    arrived = {}
+    for i, t in enumerate(inputs):
+        t.register_hook(lambda g, i=i: arrived.__setitem__(i, g.stride()))
+    out = call(*inputs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want = ref_grads(lambda *t: _ref_of(name, *t), inputs, grad)
+    for i, t in enumerate(inputs):
+        assert arrived[i] == t.stride(), f"input {i}: gradient strides {arrived[i]}, the input's {t.stride()}"
+        assert_close(t.grad, want[i], GRAD_TOL[torch.float32], f"grad of input {i}")
+
+
+def _ref_of(name, x, w):
+    """The float64 reference of a LAYOUT_CASES call (the same call with torch's ops)."""
+    if name in ("linear", "matmul b=W.t()"):
+        return x @ w.t()
+    if name == "matmul a=X.t()":
+        return x.t() @ w
+    offs = {"2Dx3D b=W.transpose": [7, 7, 20], "2Dx2D b=W.t()": [5, 5, 20]}.get(name)
+    b = w.transpose(-2, -1)
+    return grouped_mm_ref(x, b, None if offs is None else torch.tensor(offs, dtype=torch.int32, device=x.device))
+
+
 # ---- grouped_matmul: each mode's backward is two other modes ----
 
 # (mode, G, M, N, K, group sizes along the ragged dim (with an empty group) and a tail past offs[-1], bias)
@@ -160,6 +205,22 @@ def _moe_inputs(T, H, I, E, k, dtype, device, bad_id=True):
     if bad_id:
         ids[0, 0] = E + 3  # outside [0, E): contributes nothing, and gets no gradient
     return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("P,I", [(3, 1), (5, 1100), (0, 8)], ids=["I=1", "I=1100 (two chunks)", "no rows"])
+def test_swiglu_backward_kernel(P, I, device):
+    """moe_ffn's activation backward (one pass: grouped.ops.swiglu_backward) against float64 autograd."""
+    from onegemm.grouped.ops import swiglu_backward
+
+    h_pre, dh_u, w = torch.randn(P, 2 * I, device=device), torch.randn(P, I, device=device), torch.rand(P, device=device)
+    dh_pre, h, dw = swiglu_backward(h_pre, dh_u, w)
+    leaf64 = h_pre.double().requires_grad_()
+    wl = w.double().requires_grad_()
+    h64 = torch.nn.functional.silu(leaf64[:, :I]) * leaf64[:, I:]
+    (h64 * wl[:, None] * dh_u.double()).sum().backward()
+    assert_close(h, h64, 1e-6, "h")
+    assert_close(dh_pre, leaf64.grad, 1e-6, "dh_pre")
+    assert_close(dw, wl.grad, 1e-6, "dweight")
 
 
 @pytest.mark.parametrize("T,H,I,E,k,dtype", [(17, 32, 48, 4, 2, torch.float32), (9, 64, 32, 5, 3, torch.bfloat16)])

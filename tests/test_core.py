@@ -381,6 +381,22 @@ def test_gpu_warp_specialized_configs(cfg, dtype, device):
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[dtype])
 
 
+# fp32 outputs of 16-bit inputs at the sizes whose heuristic tiles are the large TMA ones (an
+# fp32 C tile for the TMA store did not fit beside their pipelines): a DeepSeek-V3 router's
+# logits at prefill, and a square GEMM.
+FP32_OUT_CASES = [(16384, 256, 7168), (4096, 4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", FP32_OUT_CASES, ids=lambda v: str(v))
+def test_gpu_fp32_out_large(M, N, K, device):
+    a = make((M, K), torch.bfloat16, device)
+    b = make((N, K), torch.bfloat16, device).t()
+    out = onegemm.matmul(a, b, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert_close(out, matmul_ref(a, b), TOL[torch.bfloat16])
+
+
 @pytest.mark.gpu
 def test_gpu_int64_offsets(device):
     """A [M, K] with M * K > 2^31 elements: row offsets need int64 arithmetic."""
