@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..core import checks, configs
-from ..core.dispatch import Op
+from ..core.dispatch import Op, wants_grad
 from ..core.launch import Launcher, Request
 from ..blockscaled.quantize import BLOCK, QUANTIZE_FP8, quantize_fp8
 from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
@@ -143,6 +144,8 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     fp8_weights = w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES
     if w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None or fp8_weights:
         return MOE_FP8.call(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+    if wants_grad(x, w_gate_up, w_down, topk_weights):  # training: GEMM1's output is kept for the backward
+        return MOE_TRAIN.call(x, w_gate_up, w_down, topk_weights, topk_ids)[0]
     return MOE.call(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
@@ -384,6 +387,61 @@ def _expert_launch(a, w, c, offs, **kwargs):
                          strides_c=strides[2], rows_per_group=M // G, build=build, **kwargs)
 
 
+def _moe_train_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return MOE_TRAIN.direct(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def _moe_train_record(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """moe_ffn's forward when it records gradients -> (y, h_pre): GEMM1 writes its
+    pre-activation h_pre [P, 2I] (gate | up, rows sorted by expert) in fp32, which the backward
+    keeps instead of recomputing GEMM1 (the largest of the expert GEMMs); SwiGLU then runs on
+    it (on the fp32 sums, as the fused epilogue does), GEMM2 and the combine as in
+    ``_moe_pipeline``."""
+    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
+    device, dtype = x.device, x.dtype
+    if P == 0:
+        return lambda x, *rest: (torch.zeros_like(x), x.new_empty((0, 2 * I), dtype=torch.float32))
+    sort = _sorter(topk_ids, E)
+    pair, token, offs = sort(topk_ids)
+    h_pre, h = empty((P, 2 * I), dtype=torch.float32, device=device), empty((P, I), dtype=dtype, device=device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    gemm1 = _expert_launch(x, w_gate_up, h_pre, offs, a_rows=token)
+    gemm2 = _expert_launch(h, w_down, empty((T * k, H), dtype=dtype, device=device), offs, c_rows=pair, weight=weights)
+
+    def run(x, w_gate_up, w_down, topk_weights, topk_ids):
+        pair, token, offs = sort(topk_ids)
+        h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
+        gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h_pre, x, w_gate_up, offs, token, None, None, NO_SCALES))
+        h = (F.silu(h_pre[:, :I]) * h_pre[:, I:]).to(dtype)
+        y_pairs = empty((T * k, H), dtype=dtype, device=device)
+        weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        gemm2.launcher.launch(gemm2.plan, gemm2.grid, gemm2.build(y_pairs, h, w_down, offs, None, pair, weights, NO_SCALES))
+        return y_pairs.view(T, k, H).sum(dim=1), h_pre
+
+    return run
+
+
+def _moe_train_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
+    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    P = topk_ids.shape[0] * topk_ids.shape[1]
+    return torch.empty_like(x), x.new_empty((P, w_gate_up.shape[1]), dtype=torch.float32)
+
+
+def _moe_train_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _moe_train_backward(ctx, dy, _):
+    *inputs, h_pre = ctx.saved_tensors
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # double backward: as _moe_backward
+        dx, dw13, dw2, dweights = _moe_grads(dy, *inputs, differentiable=True)
+    else:
+        dx, dw13, dw2, dweights = MOE_BACKWARD(dy, *inputs, h_pre)
+    return dx, dw13, dw2, dweights, None
+
+
 def _moe_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
     _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     return torch.empty_like(x)
@@ -404,19 +462,20 @@ def _moe_backward(ctx, dy):
 
 
 def _moe_backward_impl(dy: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, h_pre: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable=False)
+    return _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable=False, h_pre=h_pre)
 
 
-def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable: bool):
+def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable: bool, h_pre=None):
     """moe_ffn's gradients (dx, dw_gate_up, dw_down, dtopk_weights) in the same sorted order
     as the forward, with onegemm's grouped GEMMs; every sum runs in a fixed order, so two
     backward passes give the same bits. A registered op of its own: under torch.compile the
     backward is traced as one call, like the forward.
 
-    The forward keeps nothing but its inputs: the routing sort and GEMM1's pre-activation
-    [P, 2I] are recomputed (one extra grouped GEMM) rather than stored by every forward call.
+    The routing sort is recomputed. GEMM1's pre-activation [P, 2I] is ``h_pre`` when the
+    forward kept it (moe_ffn's training forward, ``_moe_train_record``), else recomputed (one
+    extra grouped GEMM: the registered moe_ffn op keeps nothing but its inputs).
     Rows r are (token, slot) pairs sorted by expert e, g/u the gate/up halves of GEMM1:
       dh_u = dy[token] @ W2_e;  dw[pair] = <dh_u, h>;  dh = w * dh_u
       dg = dh * u * silu'(g);  du = dh * silu(g);  dx[token] += [dg, du] @ W13_e
@@ -448,11 +507,12 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
         dx_pairs[pair] = grouped_matmul(dh_pre, w_gate_up, offs, out_dtype=torch.float32)  # [P, H]: b = W13_e
         dx = dx_pairs.view(T, k, H).sum(1).to(x.dtype)
     else:  # the gathers and the scatter inside the GEMMs, the activation's backward in one pass
-        h_pre = empty((P, 2 * I), dtype=x.dtype, device=x.device)
-        _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
+        if h_pre is None:
+            h_pre = empty((P, 2 * I), dtype=x.dtype, device=x.device)
+            _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
         dh_u = empty((P, I), dtype=torch.float32, device=x.device)
         _expert_gemm(dy_x, w_down.transpose(1, 2), dh_u, offs, a_rows=token)
-        dh_pre, h, dw_s = swiglu_backward(h_pre, dh_u, w_s.contiguous())
+        dh_pre, h, dw_s = swiglu_backward(h_pre, dh_u, w_s.contiguous(), x.dtype)
         dweights = torch.empty(P, device=x.device, dtype=torch.float32)
         dweights[pair] = dw_s
         dx_pairs = empty((P, H), dtype=torch.float32, device=x.device)
@@ -463,12 +523,14 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
     return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
 
 
-def _moe_backward_fake(dy, x, w_gate_up, w_down, topk_weights, topk_ids):
+def _moe_backward_fake(dy, x, w_gate_up, w_down, topk_weights, topk_ids, h_pre=None):
     return torch.empty_like(x), torch.empty_like(w_gate_up), torch.empty_like(w_down), torch.empty_like(topk_weights)
 
 
 MOE_BACKWARD = Op("moe_ffn_backward", _moe_backward_impl, _moe_backward_fake)
 MOE = Op("moe_ffn", _moe_impl, _moe_fake, _moe_setup, _moe_backward, record=_moe_record, tensors=5)
+MOE_TRAIN = Op("moe_ffn_train", _moe_train_impl, _moe_train_fake, _moe_train_setup, _moe_train_backward,
+               record=_moe_train_record, tensors=5)
 # FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
 # be traced on every bf16 call too), without a gradient.
 MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake, record=_moe_fp8_record, tensors=8)

@@ -76,17 +76,17 @@ def combine(y_pairs, topk_ids, E: int, dtype):
     return out
 
 
-def swiglu_backward(h_pre, dh_u, weight):
+def swiglu_backward(h_pre, dh_u, weight, dtype):
     """The expert FFN's SwiGLU backward (swiglu_backward_kernel): h_pre [P, 2I] (gate | up),
-    dh_u fp32 [P, I], weight fp32 [P] -> (dh_pre [P, 2I] in h_pre's dtype, h [P, I] in h_pre's
-    dtype, dweight fp32 [P])."""
+    dh_u fp32 [P, I], weight fp32 [P] -> (dh_pre [P, 2I], h [P, I], both in ``dtype``, and
+    dweight fp32 [P])."""
     P, I = dh_u.shape
-    dh_pre, h = torch.empty_like(h_pre), empty((P, I), dtype=h_pre.dtype, device=h_pre.device)
+    dh_pre, h = empty((P, 2 * I), dtype=dtype, device=h_pre.device), empty((P, I), dtype=dtype, device=h_pre.device)
     dweight = empty((P,), dtype=torch.float32, device=h_pre.device)
     if P == 0:
         return dh_pre, h, dweight
     key = configs.PrepKey("swiglu_backward", I)
-    plan = SWIGLU_BACKWARD.plan((key, h_pre.dtype, h_pre.get_device()), lambda: Request(key, {}, h_pre.device))
+    plan = SWIGLU_BACKWARD.plan((key, h_pre.dtype, dtype, h_pre.get_device()), lambda: Request(key, {}, h_pre.device))
     SWIGLU_BACKWARD.launch(plan, (P,), (Operand(h_pre, *h_pre.stride()), Operand(dh_u, *dh_u.stride()), weight,
                                         Operand(dh_pre, *dh_pre.stride()), Operand(h, *h.stride()), dweight, I))
     return dh_pre, h, dweight

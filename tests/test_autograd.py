@@ -213,7 +213,7 @@ def test_swiglu_backward_kernel(P, I, device):
     from onegemm.grouped.ops import swiglu_backward
 
     h_pre, dh_u, w = torch.randn(P, 2 * I, device=device), torch.randn(P, I, device=device), torch.rand(P, device=device)
-    dh_pre, h, dw = swiglu_backward(h_pre, dh_u, w)
+    dh_pre, h, dw = swiglu_backward(h_pre, dh_u, w, torch.float32)
     leaf64 = h_pre.double().requires_grad_()
     wl = w.double().requires_grad_()
     h64 = torch.nn.functional.silu(leaf64[:, :I]) * leaf64[:, I:]
@@ -542,6 +542,9 @@ OPCHECK_CASES = [
                  lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(24, 9, d=d)), None, None, None, None, None, None), id="matmul"),
     pytest.param(torch.ops.onegemm.grouped_mm.default, _opcheck_grouped, id="grouped_mm"),
     pytest.param(torch.ops.onegemm.moe_ffn.default, _opcheck_moe, id="moe_ffn"),
+    pytest.param(torch.ops.onegemm.moe_ffn_train.default, _opcheck_moe, id="moe_ffn_train"),
+    pytest.param(torch.ops.onegemm.moe_ffn_backward.default,
+                 lambda d: (_r(5, 16, d=d), *_opcheck_moe(d, grad=False)[:5], None), id="moe_ffn_backward"),
     pytest.param(torch.ops.onegemm.quantize_fp8.default, lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False),
                  id="quantize_fp8"),
     pytest.param(torch.ops.onegemm.blockscaled_mm.default, _opcheck_blockscaled, id="blockscaled_mm"),
