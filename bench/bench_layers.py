@@ -28,7 +28,8 @@ Headline (summary.json): layer_vs_transformers_t64 / _t4096, the geomean over th
 transformers time / onegemm time (GPU time where both capture, else eager), bf16.
 
 Time: about 3-4 minutes on an H200 (an estimate: 7 families, each built, checked once and timed
-at two T with modest repetitions; the first calls compile onegemm's kernels).
+at two T with modest repetitions; the first calls compile onegemm's kernels); --quick about 30 s
+on 2 CPU cores.
 """
 
 from __future__ import annotations
