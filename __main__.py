@@ -8,6 +8,12 @@ routing, and timings against torch's bf16 implementation. On a GPU it then runs 
 at a real model's size (Qwen3-30B-A3B's experts, random weights) and the core GEMM at an LLM
 linear's shape, each timed next to torch as a user calls them (eager) and in GPU time.
 
+Then a DeepSeek-V3-shaped MoE layer (random weights; 256 experts, hidden 7168, moe_intermediate
+2048 in bf16 on a GPU; tiny and fp32 under the interpreter) with the real router (sigmoid scores, a correction
+bias, top-8 within the best 4 of 8 expert groups, routed_scaling_factor 2.5) and its shared
+expert, next to transformers' DeepseekV3MoE holding the same tensors: both against a float64
+reference, and timed (needs transformers; skipped without it).
+
 Without a GPU the kernels run under Triton's CPU interpreter: correct, but slow, so the batch is
 small there and the timings only say that it ran (they are not performance numbers).
 
@@ -33,20 +39,25 @@ def rel_err(out, ref) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def wall_ms(fn) -> float:
+def timed(fn):
+    """(fn(), its wall time in ms): one call."""
     start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+    out = fn()
+    return out, (time.perf_counter() - start) * 1e3
 
 
-def timing_line(label: str, ours, theirs, flop: float | None = None) -> str:
+def wall_ms(fn) -> float:
+    return timed(fn)[1]
+
+
+def timing_line(label: str, ours, theirs, flop: float | None = None, peer: str = "torch") -> str:
     """'label: eager a ms vs b ms (r x); GPU c ms vs d ms (s x)' on a GPU (testing's timers)."""
     from onegemm import testing
 
     e1, e2 = testing.eager_ms(ours), testing.eager_ms(theirs)
     g1, g2 = testing.gpu_ms(ours), testing.gpu_ms(theirs)
     rate = f", {flop / g1 / 1e9:.0f} TFLOP/s" if flop else ""
-    return (f"  {label}: eager {e1:.3f} ms vs torch {e2:.3f} ms -> {e2 / e1:.2f}x; "
+    return (f"  {label}: eager {e1:.3f} ms vs {peer} {e2:.3f} ms -> {e2 / e1:.2f}x; "
             f"GPU time {g1:.3f} ms vs {g2:.3f} ms -> {g2 / g1:.2f}x{rate}")
 
 
@@ -76,6 +87,63 @@ def fp8_section(x, weights, ids, layer, gpu: bool) -> bool:
                           lambda: onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, weights, ids)).replace("torch", "bf16"))
     print()
     return diff < 5e-3
+
+
+# DeepSeek-V3's MoE layer (transformers' DeepseekV3Config fields); under the interpreter the same
+# router on 32 experts (8 groups of 4) at a tiny width.
+DEEPSEEK_V3 = dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+                   n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1)
+DEEPSEEK_TINY = {**DEEPSEEK_V3, "hidden_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 32}
+
+
+def same_experts(ids, ids_ref) -> float:
+    """The fraction of tokens whose k experts are those of the reference (in any order)."""
+    ids, ids_ref = ids.long().sort(-1).values, ids_ref.long().to(ids.device).sort(-1).values
+    return (ids == ids_ref).all(-1).float().mean().item()
+
+
+def deepseek_section(T: int, device: str, dtype: torch.dtype, sizes: dict) -> bool:
+    """A DeepSeek-V3-shaped layer (random weights, the real router, one shared expert) as
+    MoEFFN and as transformers' DeepseekV3MoE holding the same tensors (MoEFFN.from_state_dict
+    of the block): routing and output against the float64 layer, and on CUDA their times.
+    True when both errors are within testing.TOL of ``dtype`` (transformers': the float64
+    layer is built from MoEFFN's tensors, so this checks the conversion) and, in bf16,
+    onegemm's is within 1.5x of transformers' own. The interpreter runs fp32: its bf16 stores
+    truncate (docs/interpreter.md)."""
+    try:
+        import transformers
+    except ImportError:
+        print("DeepSeek-V3-shaped layer: skipped (transformers is not installed: pip install transformers)\n")
+        return True
+    from onegemm.testing import TOL, hf_forward, hf_moe_block, hf_moe_config, moe_layer_ref
+
+    cfg = hf_moe_config("deepseek_v3", **sizes)
+    if cfg is None:
+        print(f"DeepSeek-V3-shaped layer: skipped (transformers {transformers.__version__} has no DeepseekV3)\n")
+        return True
+    block = hf_moe_block(cfg, dtype=dtype, device=device)
+    layer = onegemm.MoEFFN.from_state_dict(block.state_dict(), cfg)  # the block's tensors, not copies
+    E, H, I = sizes["n_routed_experts"], sizes["hidden_size"], sizes["moe_intermediate_size"]
+    print(f"DeepSeek-V3-shaped layer (random weights) next to transformers {transformers.__version__} DeepseekV3MoE "
+          f"holding the same tensors: {E} experts, hidden {H}, moe_intermediate {I}, {dtype}, {T} tokens")
+    print(f"  router: sigmoid scores + e_score_correction_bias, top-{sizes['num_experts_per_tok']} within the best "
+          f"{sizes['topk_group']} of {sizes['n_group']} expert groups, renormalised, x "
+          f"{sizes['routed_scaling_factor']}; {sizes['n_shared_experts']} shared expert")
+    x = torch.randn(T, H, device=device).to(dtype)
+    (y, ms_ours), (theirs, ms_theirs) = timed(lambda: layer(x)), timed(lambda: hf_forward(block, x))
+    ref, (_, ids_ref) = moe_layer_ref(layer, x)
+    ours_ids, their_ids = layer.route(x)[1], block.gate(x)[2]
+    e_ours, e_theirs = rel_err(y, ref), rel_err(theirs, ref)
+    print(f"  routing: {100 * same_experts(ours_ids, ids_ref):.2f}% of tokens pick the float64 router's experts "
+          f"(transformers: {100 * same_experts(their_ids, ids_ref):.2f}%)")
+    print(f"  relative error against the float64 layer: onegemm MoEFFN {e_ours:.2e}, transformers {e_theirs:.2e}; "
+          f"onegemm vs transformers {rel_err(y, theirs):.2e}")
+    if device == "cuda":
+        print(timing_line("layer", lambda: layer(x), lambda: hf_forward(block, x), peer="transformers"))
+    else:
+        print(f"  time: onegemm MoEFFN {ms_ours:.1f} ms (interpreted), transformers {ms_theirs:.1f} ms")
+    print()
+    return e_ours < TOL[dtype] and e_theirs < TOL[dtype] and (dtype == torch.float32 or e_ours <= 1.5 * e_theirs)
 
 
 def main(argv=None) -> int:
@@ -150,6 +218,9 @@ def run(args) -> int:
                           2 * T * k2 * 3 * H2 * I2))
         del x2, gu2, dn2
 
+    ok_deepseek = (deepseek_section(T, device, torch.bfloat16, DEEPSEEK_V3) if gpu
+                   else deepseek_section(min(T, 16), device, torch.float32, DEEPSEEK_TINY))
+
     # The core GEMM everything is built on, at an LLM linear's shape on a GPU: the down
     # projection of a 14336-wide MLP (Llama-3-8B, Mixtral's experts) over the batch.
     M, N, K = (T, 4096, 14336) if gpu else (128, 256, 256)
@@ -165,10 +236,10 @@ def run(args) -> int:
         t_c, t_t = wall_ms(lambda: onegemm.matmul(a, w.t())), wall_ms(lambda: a @ w.t())
         print(f"  time: onegemm.matmul {t_c:.1f} ms (interpreted), torch.matmul {t_t:.1f} ms")
     ok = rel_err(y, ref) < 2e-2 and rel_err(c, c_ref) < 1e-2
-    print("\nOK" if ok and ok_fp8 else "\nFAILED: error above the bf16 bound (2e-2)" if not ok
-          else "\nFAILED: FP8 layer's calc_diff above 5e-3")
-    ok = ok and ok_fp8
-    return 0 if ok else 1
+    print("\nOK" if ok and ok_fp8 and ok_deepseek else "\nFAILED: error above the bf16 bound (2e-2)" if not ok
+          else "\nFAILED: FP8 layer's calc_diff above 5e-3" if not ok_fp8
+          else "\nFAILED: the DeepSeek-V3-shaped layer's error above the bound (or 1.5x transformers' on a GPU)")
+    return 0 if ok and ok_fp8 and ok_deepseek else 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
   measures (``rel_err``, ``calc_diff``, ``sqnr_db``) with the tolerances the tests hold
   onegemm to;
 * ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
+* ``moe_layer_ref``: a whole MoEFFN (router, routing, experts, shared experts) in float64;
+* transformers' MoE blocks, MoEFFN's peer: ``hf_moe_config``, ``hf_moe_block`` (a block
+  alone, random weights, at any size), ``randomize_moe_block``, ``hf_forward``;
 * timing on a GPU: ``gpu_ms`` (CUDA-graph replays), ``eager_ms`` (calls as a user makes them)
   and ``host_us`` (the host's time per call);
 * ``run_ranks``: a function in several processes joined by a gloo process group (the
@@ -243,24 +246,66 @@ def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):
 
     Ids outside [0, E) contribute nothing (onegemm's expert-parallel convention).
     """
-    return _moe_sum(x.double(), w_gate_up.double(), w_down.double(), topk_weights, topk_ids)
+    return _moe_sum(x.double(), w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def _moe_sum(x, w_gate_up, w_down, topk_weights, topk_ids, round_h=None):
-    """The expert FFN in float64 on float64 x and weights, expert by expert; ``round_h``: what
-    happens to the SwiGLU output before the down projection (the FP8 pipeline quantises it)."""
+def _moe_sum(x, w_gate_up, w_down, topk_weights, topk_ids, round_h=None, *, swiglu=None, b13=None, b2=None,
+             on_input=False):
+    """The expert FFN in float64 on float64 x, expert by expert (each expert's weights made
+    float64 when it is used, so a real model's layer fits); ``round_h``: what happens to the
+    SwiGLU output before the down projection (the FP8 pipeline quantises it). ``swiglu``:
+    the activation of (gate, up) (default silu(gate) * up); ``b13``, ``b2``: the two GEMMs'
+    per-expert biases (gpt-oss); ``on_input``: the routing weight scales the expert's input
+    (Llama-4), not its output."""
     I = w_gate_up.shape[1] // 2
     y = torch.zeros_like(x)
     for e in range(w_gate_up.shape[0]):
         t, j = torch.nonzero(topk_ids == e, as_tuple=True)
         if t.numel() == 0:
             continue
-        gu = x[t] @ w_gate_up[e].t()
-        h = F.silu(gu[:, :I]) * gu[:, I:]
+        w = topk_weights[t, j].double()[:, None]
+        gu = (x[t] * w if on_input else x[t]) @ w_gate_up[e].double().t()
+        if b13 is not None:
+            gu = gu + b13[e].double()
+        h = swiglu(gu[:, :I], gu[:, I:]) if swiglu else F.silu(gu[:, :I]) * gu[:, I:]
         if round_h is not None:
             h = round_h(h)
-        y.index_add_(0, t, topk_weights[t, j].double()[:, None] * (h @ w_down[e].t()))
+        out = h @ w_down[e].double().t()
+        if b2 is not None:
+            out = out + b2[e].double()
+        y.index_add_(0, t, out if on_input else w * out)
     return y
+
+
+def moe_layer_ref(layer, x):
+    """float64 of an MoEFFN's forward from its parameters (16/32-bit experts): the router
+    (x @ gate_weight.T + gate_bias), route_ref's routing with the layer's options, the routed
+    experts (gpt-oss's biases and clamped SwiGLU; Llama-4's weights on the input) and the
+    shared experts. Returns (y float64 [T, H], (weights, ids) of the routing)."""
+    if layer.w_gate_up_scale is not None:
+        raise ValueError("layer must have 16/32-bit experts, got FP8 ones (compare an FP8 layer with the reference "
+                         "of its unquantised twin)")
+    with torch.no_grad():
+        x = x.double()
+        logits = x @ layer.gate_weight.double().t()
+        if layer.gate_bias is not None:
+            logits = logits + layer.gate_bias.double()
+        w, ids = route_ref(logits, layer.top_k, layer.renormalize, correction_bias=layer.correction_bias,
+                           **layer.routing)
+        swiglu, lim, alpha = None, layer.swiglu_limit, layer.swiglu_alpha
+        if layer.biased_experts:
+            def swiglu(g, u):
+                g = g.clamp(max=lim)
+                return g * torch.sigmoid(alpha * g) * (u.clamp(-lim, lim) + 1)
+        y = _moe_sum(x, layer.w_gate_up, layer.w_down, w, ids, swiglu=swiglu, b13=layer.w_gate_up_bias,
+                     b2=layer.w_down_bias, on_input=layer.weights_on_input)
+        if layer.shared_w_down is not None:
+            gate, up = (x @ layer.shared_w_gate_up.double().t()).chunk(2, dim=-1)
+            shared = (F.silu(gate) * up) @ layer.shared_w_down.double().t()
+            if layer.shared_gate is not None:
+                shared = torch.sigmoid(x @ layer.shared_gate.double().t()) * shared
+            y = y + shared
+    return y, (w, ids)
 
 
 def quantize_experts_ref(w: torch.Tensor, dtype=torch.float8_e4m3fn):
@@ -335,6 +380,91 @@ def moe_ffn_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, use_grouped_m
     w = topk_weights.reshape(-1)[pair].to(acc_dtype)
     rows = torch.where(valid[:, None], down.to(acc_dtype) * w[:, None], 0)
     return torch.zeros(T, H, dtype=acc_dtype, device=x.device).index_add_(0, token, rows).to(x.dtype)
+
+
+# ---- transformers' MoE blocks: MoEFFN's peer (tests/test_transformers.py, bench/bench_layers.py, python -m onegemm) ----
+
+# model_type -> (config class, modeling module, the MoE block's class, the decoder layer's attribute holding it)
+HF_MOE_BLOCKS = {
+    "mixtral": ("MixtralConfig", "mixtral", "MixtralSparseMoeBlock", "mlp"),
+    "qwen2_moe": ("Qwen2MoeConfig", "qwen2_moe", "Qwen2MoeSparseMoeBlock", "mlp"),
+    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "mlp"),
+    "deepseek_v3": ("DeepseekV3Config", "deepseek_v3", "DeepseekV3MoE", "mlp"),
+    "glm4_moe": ("Glm4MoeConfig", "glm4_moe", "Glm4MoeMoE", "mlp"),
+    "llama4_text": ("Llama4TextConfig", "llama4", "Llama4TextMoe", "feed_forward"),
+    "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssMLP", "mlp"),
+}
+
+
+def hf_moe_config(model_type: str, **fields):
+    """transformers' config of ``model_type`` with ``fields``, the config class's defaults
+    for the rest; None when the installed transformers lacks the family. The fields are
+    set as attributes too: some versions map renamed fields in __init__."""
+    import transformers
+
+    cls = getattr(transformers, HF_MOE_BLOCKS[model_type][0], None)
+    if cls is None:
+        return None
+    cfg = cls(**fields)
+    for name, value in fields.items():
+        if value is not None:
+            setattr(cfg, name, value)
+    return cfg
+
+
+def hf_moe_block(config, *, dtype=torch.float32, device="cpu", experts_implementation: str = "grouped_mm"):
+    """transformers' MoE block of ``config``'s family, alone (not in a model), built on
+    ``device`` in ``dtype`` with random weights (``randomize_moe_block``), in eval mode.
+    ``experts_implementation``: transformers' expert loop ("grouped_mm", what a model picks
+    on a GPU by default; "eager": a Python loop over the experts hit)."""
+    import importlib
+
+    _, module, name, _ = HF_MOE_BLOCKS[config.model_type]
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    config._experts_implementation = experts_implementation
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the weights are made in dtype at once: a real layer fits only once
+    try:
+        with torch.device(device):
+            block = cls(config)
+    finally:
+        torch.set_default_dtype(default)
+    block.to(dtype)  # the routers that ask for fp32 weights
+    randomize_moe_block(block, config)
+    return block.eval()
+
+
+def randomize_moe_block(block, config) -> None:
+    """In place: every weight of a transformers MoE block N(0, 1 / fan-in) (the routers then
+    spread the tokens over the experts), every bias N(0, 1 / hidden), DeepSeek's correction
+    bias N(0, 0.1^2); gpt-oss's clamped SwiGLU set from the config (transformers before 5.2x
+    hard-codes limit 7.0 and alpha 1.702, which its checkpoints, and onegemm, read from it)."""
+    H = config.hidden_size
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if p.dim() == 1 or leaf.endswith("_bias"):
+                fan_in = H
+            elif leaf == "gate_up_proj":  # fused experts, [E, 2I, H] or [E, H, 2I]
+                fan_in = H
+            elif leaf == "down_proj":  # [E, H, I] or [E, I, H]
+                fan_in = p.shape[1] * p.shape[2] // H
+            else:  # routers and linears, [out, in]
+                fan_in = p.shape[-1]
+            p.normal_(0, fan_in**-0.5)
+        for name, b in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    for module in block.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.limit, module.alpha = config.swiglu_limit, getattr(config, "swiglu_alpha", 1.702)
+
+
+def hf_forward(block, x):
+    """A transformers MoE block on x [T, H] -> [T, H]. The blocks take [B, S, H]; some return
+    the hidden states, some (hidden, router logits or scores) (Llama-4, gpt-oss)."""
+    out = block(x[None])
+    return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
 
 
 # ---- timing (GPU) ----

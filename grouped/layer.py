@@ -191,6 +191,20 @@ class MoEFFN(nn.Module):
 
         return read_pretrained_layer(cls, path, layer, device)
 
+    @classmethod
+    def from_state_dict(cls, state_dict, config, prefix: str = "", *, device=None):
+        """The layer from a model's tensors in memory: e.g. a transformers MoE block's
+        ``state_dict()`` and its model's config (a transformers config or a config.json dict:
+        model_type decides the family and routing, as in from_pretrained). The keys under
+        ``prefix`` are read as from_safetensors reads a file's (transformers' in-memory layout
+        is its fused one) and every one must be accounted for. ``device``: where the layer
+        goes (default: the tensors' own; they are used in place, not copied, where MoEFFN's
+        layout is theirs).
+        """
+        from .loading import read_state_dict_layer
+
+        return read_state_dict_layer(cls, state_dict, config, prefix, device)
+
 
 def _check_gpt_oss(gate_bias, b13, b2, limit, alpha, gate_weight, w_gate_up, fp8, weights_on_input) -> bool:
     """gpt-oss's biases and clamped SwiGLU: all three biases and the limit, or none."""

@@ -51,6 +51,18 @@ class Tensors:
             raise checks.in_file(path, f"tensor {key!r} cannot be read ({type(e).__name__}: {e})") from e
 
 
+class StateTensors:
+    """Tensors by key from a dict (a state dict), ``Tensors``'s interface; ``where`` names it
+    in errors."""
+
+    def __init__(self, state: dict, where: str):
+        self.state = state
+        self.files = dict.fromkeys(state, where)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+
 def open_safetensors(path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -433,6 +445,51 @@ def _index(folder: Path) -> dict:
         return dict.fromkeys(f.keys(), single)
 
 
+def _family(cfg: dict, config_path):
+    """config.json's (text) config and model_type, checked: an MoE family MoEFFN reads, SwiGLU
+    experts, FP8 with 128x128 blocks if quantised."""
+    model_type = cfg.get("model_type")
+    if model_type == "llama4":  # the multimodal checkpoint: the text model's config is nested
+        cfg, model_type = cfg.get("text_config") or {}, "llama4_text"
+    if model_type not in FAMILIES:
+        raise checks.in_file(config_path, f"model_type {model_type!r} is not an MoE family MoEFFN reads "
+                                          f"(one of {sorted(FAMILIES) + ['llama4']})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise checks.in_file(config_path, f"hidden_act = {cfg['hidden_act']!r}: MoEFFN's experts are SwiGLU (silu)")
+    quant = cfg.get("quantization_config") or {}
+    if quant and (quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size") or [BLOCK, BLOCK])
+                  != [BLOCK, BLOCK]):
+        raise checks.in_file(config_path, f"quantization_config {quant}: only FP8 with 128x128 weight blocks "
+                                          "(weight_scale_inv) is read")
+    return cfg, model_type
+
+
+def _check_with_config(tensors_, cfg, model_type, options, *, prefix, where, config_path, config_name, block):
+    """The layer's tensors against its config: the number of experts, the shared expert's
+    presence, size and gate, a correction bias only where the routing has one. ``where``
+    names the tensors' source in errors, ``config_name`` the config, ``block`` the layer."""
+    E = tensors_["gate_weight"].shape[0]
+    want_e = _get(cfg, config_path, "num_local_experts", "num_experts", "n_routed_experts")
+    if E != want_e:
+        raise checks.in_file(where, f"tensor {prefix + 'gate.weight'!r} has E = {E} rows, but {config_name} says "
+                                    f"{want_e} experts")
+    _, _, shared_size, gated = FAMILIES[model_type]
+    S = shared_size(cfg)
+    has_shared = "shared_w_down" in tensors_
+    if S is not None and (S > 0) != has_shared:
+        raise checks.in_file(where, f"{block} has {'' if has_shared else 'no '}shared expert tensors, but "
+                                    f"{config_name} gives a shared expert size of {S}")
+    if has_shared and S and tensors_["shared_w_down"].shape[1] != S:
+        raise checks.in_file(where, f"the shared expert of {prefix!r} has size {tensors_['shared_w_down'].shape[1]}, "
+                                    f"{config_name} gives {S}")
+    if has_shared and gated != ("shared_gate" in tensors_):
+        raise checks.in_file(where, f"{prefix!r}: a {model_type} shared expert is "
+                                    f"{'gated (shared_expert_gate.weight)' if gated else 'ungated'}, the file's is not")
+    if "correction_bias" in tensors_ and options.get("scoring") != "sigmoid":
+        raise checks.in_file(where, f"tensor {prefix + 'gate.e_score_correction_bias'!r}: a correction bias in a "
+                                    f"{model_type} layer, whose routing has none")
+
+
 def read_pretrained_layer(cls, path, layer, device):
     """MoEFFN.from_pretrained."""
     folder = Path(path)
@@ -441,26 +498,14 @@ def read_pretrained_layer(cls, path, layer, device):
         cfg = json.loads(config_path.read_text())
     except Exception as e:  # noqa: BLE001 - not a folder, no config.json, not JSON
         raise checks.in_file(config_path, f"cannot be read as a model's config.json ({type(e).__name__}: {e})") from e
-    model_type = cfg.get("model_type")
-    if model_type == "llama4":  # the multimodal checkpoint: the text model's config is nested
-        cfg, model_type = cfg.get("text_config") or {}, "llama4_text"
-    if model_type not in FAMILIES:
-        raise checks.in_file(config_path, f"model_type {model_type!r} is not an MoE family MoEFFN reads "
-                                          f"(one of {sorted(FAMILIES) + ['llama4']})")
-    routing_of, dense_why, shared_size, gated = FAMILIES[model_type]
+    cfg, model_type = _family(cfg, config_path)
+    routing_of, dense_why, _, _ = FAMILIES[model_type]
     n_layers = _get(cfg, config_path, "num_hidden_layers")
     checks.check_int("layer", layer, 0, n_layers - 1, f"(the model has num_hidden_layers = {n_layers})")
     why = dense_why(cfg, layer)
     if why:
         raise checks.in_file(config_path, f"layer {layer} of this {model_type} model is a dense MLP, not an MoE "
                                           f"layer: {why}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise checks.in_file(config_path, f"hidden_act = {cfg['hidden_act']!r}: MoEFFN's experts are SwiGLU (silu)")
-    quant = cfg.get("quantization_config") or {}
-    if quant and (quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size") or [BLOCK, BLOCK])
-                  != [BLOCK, BLOCK]):
-        raise checks.in_file(config_path, f"quantization_config {quant}: only FP8 with 128x128 weight blocks "
-                                          "(weight_scale_inv) is read")
     options = routing_of(cfg, config_path, layer)
 
     files = _index(folder)
@@ -475,24 +520,24 @@ def read_pretrained_layer(cls, path, layer, device):
     with ExitStack() as stack:
         tensors = Tensors({k: v for k, v in files.items() if k.startswith(prefix)}, stack)
         tensors_ = parse_layer(LayerKeys(tensors, prefix, folder))
-
-    E = tensors_["gate_weight"].shape[0]
-    want_e = _get(cfg, config_path, "num_local_experts", "num_experts", "n_routed_experts")
-    if E != want_e:
-        raise checks.in_file(folder, f"tensor {prefix + 'gate.weight'!r} has E = {E} rows, but config.json says "
-                                     f"{want_e} experts")
-    S = shared_size(cfg)
-    has_shared = "shared_w_down" in tensors_
-    if S is not None and (S > 0) != has_shared:
-        raise checks.in_file(folder, f"layer {layer} ({prefix!r}) has {'' if has_shared else 'no '}shared expert "
-                                     f"tensors, but config.json gives a shared expert size of {S}")
-    if has_shared and S and tensors_["shared_w_down"].shape[1] != S:
-        raise checks.in_file(folder, f"the shared expert of {prefix!r} has size {tensors_['shared_w_down'].shape[1]}, "
-                                     f"config.json gives {S}")
-    if has_shared and gated != ("shared_gate" in tensors_):
-        raise checks.in_file(folder, f"{prefix!r}: a {model_type} shared expert is "
-                                     f"{'gated (shared_expert_gate.weight)' if gated else 'ungated'}, the file's is not")
-    if "correction_bias" in tensors_ and options.get("scoring") != "sigmoid":
-        raise checks.in_file(folder, f"tensor {prefix + 'gate.e_score_correction_bias'!r}: a correction bias in a "
-                                     f"{model_type} layer, whose routing has none")
+    _check_with_config(tensors_, cfg, model_type, options, prefix=prefix, where=folder, config_path=config_path,
+                       config_name="config.json", block=f"layer {layer} ({prefix!r})")
     return _build(cls, tensors_, _default_device(device), **options)
+
+
+def read_state_dict_layer(cls, state_dict, config, prefix, device):
+    """MoEFFN.from_state_dict."""
+    if not isinstance(state_dict, dict):
+        raise checks.bad_type("state_dict", "a dict of tensors (a module's state_dict())", state_dict)
+    if not isinstance(prefix, str):
+        raise checks.bad_type("prefix", "a str", prefix)
+    if hasattr(config, "to_dict"):  # a transformers config
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise checks.bad_type("config", "a transformers config or a config.json dict", config)
+    cfg, model_type = _family(config, "config")
+    options = FAMILIES[model_type][0](cfg, "config", None)
+    tensors_ = parse_layer(LayerKeys(StateTensors(state_dict, "state_dict"), prefix, "state_dict"))
+    _check_with_config(tensors_, cfg, model_type, options, prefix=prefix, where="state_dict", config_path="config",
+                       config_name="config", block=f"the block ({prefix!r})")
+    return _build(cls, tensors_, tensors_["gate_weight"].device if device is None else device, **options)

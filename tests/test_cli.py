@@ -1,12 +1,14 @@
-"""python -m onegemm and the benchmark scripts: argument errors are clear, --help works anywhere."""
+"""python -m onegemm and the benchmark scripts: argument errors are clear, --help works anywhere, and the main
+job's DeepSeek-V3-shaped layer matches transformers."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from onegemm.__main__ import main
+from onegemm.__main__ import DEEPSEEK_TINY, deepseek_section, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,3 +45,15 @@ def test_bench_scripts_help_without_a_gpu():
         if proc.returncode != 0 or "usage" not in out.lower():
             failed[script] = err[-300:] or out[-300:]
     assert len(scripts) >= 10 and not failed, failed
+
+
+def test_main_job_deepseek_layer_matches_transformers(device, capsys):
+    """python -m onegemm's DeepSeek-V3-shaped layer at its interpreter size: onegemm and the
+    transformers block agree with the float64 layer (fp32), and the routing with its experts."""
+    pytest.importorskip("transformers")
+    with torch.inference_mode():
+        ok = deepseek_section(16, device, torch.float32, DEEPSEEK_TINY)
+    out = capsys.readouterr().out
+    assert ok, out
+    assert "100.00% of tokens pick the float64 router's experts (transformers: 100.00%)" in out
+    assert "32 experts, hidden 64" in out and "top-8 within the best 4 of 8 expert groups" in out

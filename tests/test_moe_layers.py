@@ -351,6 +351,36 @@ def test_from_pretrained_reads_the_family_routing(tmp_path, device):
     assert layer.top_k == 2 and layer.renormalize and layer.shared_w_down.shape == (16, 16)
 
 
+BAD_STATE_DICTS = [
+    ("not a dict", lambda t: list(t.values()), DS_CONFIG, TypeError, "state_dict must be a dict of tensors"),
+    ("not a config", lambda t: t, "config.json", TypeError, "config must be a transformers config or a config.json"),
+    ("a key it cannot account for", lambda t: {**t, "model.layers.3.mlp.gate.extra": torch.zeros(1)}, DS_CONFIG,
+     ValueError, "state_dict: 1 tensor\\(s\\) under prefix .* cannot account for.*gate.extra"),
+    ("experts the config does not have", lambda t: t, {**DS_CONFIG, "n_routed_experts": 8}, ValueError,
+     "state_dict: tensor .*gate.weight' has E = 4 rows, but config says 8"),
+    ("an unknown model type", lambda t: t, {**DS_CONFIG, "model_type": "llama"}, ValueError,
+     "config: model_type 'llama' is not an MoE family"),
+]
+
+
+@pytest.mark.parametrize("name,edit,config,exc,match", BAD_STATE_DICTS, ids=[c[0] for c in BAD_STATE_DICTS])
+def test_from_state_dict_refuses(name, edit, config, exc, match):
+    with pytest.raises(exc, match=match):
+        onegemm.MoEFFN.from_state_dict(edit(_deepseek_file()), config, prefix="model.layers.3.mlp.")
+
+
+def test_from_state_dict_keeps_the_tensors_in_place(device):
+    """A config.json dict gives the family's routing; fused experts in MoEFFN's layout are not copied."""
+    t = {k.removeprefix("model.layers.3.mlp."): v.to(device) for k, v in _deepseek_file().items()}
+    t = {k: v for k, v in t.items() if not k.startswith("experts.")}
+    t["experts.gate_up_proj"], t["experts.down_proj"] = torch.randn(4, 16, 16, device=device), torch.randn(
+        4, 16, 8, device=device)
+    layer = onegemm.MoEFFN.from_state_dict(t, DS_CONFIG)
+    assert layer.routing == dict(scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    assert layer.w_gate_up.data_ptr() == t["experts.gate_up_proj"].data_ptr() and layer.w_gate_up.device == t[
+        "gate.weight"].device
+
+
 def test_from_pretrained_fp8_experts(tmp_path, device):
     """A DeepSeek-V3 FP8 folder: e4m3 experts with weight_scale_inv stay FP8 (moe_ffn's format)."""
     t = _deepseek_file()

@@ -1,10 +1,9 @@
 """MoEFFN against Hugging Face transformers itself: for each MoE family the installed transformers
 has, a tiny random model is built by transformers, saved with save_pretrained (sharded; both
 layouts where transformers offers them), loaded with MoEFFN.from_pretrained, and compared with
-the transformers block's forward (fp32, CPU), its routing, and its float64 gradients.
-
-transformers' MoE blocks take [B, S, H]; some return the hidden states, some (hidden, router
-logits or scores) (Llama-4, gpt-oss; Qwen's in older versions): ``hf_forward`` takes the first.
+the transformers block's forward (fp32, CPU), its routing, and its float64 gradients; and the
+block's own state_dict loads as the same layer (MoEFFN.from_state_dict). The blocks' random
+weights and their forward on [T, H]: onegemm.testing's randomize_moe_block and hf_forward.
 """
 
 import copy
@@ -15,7 +14,7 @@ import torch
 
 import onegemm
 from onegemm.grouped import loading
-from onegemm.testing import assert_close, rel_err
+from onegemm.testing import HF_MOE_BLOCKS, assert_close, hf_forward, moe_layer_ref, randomize_moe_block, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,26 +22,24 @@ H = 32
 COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=16,
               head_dim=8)
 
-# family -> (config class, model class, config fields, attribute of the decoder layer holding the block)
+# family -> (model class, config fields); the config class: testing.HF_MOE_BLOCKS
 FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
-                                                             intermediate_size=24), "mlp"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=24, shared_expert_intermediate_size=40, intermediate_size=48,
-                  norm_topk_prob=False), "mlp"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3,
-                  moe_intermediate_size=24, intermediate_size=48, norm_topk_prob=True), "mlp"),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=3,
-                    moe_intermediate_size=16, intermediate_size=48, n_group=4, topk_group=2, n_shared_experts=2,
-                    first_k_dense_replace=1, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
-                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), "mlp"),
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=16, intermediate_size=48, n_group=2, topk_group=1, n_shared_experts=1,
-                 first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=1.5), "mlp"),
-    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=4, num_experts_per_tok=1,
-                    intermediate_size=24, intermediate_size_mlp=48), "feed_forward"),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
-                intermediate_size=24, swiglu_limit=1.5), "mlp"),
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                  shared_expert_intermediate_size=40, intermediate_size=48, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                  intermediate_size=48, norm_topk_prob=True)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+                    intermediate_size=48, n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+                    routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=8)),
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                 intermediate_size=48, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                 norm_topk_prob=False, routed_scaling_factor=1.5)),
+    "llama4_text": ("Llama4ForCausalLM", dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=24,
+                    intermediate_size_mlp=48)),
+    "gpt_oss": ("GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                swiglu_limit=1.5)),
 }
 # transformers saves Llama-4's and gpt-oss's experts fused in both formats (as on the Hub). gpt-oss
 # runs with swiglu_limit 1.5 (7.0 in the real models) so that the clamps bite at these sizes.
@@ -52,10 +49,10 @@ CASES = [pytest.param(f, id=f) for f in FAMILIES]
 def build(family, **overrides):
     """A tiny random transformers model of ``family`` with a well-spread router (and correction
     bias): its MoE block is layer 1's."""
-    cfg_name, model_name, fields, _ = FAMILIES[family]
+    model_name, fields = FAMILIES[family]
     if not hasattr(transformers, model_name):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    cfg = getattr(transformers, cfg_name)(**COMMON, **{**fields, **overrides})
+    cfg = getattr(transformers, HF_MOE_BLOCKS[family][0])(**COMMON, **{**fields, **overrides})
     for name, value in {**fields, **overrides}.items():  # some versions map renamed fields
         if value is not None:
             setattr(cfg, name, value)
@@ -63,35 +60,20 @@ def build(family, **overrides):
     # test runs the block in)
     cfg._experts_implementation = "eager"
     model = getattr(transformers, model_name)(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layers.1." in name:  # weights at 1/sqrt(fan-in), routers that spread the tokens
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
-    # transformers before 5.2x hard-codes gpt-oss's clamp (limit 7.0, alpha 1.702) instead of
-    # reading config.json's swiglu_limit / swiglu_alpha, which the checkpoint (and onegemm) use
-    for module in model.modules():
-        if type(module).__name__ == "GptOssExperts":
-            module.limit, module.alpha = cfg.swiglu_limit, getattr(cfg, "swiglu_alpha", 1.702)
+    randomize_moe_block(block_of(model, family), cfg)  # (a dense MLP in the refused configurations)
     return model
 
 
 def block_of(model, family):
-    return getattr(model.model.layers[1], FAMILIES[family][3])
-
-
-def hf_forward(block, x):
-    out = block(x[None])
-    return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+    return getattr(model.model.layers[1], HF_MOE_BLOCKS[family][3])
 
 
 @pytest.mark.parametrize("family", CASES)
 def test_layer_matches_transformers(family, tmp_path, device):
     """Both save formats (the Hub's per-expert names and transformers' fused layout), sharded,
-    load the same layer; it computes the transformers block's output and routing, and (GRADS)
-    its router's and shared experts' gradients."""
+    and the block's state_dict in memory load the same layer; it computes the transformers
+    block's output and routing (and moe_layer_ref's), and (GRADS) its router's and shared
+    experts' gradients."""
     model = build(family)
     layers = []
     for original_format in (True, False):
@@ -99,15 +81,19 @@ def test_layer_matches_transformers(family, tmp_path, device):
         model.save_pretrained(folder, max_shard_size="20KB", save_original_format=original_format)
         assert len(list(folder.glob("*.safetensors"))) > 2  # sharded
         layers.append(onegemm.MoEFFN.from_pretrained(folder, layer=1, device=device))
-    layer, fused = layers
-    for (name, p), (_, q) in zip(layer.state_dict().items(), fused.state_dict().items()):
-        assert (p is None and q is None) or torch.equal(p, q), name
     block = block_of(model, family)
+    layers.append(onegemm.MoEFFN.from_state_dict(block.state_dict(), model.config, device=device))
+    layer = layers[0]
+    for other in layers[1:]:
+        assert (other.top_k, other.renormalize, other.routing) == (layer.top_k, layer.renormalize, layer.routing)
+        for (name, p), (_, q) in zip(layer.state_dict().items(), other.state_dict().items()):
+            assert (p is None and q is None) or torch.equal(p, q), name
     T = 9
     x = torch.randn(T, H)
     got = layer(x.to(device))
     with torch.no_grad():
         assert_close(got, hf_forward(block, x), 1e-5)
+        assert_close(got, moe_layer_ref(layer, x.to(device))[0], 1e-5, "moe_layer_ref")
         # the routing alone: the same experts (transformers' order within a token may differ)
         w, ids = layer.route(x.to(device))
         dense_w = torch.zeros(T, layer.num_experts).scatter_(1, ids.long().cpu(), w.cpu())
