@@ -151,7 +151,10 @@ def measure_family(label, model_type, fields, device, quick):
         if check is None:  # the first batch: both against the float64 layer
             ref, _ = moe_layer_ref(layer, x)
             e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
-            ok = e_ours < TOL[dtype] and e_theirs < TOL[dtype] and (quick or e_ours <= 1.5 * e_theirs)
+            # onegemm's layer against float64: within the bound and at most 1.5x transformers' own
+            # error (the issue's rule). transformers' own error is reported, not required: a
+            # 16-bit router's near-ties flip some tokens' experts (Qwen3's and Llama-4's are bf16).
+            ok = e_ours < TOL[dtype] and (quick or e_ours <= 1.5 * e_theirs)
             check = {"family": label, "T": T, "onegemm err": e_ours, "transformers err": e_theirs,
                      "ratio": e_ours / e_theirs if e_theirs else float("nan"), "agrees": "yes" if ok else "NO"}
             if fp8 is not None:
@@ -253,12 +256,12 @@ def main():
         "quantize_experts of the same weights) against the same bf16 transformers block. Llama-4 is Scout's layer "
         "(bench/bench_layers.py says why not Maverick's).\n\n"
         "## Headline (bf16; summary.json)\n\n" + "\n".join(lines) + "\n\n"
-        + (f"Families that disagreed with the float64 layer are left out of the headline: "
+        + (f"Families where onegemm disagreed with the float64 layer are left out of the headline: "
            f"{sorted({c['family'] for c in checks} - agreeing)}\n\n" if len(agreeing) < len(checks) else "")
         + "## Per family (transformers / onegemm; GPU time where both capture, else eager)\n\n"
         + markdown_table(per_family(rows), ["family", "experts", *(f"T = {T}" for T in TOKENS), "timed"]) + "\n"
         "## Agreement (T = 64, against the float64 layer)\n\n"
-        "onegemm's error must be within 1.5x transformers' own, transformers' within the bf16 bound (1e-2); "
+        "onegemm's error must be within the bf16 bound (1e-2) and at most 1.5x transformers' own; "
         "FP8: calc_diff against the bf16 float64 layer < 5e-3.\n\n" + markdown_table(checks, CHECK_COLUMNS) + "\n"
         "## Times\n\n" + markdown_table(rows, TIME_COLUMNS) + "\n"
         "## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "

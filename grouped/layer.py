@@ -23,7 +23,8 @@ class MoEFFN(nn.Module):
     and optional shared experts.
 
     gate_weight [E, H] (router), w_gate_up [E, 2I, H] (gate rows, then up rows), w_down
-    [E, H, I]. The router logits x @ gate_weight.T are computed by onegemm.matmul in fp32.
+    [E, H, I]. The router logits x @ gate_weight.T are computed by onegemm.matmul with fp32
+    outputs; with ``scoring="sigmoid"`` (DeepSeek-V3's router) from fp32 operands as well.
     Routing: ``top_k``, ``renormalize`` and the keywords ``scoring``, ``correction_bias``
     (a buffer, not trained), ``n_group``, ``topk_group``, ``routed_scaling_factor``, as in
     onegemm.route. ``weights_on_input`` (Llama-4): each routing weight scales its expert's
@@ -101,6 +102,11 @@ class MoEFFN(nn.Module):
                 f"weights_on_input={self.weights_on_input}, shared={shared}")
 
     def router_logits(self, x):
+        if self.routing["scoring"] == "sigmoid" and x.dtype != torch.float32:
+            # DeepSeek-V3's router (transformers' too) multiplies in fp32: the near-ties of its
+            # grouped sigmoid top-k flip under a 16-bit GEMM's products and accumulation.
+            bias = None if self.gate_bias is None else self.gate_bias.float()
+            return matmul(x.float(), self.gate_weight.float().t(), bias=bias)
         return matmul(x, self.gate_weight.t(), bias=self.gate_bias, out_dtype=torch.float32)
 
     def route(self, x):
