@@ -75,8 +75,6 @@ def matmul_ref(a, b, bias=None, activation=None):
 
 # ---- FP8 (blockscaled/) ----
 
-SCALE_BLOCK = 128
-
 
 def ref_grads(ref_fn, inputs, grad_out) -> list:
     """float64 gradients of ``ref_fn(*inputs)`` against ``grad_out``: each floating-point input

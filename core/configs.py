@@ -30,6 +30,7 @@ import triton
 
 from . import checks
 from .runtime import cdiv, next_pow2
+from .scaling import COL_BLOCKS, SCALE_BLOCK, Scaling
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -325,13 +326,10 @@ class BlockscaledKey(NamedTuple):
     a_k: bool
     b_k: bool
     tma: int
-    scaling: str    # "<kind of scale_a>,<kind of scale_b>", e.g. "1x128,128x128"
+    scaling: Scaling
 
     def __str__(self):
         return f"m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} b_k={int(self.b_k)} tma={self.tma} {self.scaling}"
-
-
-SCALE_BLOCK = 128
 
 
 def blockscaled_cfg(bm, bn, warps, stages, group_m=8, **extra):
@@ -403,7 +401,7 @@ class WgmmaKey(NamedTuple):
     m: int          # rows (dense); rows per group (grouped modes)
     n: int
     k: int
-    scaling: str    # "<kind of scale_a>,<kind of scale_b>", as BlockscaledKey's
+    scaling: Scaling
     out: str        # the output dtype: its staging tile in shared memory bounds STAGES
     mode: str = "dense"  # "dense", "grouped" (2D x 3D over offs), "swiglu" (MoE GEMM1), or their
     #                      decode forms "decode" / "decode_swiglu" (tiles computed transposed)
@@ -470,7 +468,7 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
                  for kg in (1, 2, 4)]
     elif key.mode == "swiglu":
         found = [wgmma_cfg(128, st, kg, bm=64) for st in (3, 4) for kg in (1, 2, 3)]
-    elif key.scaling.endswith("128x1"):
+    elif key.scaling.b == COL_BLOCKS:
         found = [wgmma_cfg(64, st, kg) for st in (4, 6) for kg in (2, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 6)]
     else:
         found = [wgmma_cfg(bn, st, kg) for bn in (128, 64) for st in (4, 5, 6) for kg in (2, 3, 4)]
@@ -489,7 +487,7 @@ def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
         return next(c for c in (wgmma_cfg(bn, st, 2, bm=bt) for st in (8, 6, 4)) if _wgmma_fits(c, key.out, key.mode))
     if key.mode == "swiglu":
         return wgmma_cfg(128, 4, 2, bm=64)
-    narrow = key.scaling.endswith("128x1") or (key.mode == "dense" and tiles(key.m, key.n, 128, 128) < sms)
+    narrow = key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tiles(key.m, key.n, 128, 128) < sms)
     if narrow:
         return wgmma_cfg(64, 6, 4)
     return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))
@@ -510,13 +508,12 @@ class RaggedKey(NamedTuple):
     tma: int
     swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
     gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
-    scaling: str = ""  # an FP8 grouped GEMM's scale granularities ("1x128,128x128", "row,col"),
-    #                    ",fp8out" when the tiles quantise their own fp8 output (FP8_OUT)
+    scaling: Scaling | None = None  # an FP8 grouped GEMM's (None: unscaled)
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
                 f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
-                + (f" scaling={self.scaling}" if self.scaling else ""))
+                + (f" scaling={self.scaling}" if self.scaling is not None else ""))
 
 
 # Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
@@ -539,31 +536,36 @@ RAGGED_CONFIGS = MATMUL_CONFIGS + RAGGED_LARGE_M + RAGGED_SMALL_M
 # Wider than matmul's interpreter tile: the upper-bound grid adds G + 1 rows of programs, and
 # each program pays a fixed Python cost under the interpreter.
 RAGGED_INTERPRET = cfg(32, 64, 64, 1, 1, group_m=4)
-# Block scales need BLOCK_K = 128, the scale block.
-RAGGED_SCALED_INTERPRET = cfg(32, 64, 128, 1, 1, group_m=4)
+# Block scales need BLOCK_K = the scale block.
+RAGGED_SCALED_INTERPRET = cfg(32, 64, SCALE_BLOCK, 1, 1, group_m=4)
 
 
-# An fp8 output quantised in the epilogue: a tile's output columns are whole 128-column scale
-# blocks (BLOCK_N 256 under SwiGLU, which halves it), and the scaled tiles' size cap holds.
-FP8_OUT = ",fp8out"
-RAGGED_FP8_OUT = [cfg(bm, bn, 128, w, 3) for bm in (16, 32, 64) for bn in (128, 256) for w in (4, 8)
+# An fp8 output quantised in the epilogue (Scaling.fp8_out): a tile's output columns are whole
+# 128-column scale blocks (BLOCK_N 256 under SwiGLU, which halves it), and the scaled tiles'
+# size cap holds.
+RAGGED_FP8_OUT = [cfg(bm, bn, SCALE_BLOCK, w, 3) for bm in (16, 32, 64) for bn in (128, 256) for w in (4, 8)
                   if bm * bn <= 128 * 128]
 # Decode streams the weights: thin fp8 tiles hold half a bf16 tile's bytes per stage, so
 # deeper pipelines keep as many bytes in flight.
-RAGGED_FP8_OUT += [cfg(16, bn, 128, 4, s) for bn in (128, 256) for s in (4, 5)]
+RAGGED_FP8_OUT += [cfg(16, bn, SCALE_BLOCK, 4, s) for bn in (128, 256) for s in (4, 5)]
 RAGGED_FP8_SMALL_M = [cfg(16, 64, 128, 4, 8), cfg(16, 128, 128, 4, 6), cfg(32, 128, 128, 4, 5)]
-RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, 128, 1, 1, group_m=4)
+RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, SCALE_BLOCK, 1, 1, group_m=4)
+
+
+def fp8_out(key: RaggedKey) -> bool:
+    """Whether the tiles quantise their own fp8 output (1x128 scales)."""
+    return key.scaling is not None and key.scaling.fp8_out
 
 
 def fp8_out_width(key: RaggedKey) -> int:
-    """BLOCK_N of a tile that quantises its fp8 output: 128 output columns."""
-    return 256 if key.swiglu else 128
+    """BLOCK_N of a tile that quantises its fp8 output: one scale block of output columns."""
+    return 2 * SCALE_BLOCK if key.swiglu else SCALE_BLOCK
 
 
 def ragged_interpret(key: RaggedKey) -> triton.Config:
-    if key.scaling.endswith(FP8_OUT):
+    if fp8_out(key):
         return with_meta(RAGGED_FP8_OUT_INTERPRET, BLOCK_N=fp8_out_width(key))
-    return RAGGED_SCALED_INTERPRET if key.scaling else RAGGED_INTERPRET
+    return RAGGED_SCALED_INTERPRET if key.scaling is not None else RAGGED_INTERPRET
 
 # Rows per group -> the tile heights worth trying: a tile much taller than a group multiplies
 # padding; a much shorter one re-reads each weight tile once per row block.
@@ -571,7 +573,7 @@ _BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128,
 
 
 def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
-    if key.scaling.endswith(FP8_OUT):
+    if fp8_out(key):
         kept = [c for c in RAGGED_FP8_OUT if c.kwargs["BLOCK_N"] == fp8_out_width(key)]
         return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
     bk = BLOCK_K[key.dtype]
@@ -583,7 +585,7 @@ def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
     if key.swiglu:
         # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
         kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128]
-    if key.scaling:
+    if key.scaling is not None:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
 
@@ -593,10 +595,10 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
     picks on the MoE shapes of bench_grouped went; TMA only for large groups with long K."""
     bk = BLOCK_K[key.dtype]
     m = key.m
-    if key.scaling.endswith(FP8_OUT):
+    if fp8_out(key):
         # The promotion holds the block's partial next to the accumulator: 64x256 needs 8 warps.
         bm = min(64, max(16, next_pow2(m)))
-        return with_meta(cfg(bm, fp8_out_width(key), 128, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
+        return with_meta(cfg(bm, fp8_out_width(key), SCALE_BLOCK, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
                          USE_TMA=key.tma == TMA_ONLY)
     if m <= 16:
         base = cfg(16, 128, bk, 4, 4) if key.swiglu else cfg(16, 64, bk, 4, 5 if bk <= 64 else 4)
@@ -608,7 +610,7 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         base = cfg(128, 128, bk, 4, 4)
     else:
         base = cfg(128, 256, bk, 8, 4 if bk <= 64 else 3)
-    if key.scaling and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] >= 128 * 128:
+    if key.scaling is not None and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] >= 128 * 128:
         # The per-K-block promotion converts the fp32 partial's layout through shared memory:
         # a 128x256 tile does not fit next to its pipeline, and a 128x128 one keeps its
         # partial next to the accumulator in 8 warps' registers (the block-scaled GEMM's tiles).

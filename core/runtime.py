@@ -93,6 +93,13 @@ def graph_bench(fn, warmup: float = 25, rep: float = 100, quantiles=None, return
 
 
 @functools.cache
+def capability(device_index: int | None) -> tuple:
+    """The GPU's compute capability, e.g. (9, 0) for Hopper (the one probe TMA's and the Gluon
+    body's rules read)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
 def sm_count(device_index: int | None) -> int:
     if INTERPRET or device_index is None:
         return INTERPRET_PROGRAMS

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..core.fp8 import amax_input, fp8_grid, fp8_scale
+from ..core.scaling import SCALE_BLOCK
 from ..core.tiles import (
     Fill,
     Operand,
@@ -50,6 +51,9 @@ class Stacked(NamedTuple):
     stride_g: Any
     stride0: Any
     stride1: Any
+
+
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 
 @triton.jit
@@ -383,8 +387,8 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl
         r64 = r.to(tl.int64)
         dtype: tl.constexpr = Q.ptr.dtype.element_ty
         kb_lo = tl.program_id(1) * col_blocks
-        for kb in range(kb_lo, tl.minimum(kb_lo + col_blocks, tl.cdiv(H, 128))):
-            cols = kb * 128 + tl.arange(0, 128)
+        for kb in range(kb_lo, tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK))):
+            cols = kb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
             mask = live[:, None] & (cols < H)[None, :]
             x = tl.load(X.ptr + src[:, None] * X.stride0 + cols[None, :] * X.stride1, mask=mask, other=0.0)
             x = x.to(tl.float32)

@@ -18,9 +18,10 @@ import torch
 from ..core import checks, configs
 from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
-from ..blockscaled.quantize import BLOCK, QUANTIZE_FP8, quantize_fp8
+from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8
 from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
-from ..core.runtime import empty, next_pow2
+from ..core.runtime import cdiv, empty, next_pow2
+from ..core.scaling import BLOCKWISE, SCALE_BLOCK
 from ..core.tiles import NO_SCALES, Operand, Routing, Scales
 from .kernels import Stacked, sort_by_expert_kernel
 from .ops import combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles
@@ -161,7 +162,7 @@ def quantize_experts(w_gate_up, w_down):
     I = w_down.shape[2]
 
     def blocks(w):
-        qs = [quantize_fp8(m, (BLOCK, BLOCK)) for m in w.detach()]
+        qs = [quantize_fp8(m, (SCALE_BLOCK, SCALE_BLOCK)) for m in w.detach()]
         return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
     with torch.no_grad():
@@ -207,7 +208,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     fp8 = w_gate_up_scale is not None
     sort = _sorter(topk_ids, E)
     pair, token, offs = sort(topk_ids)
-    quantize = QUANTIZE_FP8.route((x, (1, BLOCK), w_gate_up.dtype, False, False)) if fp8 and x_scale is None else None
+    quantize = QUANTIZE_FP8.route((x, (1, SCALE_BLOCK), w_gate_up.dtype, False, False)) if fp8 and x_scale is None else None
     h_dtype = w_gate_up.dtype if fp8 else dtype
 
     def scales(xs, hs, w_gate_up_scale, w_down_scale):
@@ -219,7 +220,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
                 Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
 
     def h_scales():
-        return empty((-(-I // BLOCK), P), dtype=torch.float32, device=device).t() if fp8 else None
+        return empty((cdiv(I, SCALE_BLOCK), P), dtype=torch.float32, device=device).t() if fp8 else None
 
     a1, xs = (quantize(x) if quantize is not None else (x, x_scale)) if fp8 else (x, None)
     h = empty((P, I), dtype=h_dtype, device=device)
@@ -227,9 +228,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
     gemm1 = _expert_launch(a1, w_gate_up, h, offs, a_rows=token, swiglu=True, scales=s1,
-                           **(dict(scaling="1x128,128x128" + configs.FP8_OUT) if fp8 else {}))
+                           **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
     gemm2 = _expert_launch(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, scales=s2,
-                           **(dict(scaling="1x128,128x128") if fp8 else {}))
+                           **(dict(scaling=BLOCKWISE) if fp8 else {}))
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
         pair, token, offs = sort(topk_ids)
@@ -258,7 +259,7 @@ def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> Non
                                    "weight_scale_inv)", None)
         checks.check_tensor(name, t, ndim=3, dtypes=(torch.float32,))
     E, two_i, H = w_gate_up.shape
-    kh, ki = -(-H // BLOCK), -(-(two_i // 2) // BLOCK)
+    kh, ki = cdiv(H, SCALE_BLOCK), cdiv(two_i // 2, SCALE_BLOCK)
     checks.check_shape("w_gate_up_scale", w_gate_up_scale, (E, 2 * ki, kh),
                        f"[E, 2 * ceil(I/128), ceil(H/128)] = {[E, 2 * ki, kh]} (gate blocks, then up blocks)")
     checks.check_shape("w_down_scale", w_down_scale, (E, kh, ki), f"[E, ceil(H/128), ceil(I/128)] = {[E, kh, ki]}")
@@ -272,7 +273,7 @@ def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
     if x_scale is not None:
         checks.check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,))
         T, H = x.shape
-        checks.check_shape("x_scale", x_scale, (T, -(-H // BLOCK)), f"[T, ceil(H/128)] = {[T, -(-H // BLOCK)]} "
+        checks.check_shape("x_scale", x_scale, (T, cdiv(H, SCALE_BLOCK)), f"[T, ceil(H/128)] = {[T, cdiv(H, SCALE_BLOCK)]} "
                            "(x's 1x128 scales, as quantize_fp8(x) gives)")
         checks.check_same_device(x=x, x_scale=x_scale)
 
@@ -330,8 +331,7 @@ def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
         xs = x_scale.index_select(0, token)
     out_dtype = _out_dtype(x)
     h = empty((P, I), dtype=w_gate_up.dtype, device=x.device)
-    hs = empty((-(-I // BLOCK), P), dtype=torch.float32, device=x.device).t()
-    scaling = "1x128,128x128"
+    hs = empty((cdiv(I, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t()
     m = configs.m_bucket(P // E)
     tables = {}
 
@@ -341,11 +341,11 @@ def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
         return tables[block_m]
 
     run_wgmma_grouped(xq, w_gate_up, h, schedule, xs, w_gate_up_scale.transpose(1, 2), N=I, out_scale=hs,
-                      key=configs.WgmmaKey(m, I, H, scaling, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
+                      key=configs.WgmmaKey(m, I, H, BLOCKWISE, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
     y_pairs = empty((T * k, H), dtype=out_dtype, device=x.device)
     run_wgmma_grouped(h, w_down, y_pairs, schedule, hs, w_down_scale.transpose(1, 2), N=H,
                       scatter=pair, weight=topk_weights.reshape(-1).to(torch.float32).contiguous(),
-                      key=configs.WgmmaKey(m, H, I, scaling, configs.dtype_name(out_dtype), mode))
+                      key=configs.WgmmaKey(m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
     return combine(y_pairs, topk_ids, E, out_dtype)
 
 

@@ -13,6 +13,7 @@ import onegemm
 from helpers import fp8_grouped_inputs, fp8_moe_inputs, offs_of
 from onegemm.core import configs, hopper_fp8
 from onegemm.core.launch import clear_plans, plans
+from onegemm.core.scaling import Granularity, Scaling
 from onegemm.grouped.ops import combine, gather_quantize, row_tiles
 from onegemm.testing import (
     assert_close,
@@ -172,7 +173,8 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
          "sliced": lambda: _expert_weights(G, N + 16, K, args["dtype"])[:, :N],
          "n_major": lambda: _expert_weights(G, K, N, args["dtype"]).transpose(1, 2)}[args["w"]]()
     a = torch.empty(M, K, dtype=args["dtype"]) if args["a"] == "contig" else torch.empty(K, M, dtype=args["dtype"]).t()
-    assert hopper_fp8.wgmma_grouped(w, M, G, args["kind_a"], args["kind_b"], a=a, tma=args["tma"],
+    scaling = Scaling(Granularity.parse(args["kind_a"]), Granularity.parse(args["kind_b"]))
+    assert hopper_fp8.wgmma_grouped(w, M, G, scaling, a=a, tma=args["tma"],
                                     config=args["config"]) == expected
 
 

@@ -11,6 +11,7 @@ import torch
 import onegemm
 from onegemm.core import configs, launch, scratch, splitk, triton_abi
 from onegemm.core.configs import cfg
+from onegemm.core.scaling import BLOCKWISE, Scaling
 from onegemm.core.matmul import MATMUL
 from onegemm.core.tiles import Operand, Scales, Vector
 from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, quantize_fp8_ref
@@ -332,7 +333,10 @@ def _parse_key(key_type, text):
         name, _, value = token.rpartition("=")
         assert field.startswith(name), (text, token, field)
         kind = typing.get_type_hints(key_type)[field]
-        values.append(bool(int(value)) if kind is bool else int(value) if kind is int else "" if value == "-" else value)
+        if field == "scaling":
+            values.append(Scaling.parse(value))
+        else:
+            values.append(bool(int(value)) if kind is bool else int(value) if kind is int else "" if value == "-" else value)
     return key_type(*values)
 
 
@@ -341,7 +345,7 @@ def test_key_types_cover_every_family():
     key = configs.RaggedKey("bf16", "", 16, 64, 32, True, False, 2, True, False)
     assert _parse_key(configs.RaggedKey, str(key)) == key
     with pytest.raises(AssertionError):
-        _parse_key(configs.MatmulKey, str(configs.BlockscaledKey(16, 64, 32, True, False, 2, "1x128,128x128")))
+        _parse_key(configs.MatmulKey, str(configs.BlockscaledKey(16, 64, 32, True, False, 2, BLOCKWISE)))
 
 
 def test_the_h200_table_ships():
