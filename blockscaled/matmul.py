@@ -1,7 +1,7 @@
 """onegemm.blockscaled_matmul: fp8 GEMM with torch._scaled_mm's scale conventions.
 
 On an sm_90 GPU, block scales on both operands at M >= 128 run core's Gluon body
-(core/hopper_fp8.py; ``hopper_fp8.wgmma_body`` is the rule). Otherwise it is core's dense
+(core/hopper_fp8.py; ``hopper_fp8.uses_gluon_body`` is the rule). Otherwise it is core's dense
 kernel (core/matmul.py matmul_kernel, core/tiles.py gemm_tile) with its scales switched on:
 - block scales (1x128 / 128x1 / 128x128) go to the K loop, which multiplies each K block's
   partial product by its scales and promotes it to the fp32 accumulator
@@ -29,7 +29,7 @@ import triton
 
 from ..core import checks, configs
 from ..core.dispatch import Cached, Op, Record
-from ..core.hopper_fp8 import wgmma_body, wgmma_launch
+from ..core.hopper_fp8 import uses_gluon_body, wgmma_launch
 from ..core.launch import Launcher, Request
 from ..core.matmul import dense_launch, matmul_kernel
 from ..core.runtime import cdiv, empty
@@ -39,7 +39,7 @@ from ..core.tma import choose_tma, forced_flavour, layout_meta
 
 
 # core's dense kernel; this launcher's family (core/configs.py) tunes it for fp8 operands.
-BLOCKSCALED = Launcher(matmul_kernel, configs.BLOCKSCALED)
+BLOCKSCALED = Launcher(matmul_kernel, "blockscaled")
 
 def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> Granularity:
     """Which granularity scale_a's shape gives, coarsest first (module docstring)."""
@@ -172,13 +172,13 @@ def _scales(scaling: Scaling):
 def scaled_record(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None, activation=None, config=None,
                   tma=None) -> Record:
     """The launch of a checked block-scaled GEMM whose scaling is known: core's Gluon body
-    where ``wgmma_body`` takes it, else core's dense kernel with its scales on."""
+    where ``uses_gluon_body`` takes it, else core's dense kernel with its scales on."""
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return Record((M, N), out_dtype, a.device)
     c = empty((M, N), device=a.device, dtype=out_dtype)
-    if wgmma_body(a, b, c, scaling, tma, config):
+    if uses_gluon_body(a, b, c, scaling, tma, config):
         key = configs.WgmmaKey(configs.m_bucket(M), N, K, scaling, configs.dtype_name(out_dtype))
         return Record((M, N), out_dtype, a.device, [wgmma_launch(a, b, c, bias, activation, key, config, scale_a,
                                                                  scale_b)])

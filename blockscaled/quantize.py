@@ -94,7 +94,7 @@ def quantize_kernel(
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
 
 
-QUANTIZE = Launcher(quantize_kernel, configs.QUANT)
+QUANTIZE = Launcher(quantize_kernel, "quantize")
 
 
 def _scale_shape(block, M: int, K: int) -> tuple:

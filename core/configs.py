@@ -106,7 +106,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 BLOCK_K = {"fp8": 128, "bf16": 64, "fp16": 64, "fp32": 32}
 
 
-def tiles(M: int, N: int, bm: int, bn: int) -> int:
+def tile_count(M: int, N: int, bm: int, bn: int) -> int:
+    """Output tiles of bm x bn over an [M, N] output."""
     return cdiv(M, bm) * cdiv(N, bn)
 
 
@@ -233,7 +234,8 @@ SPLIT_K_CONFIGS = with_splits([
 ])
 
 
-def persistent(configs, **extra):
+def as_persistent(configs, **extra):
+    """``configs`` on the persistent schedule (PERSISTENT=True)."""
     return [with_meta(c, PERSISTENT=True, **extra) for c in configs]
 
 
@@ -241,10 +243,10 @@ def two_per_sm(configs):
     """The 64 x (64 or 128) tiles with two programs per SM: their pipelines (64-98 KB of shared
     memory) fit twice in an SM, and two resident programs hide each other's load latency."""
     small = [c for c in configs if c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] <= 128]
-    return persistent(small, PROGRAMS_PER_SM=2)
+    return as_persistent(small, PROGRAMS_PER_SM=2)
 
 
-PERSISTENT_CONFIGS = persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
+PERSISTENT_CONFIGS = as_persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
 
 
 def big_persistent(c: triton.Config) -> bool:
@@ -265,7 +267,7 @@ def matmul_candidates(key: MatmulKey, sms: int) -> list[triton.Config]:
     pool = MATMUL_CONFIGS + SPLIT_K_CONFIGS + PERSISTENT_CONFIGS
 
     def few_tiles(c):  # a split that still leaves at most two units per SM
-        return split_of(c) <= 4 and tiles(key.m, key.n, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * split_of(c) <= 2 * sms
+        return split_of(c) <= 4 and tile_count(key.m, key.n, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * split_of(c) <= 2 * sms
 
     kept = [c for c in pool if c.kwargs["BLOCK_K"] == bk and (split_allowed(c, key.m) or few_tiles(c))]
     if key.m <= 64:
@@ -287,7 +289,7 @@ def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
     bk = BLOCK_K[key.dtype]
     M, N, K = key.m, key.n, key.k
     tma = key.tma != POINTERS_ONLY
-    big = tiles(M, N, 128, 256)
+    big = tile_count(M, N, 128, 256)
     if key.dtype != "fp32" and M >= 1024 and big >= sms // 2:
         if key.schedule != PER_TILE and (big >= sms or key.schedule == PERSISTENT_ONLY):
             return with_meta(cfg(128, 256, bk, 8, 3), PERSISTENT=True, USE_TMA=tma)
@@ -296,16 +298,16 @@ def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
             return warp_specialized(cfg(*wide, bk, 4, 3), USE_TMA=True)
         base = cfg(128, 256, bk, 8, 3)
     elif key.dtype == "fp32":
-        base = cfg(128, 128, 32, 4, 4) if tiles(M, N, 128, 128) >= sms else cfg(64, 64, 32, 4, 4)
-    elif M > 64 and tiles(M, N, 128, 128) >= sms:
+        base = cfg(128, 128, 32, 4, 4) if tile_count(M, N, 128, 128) >= sms else cfg(64, 64, 32, 4, 4)
+    elif M > 64 and tile_count(M, N, 128, 128) >= sms:
         base = cfg(128, 128, bk, 8, 4)
-    elif tiles(M, N, 64, 128) >= sms:
+    elif tile_count(M, N, 64, 128) >= sms:
         base = cfg(64, 128, bk, 4, 4)
     else:
         base = cfg(64, 64, bk, 4, 5 if bk == 64 else 4)
     kw = {"USE_TMA": key.tma == TMA_ONLY}
     bm, bn = base.kwargs["BLOCK_M"], base.kwargs["BLOCK_N"]
-    split = fill_split(tiles(M, N, bm, bn), K, bk, sms) if bm == 64 else 1
+    split = fill_split(tile_count(M, N, bm, bn), K, bk, sms) if bm == 64 else 1
     if split > 1:
         kw["SPLIT_K"] = split
     if key.schedule == PERSISTENT_ONLY:
@@ -381,12 +383,12 @@ def blockscaled_heuristic(key: BlockscaledKey, sms: int) -> triton.Config:
     the operands allow it; otherwise 64-row tiles, split-K until the SMs are busy."""
     M, N, K = key.m, key.n, key.k
     tma = key.tma == TMA_ONLY or (key.tma == EITHER and M >= 1024)
-    if M >= 2048 and tiles(M, N, 128, 128) >= sms:
+    if M >= 2048 and tile_count(M, N, 128, 128) >= sms:
         if _ws_ok(key):
             return warp_specialized(blockscaled_cfg(128, 128, 4, 4), PERSISTENT=True, USE_TMA=True)
         return blockscaled_cfg(128, 128, 8, 4, PERSISTENT=True, USE_TMA=tma)
-    bn = 128 if tiles(M, N, 64, 128) >= sms else 64
-    split = fill_split(tiles(M, N, 64, bn), K, SCALE_BLOCK, sms)
+    bn = 128 if tile_count(M, N, 64, 128) >= sms else 64
+    split = fill_split(tile_count(M, N, 64, bn), K, SCALE_BLOCK, sms)
     extra = {"SPLIT_K": split} if split > 1 else {}
     return blockscaled_cfg(64, bn, 4, 4, USE_TMA=key.tma == TMA_ONLY, **extra)
 
@@ -487,7 +489,7 @@ def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
         return next(c for c in (wgmma_cfg(bn, st, 2, bm=bt) for st in (8, 6, 4)) if _wgmma_fits(c, key.out, key.mode))
     if key.mode == "swiglu":
         return wgmma_cfg(128, 4, 2, bm=64)
-    narrow = key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tiles(key.m, key.n, 128, 128) < sms)
+    narrow = key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tile_count(key.m, key.n, 128, 128) < sms)
     if narrow:
         return wgmma_cfg(64, 6, 4)
     return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))
@@ -785,17 +787,18 @@ class Family(NamedTuple):
     interpret: object        # the interpreter's triton.Config, or key -> triton.Config
 
 
-MATMUL = Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET)
-BLOCKSCALED = Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET)
-# never under the interpreter (Gluon has no interpreter): its "interpret" config is unused
-BLOCKSCALED_WGMMA = Family("blockscaled_wgmma", wgmma_candidates, wgmma_heuristic, wgmma_cfg(128, 4, 3))
-RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret)
-LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
-QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
-SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1))
-ROW_TILES = Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
-GATHER_QUANTIZE = Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
-COMBINE = Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
-ROUTE = Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1))
-FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT, ROW_TILES,
-                                  GATHER_QUANTIZE, COMBINE, ROUTE)}
+# By name: a launcher (core/launch.py) names its family, and the tables file configs under it.
+FAMILIES = {f.name: f for f in (
+    Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET),
+    Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET),
+    # never under the interpreter (Gluon has no interpreter): its "interpret" config is unused
+    Family("blockscaled_wgmma", wgmma_candidates, wgmma_heuristic, wgmma_cfg(128, 4, 3)),
+    Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret),
+    Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET),
+    Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET),
+    Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
+    Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
+)}

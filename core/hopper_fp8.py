@@ -469,7 +469,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
 
 # ---------------------------------------------------------------------------- host side
 
-BLOCKSCALED_WGMMA = Launcher(blockscaled_wgmma_kernel, configs.BLOCKSCALED_WGMMA)
+BLOCKSCALED_WGMMA = Launcher(blockscaled_wgmma_kernel, "blockscaled_wgmma")
 
 def on_sm90(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on an sm_90 GPU and kernels compile for it (not the interpreter)."""
@@ -483,7 +483,7 @@ def k_major_layout(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
     return layout is not None and layout.a_k_contig and layout.b_k_contig and a.shape[1] > 0
 
 
-def wgmma_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool:
+def uses_gluon_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool:
     """The one decision between core's two bodies of a block-scaled FP8 GEMM: this Gluon body
     on an sm_90 GPU for block scales on both operands (1x128 or 128x128 scale_a, 128x1 or
     128x128 scale_b), TMA-readable K-major operands and M >= configs.WGMMA_MIN_M; core's Triton
@@ -515,7 +515,7 @@ def wgmma_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool:
 
 
 def wgmma_launch(a, b, c, bias, activation, key: configs.WgmmaKey, config=None, scale_a=None, scale_b=None) -> Launch:
-    """This body's launch for operands shaped like a, b, c (``wgmma_body`` accepted them):
+    """This body's launch for operands shaped like a, b, c (``uses_gluon_body`` accepted them):
     a core/dispatch.py Launch whose builder takes (c, a, b, scale_a, scale_b, bias).
     ``key``: the call's WgmmaKey (tuning tables; its scaling sets SA_ROWS and SB_COLS).
     scale_a, scale_b: the call's scales, for autotuning's trial launches."""
@@ -550,7 +550,7 @@ def experts_layout(w: torch.Tensor) -> bool:
             and w.data_ptr() % 16 == 0)
 
 
-def wgmma_grouped(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, tma: bool | None = None,
+def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, tma: bool | None = None,
                   config=None) -> str | None:
     """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
     FP8 moe_ffn's GEMMs): on an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128
@@ -574,7 +574,7 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
                       activation=None, scatter=None, weight=None, out_scale=None, config=None):
     """The grouped flavour: C rows of group g = epilogue((a rows of g * scale_a) @ (W_g * scale_b_g)^T).
 
-    a fp8 [M, K] row-major; w fp8 [G, rows, K] (``wgmma_grouped``; rows = N, or 2N gate then
+    a fp8 [M, K] row-major; w fp8 [G, rows, K] (``gluon_grouped_mode``; rows = N, or 2N gate then
     up rows when ``key.mode`` is "swiglu" or "decode_swiglu"; the "decode" modes compute each
     tile transposed, SWAP); c [M or scattered rows, N]; schedule(block_m) -> (sched, count):
     the groups' row tiles of the plan's BLOCK_M (grouped/ builds them from offs on the device);

@@ -113,15 +113,16 @@ class Plan:
 
 
 class Launcher:
-    """One ``@triton.jit`` kernel and its family's tuning policy (core/configs.py).
+    """One ``@triton.jit`` kernel and its family's tuning policy (core/configs.py FAMILIES, by
+    name).
 
     The kernel takes its runtime arguments first and its constexprs last (checked here): a
     launch passes ``args`` (the runtime arguments, in order) and the plan supplies the rest.
     """
 
-    def __init__(self, fn, family: configs.Family):
+    def __init__(self, fn, family: str | configs.Family):
         self.fn = fn
-        self.family = family
+        self.family = family = configs.FAMILIES[family] if isinstance(family, str) else family
         self.params = kernel_params(fn)
         flags = [p.is_constexpr for p in self.params]
         if flags != sorted(flags):

@@ -63,7 +63,7 @@ def matmul_kernel(
         gemm_tile(pid_m, pid_n, a, b, c, M, N, K, spec, scales, Routing(), bias, SplitK(unit % SPLIT_K, ws_ptr, lock_ptr))
 
 
-MATMUL = Launcher(matmul_kernel, configs.MATMUL)
+MATMUL = Launcher(matmul_kernel, "matmul")
 
 
 def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.Config | None = None, tma=None,

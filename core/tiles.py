@@ -405,11 +405,11 @@ def epilogue(acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION: tl.constexpr, scal
     element belongs to each row.
     """
     if scales.m.ptr is not None:
-        sm = tl.load(scales.m.ptr + offs_m.to(tl.int64) * scales.m.stride, mask=mask_m, other=0.0)
-        acc = acc * sm.to(tl.float32)[:, None]
+        row_scale = tl.load(scales.m.ptr + offs_m.to(tl.int64) * scales.m.stride, mask=mask_m, other=0.0)
+        acc = acc * row_scale.to(tl.float32)[:, None]
     if scales.n.ptr is not None:
-        sn = tl.load(scales.n.ptr + offs_n.to(tl.int64) * scales.n.stride, mask=mask_n, other=0.0)
-        acc = acc * sn.to(tl.float32)[None, :]
+        col_scale = tl.load(scales.n.ptr + offs_n.to(tl.int64) * scales.n.stride, mask=mask_n, other=0.0)
+        acc = acc * col_scale.to(tl.float32)[None, :]
     if bias.ptr is not None:
         b = tl.load(bias.ptr + offs_n.to(tl.int64) * bias.stride, mask=mask_n, other=0.0)
         acc = acc + b.to(tl.float32)[None, :]

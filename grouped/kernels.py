@@ -91,16 +91,17 @@ def group_spans(offs, G, total, G_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def locate_tile(tile, offs, G, total, BLOCK: tl.constexpr, G_BLOCK: tl.constexpr):
-    """Block ``tile`` of the ragged dimension -> (g, start, size, local block, valid, bad).
+def locate_tile(tile, offs, G, total, TILE: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Tile ``tile`` (of TILE rows or columns) of the ragged dimension -> (g, start, size,
+    local tile, valid, bad).
 
-    Blocks are numbered group after group, cdiv(size_g, BLOCK) per group, tail group last.
+    Tiles are numbered group after group, cdiv(size_g, TILE) per group, tail group last.
     With bad offs the whole dimension becomes one tail group (filled with NaN by the caller).
     """
     idx, starts, sizes, bad = group_spans(offs, G, total, G_BLOCK)
     starts = tl.where(bad, 0, starts)
     sizes = tl.where(bad, tl.where(idx == G, total, 0), sizes)
-    tiles = (sizes + BLOCK - 1) // BLOCK
+    tiles = (sizes + TILE - 1) // TILE
     g, first = find_group(tile, tiles, idx)
     start = tl.sum(tl.where(idx == g, starts, 0))
     size = tl.sum(tl.where(idx == g, sizes, 0))
@@ -287,7 +288,7 @@ def list_kernel(
 @triton.jit
 def sort_by_expert_kernel(
     ids_ptr, pair_ptr, token_ptr, offs_ptr, P, E, k,
-    E_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr,
 ):
     """Stable counting sort of the P = T * k (token, slot) pairs by expert, in one program.
 
@@ -296,15 +297,15 @@ def sort_by_expert_kernel(
     pair_ptr, token_ptr [P] int32 (out): row r of the sorted order is pair pair[r], of token
         token[r] = pair[r] // k; pairs of one expert keep their order (stable).
     offs_ptr [E] int32 (out): cumulative end offsets, expert e owns rows [offs[e-1], offs[e]).
-    E_BLOCK: a power of two > E (the experts plus the last group). BLOCK: pairs per step.
+    E_BLOCK: a power of two > E (the experts plus the last group). PAIR_BLOCK: pairs per step.
     Grid: (1,). Two passes over the pairs: count per expert, then place each pair at its
     expert's start + the pairs of that expert before it (a running count plus a prefix sum
     over the step's one-hot rows). For decode-sized P, where torch's sort is several launches.
     """
     experts = tl.arange(0, E_BLOCK)
     totals = tl.zeros([E_BLOCK], dtype=tl.int32)
-    for start in range(0, P, BLOCK):
-        i = start + tl.arange(0, BLOCK)
+    for start in range(0, P, PAIR_BLOCK):
+        i = start + tl.arange(0, PAIR_BLOCK)
         e = tl.load(ids_ptr + i, mask=i < P, other=0)
         e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
         onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)
@@ -312,8 +313,8 @@ def sort_by_expert_kernel(
     ends = tl.cumsum(totals, axis=0)
     tl.store(offs_ptr + experts, ends, mask=experts < E)
     base = ends - totals
-    for start in range(0, P, BLOCK):
-        i = start + tl.arange(0, BLOCK)
+    for start in range(0, P, PAIR_BLOCK):
+        i = start + tl.arange(0, PAIR_BLOCK)
         e = tl.load(ids_ptr + i, mask=i < P, other=0)
         e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
         onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)

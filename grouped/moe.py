@@ -19,7 +19,7 @@ from ..core import checks, configs
 from ..core.dispatch import Op
 from ..core.launch import Launcher, Request
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8
-from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
+from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
 from ..core.runtime import cdiv, empty, next_pow2
 from ..core.scaling import BLOCKWISE, SCALE_BLOCK
 from ..core.tiles import NO_SCALES, Operand, Routing, Scales
@@ -52,7 +52,7 @@ def sort_by_expert(topk_ids, num_experts: int):
     return pair.to(torch.int32), (pair // k).to(torch.int32), offs
 
 
-SORT = Launcher(sort_by_expert_kernel, configs.SORT)
+SORT = Launcher(sort_by_expert_kernel, "sort")
 
 
 def _sort_small(flat, E: int, k: int):
@@ -62,7 +62,7 @@ def _sort_small(flat, E: int, k: int):
 def _small_sorter(P: int, E: int, k: int, device):
     """The one-program sort of P pairs as a callable flat ids -> (pair, token, offs)."""
     e_block = next_pow2(E + 1)
-    plan = SORT.plan_for(Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, BLOCK=max(16, min(256, 8192 // e_block))),
+    plan = SORT.plan_for(Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))),
                                  device))
 
     def sort(flat):
@@ -292,14 +292,14 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
     """The FP8 moe_ffn's full path for its arguments' signature: the checks, then the Gluon
-    pipeline (on sm_90, ``hopper_fp8.wgmma_grouped``) or the Triton body's (_moe_pipeline)."""
+    pipeline (on sm_90, ``hopper_fp8.gluon_grouped_mode``) or the Triton body's (_moe_pipeline)."""
     _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                     topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
                                     w_down_scale=w_down_scale, x_scale=x_scale)
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
-    mode = wgmma_grouped(w_gate_up, P, E) if P else None
-    if mode is not None and wgmma_grouped(w_down, P, E) == mode:
+    mode = gluon_grouped_mode(w_gate_up, P, E) if P else None
+    if mode is not None and gluon_grouped_mode(w_down, P, E) == mode:
         sort = _sorter(topk_ids, E)
 
         def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
@@ -314,7 +314,7 @@ def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scal
 def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs,
                    mode, x_scale=None):
     """The FP8 expert FFN on core's Gluon body (sm_90; ``mode`` "grouped" or "decode", from
-    hopper_fp8.wgmma_grouped): TMA cannot gather rows, so x is quantised once in
+    hopper_fp8.gluon_grouped_mode): TMA cannot gather rows, so x is quantised once in
     expert-sorted order (one row per pair), then GEMM1 (its two warpgroups the gate and the up
     product) writes silu(gate) * up as fp8 with 1x128 scales, and GEMM2 scatters each pair's
     weighted row; the combine sums each token's rows in slot order (fp32). The rows of experts
@@ -364,7 +364,7 @@ def _moe_sizes(x, w_gate_up, topk_ids):
 
 def _expert_gemm(a, w, c, offs, **kwargs):
     """c[r] = a[r] @ w[e].T for the rows r of expert e (2D x 3D, offs over rows; ``kwargs``:
-    launch_ragged's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
+    ragged_launch's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
     launch = _expert_launch(a, w, c, offs, **kwargs)
     launch.launcher.launch(launch.plan, launch.grid, launch.build(
         c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_SCALES)))

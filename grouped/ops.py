@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..core import checks, configs
-from ..core.dispatch import Launch, Op, Record, activate, begin, wants_grad
+from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, sm_count
 from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling
@@ -15,14 +15,14 @@ from ..core.tiles import NO_OPERAND, NO_SCALES, NO_VECTOR, Operand, Routing, Sca
 
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
-from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
+from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
 from .kernels import Stacked, combine_kernel, gather_quantize_kernel, list_kernel, ragged_kernel, row_tiles_kernel
 
-RAGGED = Launcher(ragged_kernel, configs.RAGGED)
-LIST = Launcher(list_kernel, configs.LIST)
-ROW_TILES = Launcher(row_tiles_kernel, configs.ROW_TILES)
-GATHER_QUANTIZE = Launcher(gather_quantize_kernel, configs.GATHER_QUANTIZE)
-COMBINE = Launcher(combine_kernel, configs.COMBINE)
+RAGGED = Launcher(ragged_kernel, "ragged")
+LIST = Launcher(list_kernel, "list")
+ROW_TILES = Launcher(row_tiles_kernel, "row_tiles")
+GATHER_QUANTIZE = Launcher(gather_quantize_kernel, "gather_quantize")
+COMBINE = Launcher(combine_kernel, "combine")
 
 
 def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True):
@@ -140,12 +140,6 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     if tma:
         raise no_tma(reason)
     return None
-
-
-def launch_ragged(a, b, c, offs, **kwargs):
-    """Launch ragged_kernel once (``ragged_launch``'s arguments); returns c."""
-    ragged_launch(a, b, c, offs, **kwargs).run(c)
-    return c
 
 
 def ragged_launch(
@@ -386,7 +380,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
     G, M, N, K = args["G"], args["M"], args["N"], args["K"]
     if fp8:
         w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
-        mode = wgmma_grouped(w, M, G, args["scaling"], a=a, tma=tma, config=config)
+        mode = gluon_grouped_mode(w, M, G, args["scaling"], a=a, tma=tma, config=config)
         if mode is not None:
             key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(out_dtype), mode)
 
@@ -507,7 +501,7 @@ def _list_mode(As, Bs, activation, out_dtype, config):
     checks.check_activation(activation)
     if len(As) != len(Bs):
         raise checks.bad_value("b", f"a list of as many b's as a's ({len(As)})", len(Bs))
-    return [activate(z, activation) for z in _ListGrad.apply(len(As), out_dtype, *As, *Bs)]
+    return [apply_activation(z, activation) for z in _ListGrad.apply(len(As), out_dtype, *As, *Bs)]
 
 
 class _ListGrad(torch.autograd.Function):

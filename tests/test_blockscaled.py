@@ -751,10 +751,10 @@ def test_wgmma_dispatch_rule(change, tma, expected, monkeypatch):
     monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
     args = dict(M=512, N=256, K=256)
     args.update(change)
-    assert hopper_fp8.wgmma_body(*_dispatch_case(**args), tma, None) is expected
+    assert hopper_fp8.uses_gluon_body(*_dispatch_case(**args), tma, None) is expected
     if expected is False and args["M"] >= WGMMA_MIN_M:
         with pytest.raises(ValueError, match="config"):  # a forced Gluon config says why not
-            hopper_fp8.wgmma_body(*_dispatch_case(**args), tma, wgmma_cfg(128, 4, 4))
+            hopper_fp8.uses_gluon_body(*_dispatch_case(**args), tma, wgmma_cfg(128, 4, 4))
 
 
 def test_wgmma_dispatch_off_sm90(device):
@@ -764,10 +764,10 @@ def test_wgmma_dispatch_off_sm90(device):
     call = _dispatch_case(512, 256, 256)
     if hopper_fp8.on_sm90(torch.empty(1, device=device)):
         pytest.skip("this GPU is sm_90: the GPU tests below cover it")
-    assert hopper_fp8.wgmma_body(*call, None, None) is False
-    assert hopper_fp8.wgmma_body(*call, None, BLOCKSCALED_CONFIGS[0]) is False
+    assert hopper_fp8.uses_gluon_body(*call, None, None) is False
+    assert hopper_fp8.uses_gluon_body(*call, None, BLOCKSCALED_CONFIGS[0]) is False
     with pytest.raises(ValueError, match="config.*sm_90"):
-        hopper_fp8.wgmma_body(*call, None, wgmma_cfg(128, 4, 4))
+        hopper_fp8.uses_gluon_body(*call, None, wgmma_cfg(128, 4, 4))
     qa, sa, _ = quant_a(make_input((64, 128), device), "1x128")
     qb, sb, _ = quant_b(make_input((64, 128), device), "128x128")
     with pytest.raises(ValueError, match="config"):

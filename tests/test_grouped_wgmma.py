@@ -1,6 +1,6 @@
 """The grouped flavour of core's Gluon FP8 body (core/hopper_fp8.py, GROUPED / SWIGLU) and
 what grouped/ builds for it: the row-tile table (row_tiles), the expert-sorted fp8 rows
-(gather_quantize) and the dispatch rule (hopper_fp8.wgmma_grouped).
+(gather_quantize) and the dispatch rule (hopper_fp8.gluon_grouped_mode).
 
 Gluon has no interpreter: the kernels run on the H200 (``sm90`` tests); on CPU the table, the
 quantised gather and the rule are checked against torch.
@@ -174,7 +174,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
          "n_major": lambda: _expert_weights(G, K, N, args["dtype"]).transpose(1, 2)}[args["w"]]()
     a = torch.empty(M, K, dtype=args["dtype"]) if args["a"] == "contig" else torch.empty(K, M, dtype=args["dtype"]).t()
     scaling = Scaling(Granularity.parse(args["kind_a"]), Granularity.parse(args["kind_b"]))
-    assert hopper_fp8.wgmma_grouped(w, M, G, scaling, a=a, tma=args["tma"],
+    assert hopper_fp8.gluon_grouped_mode(w, M, G, scaling, a=a, tma=args["tma"],
                                     config=args["config"]) == expected
 
 
@@ -183,7 +183,7 @@ def test_wgmma_grouped_off_sm90(device):
     w = torch.empty(8, 512, 256, dtype=E4M3, device=device)
     if hopper_fp8.on_sm90(w):
         pytest.skip("this GPU is sm_90: the GPU tests below cover it")
-    assert hopper_fp8.wgmma_grouped(w, 4096, 8) is None and hopper_fp8.wgmma_grouped(w, 8, 8) is None
+    assert hopper_fp8.gluon_grouped_mode(w, 4096, 8) is None and hopper_fp8.gluon_grouped_mode(w, 8, 8) is None
 
 
 # ---------------------------------------------------------------- on the H200

@@ -213,8 +213,8 @@ def test_persistent_bad_options(kwargs, exc, match, device):
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (300, 1000, 512), (896, 4864, 4096), (4096, 4096, 4096)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
-def test_gpu_autotuned_large(M, N, K, dtype, tma, device):
-    """Autotuned (every surviving config launched), one program per SM, both flavours;
+def test_gpu_chosen_config_large(M, N, K, dtype, tma, device):
+    """The config the shipped table or the heuristic chooses, one program per SM, both flavours;
     896 x 4864 is 133 tiles of 128 x 256 (one past a wave)."""
     a = make((M, K), dtype, device)
     b = make((N, K), dtype, device).t()
