@@ -378,24 +378,10 @@ def launched(fn) -> list[dict]:
     'tuned', 'heuristic', 'forced' or 'interpreter')."""
     from .core import configs, launch
 
-    seen = []
-    originals = {name: la.launch for name, la in launch._LAUNCHERS.items()}
-
-    def spy(name, original):
-        def run(plan, grid, args):
-            seen.append(dict(family=name, config=configs.label(plan.config), triton_config=plan.config,
-                             source=plan.source))
-            return original(plan, grid, args)
-        return run
-
-    try:
-        for name, la in launch._LAUNCHERS.items():
-            la.launch = spy(name, originals[name])
+    with launch.recording() as seen:
         fn()
-    finally:
-        for name, la in launch._LAUNCHERS.items():
-            del la.launch  # back to the class's method
-    return seen
+    return [dict(family=x.family, config=configs.label(x.plan.config), triton_config=x.plan.config,
+                 source=x.plan.source) for x in seen]
 
 
 # ---- several processes (onegemm.ep) ----

@@ -198,8 +198,7 @@ def main():
         if args.cache:
             tmp = str(args.cache)
         os.environ["ONEGEMM_CACHE_DIR"] = tmp
-        launch.TABLE_DIR = Path(tmp) / "none"  # tune every key, whatever the shipped table holds
-        launch.reload_tables()
+        launch.reload_tables(shipped=False)  # tune every key, whatever the shipped table holds
         start = time.perf_counter()
         with onegemm.autotune():
             for f in families:

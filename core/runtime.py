@@ -17,9 +17,10 @@ import triton
 
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 
-# Debug switch: fill every output onegemm allocates with NaN (or -1 for integers) before the
-# kernel runs, so a tile the kernel forgot to write shows as NaN instead of stale memory that
-# happens to be right (fresh pages are often zero). The test suite turns it on.
+# Debug switch, read once at import: fill every output onegemm allocates with NaN (or -1 for
+# integers) before the kernel runs, so a tile the kernel forgot to write shows as NaN instead
+# of stale memory that happens to be right (fresh pages are often zero). The test suite sets
+# ONEGEMM_POISON=1 before importing onegemm; without it ``empty`` is torch.empty itself.
 POISON: bool = os.environ.get("ONEGEMM_POISON", "0") == "1"
 
 
@@ -49,12 +50,13 @@ def interpretable(t):
     return out
 
 
-def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.empty for kernel outputs; NaN-poisoned when ``POISON`` is set."""
+def _poisoned_empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
-    if POISON:
-        out.fill_(float("nan") if out.is_floating_point() else -1)
-    return out
+    return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+
+# empty(shape, *, dtype, device): torch.empty for kernel outputs, NaN-poisoned under POISON.
+empty = _poisoned_empty if POISON else torch.empty
 
 
 def graph_bench(fn, warmup: float = 25, rep: float = 100, quantiles=None, return_mode: str = "mean"):

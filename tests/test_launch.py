@@ -109,6 +109,21 @@ def fresh_plans():
     launch.clear_plans()
 
 
+def test_recording_sees_the_launches_of_its_block_only(device):
+    """launch.recording: one Launched per launch inside the block (nested blocks both see it),
+    none after it; the launchers run their own method again once it ends."""
+    a = torch.randn(20, 24, device=device)
+    b = torch.randn(24, 8, device=device)
+    with launch.recording() as outer:
+        onegemm.matmul(a, b)
+        with launch.recording() as inner:
+            onegemm.grouped_matmul([a], [b])
+    onegemm.matmul(a, b)
+    assert [x.family for x in outer] == ["matmul", "list"] and [x.family for x in inner] == ["list"]
+    assert any(outer[0].plan is p for p in launch.plans("matmul").values())
+    assert all("launch" not in vars(x) for x in launch.launchers())
+
+
 def test_plan_reused_for_the_same_call(fresh_plans, device):
     a = torch.randn(40, 50, device=device)
     b = torch.randn(50, 30, device=device)
@@ -213,7 +228,6 @@ def test_launcher_rejects_runtime_after_constexpr():
 
     with pytest.raises(TypeError, match="must come after the runtime ones"):
         launch.Launcher(bad, configs.Family("bad", None, None, cfg(16, 16, 16, 1, 1)))
-    launch._LAUNCHERS.pop("bad", None)
 
 
 # ---- split-K scratch ----
@@ -222,7 +236,7 @@ def test_launcher_rejects_runtime_after_constexpr():
 @pytest.mark.gpu
 def test_gpu_split_k_scratch_per_stream(device):
     """Buffers are keyed by device and stream: two streams never share one."""
-    splitk.clear()
+    launch.reset()
     dev = torch.device(device)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s1):

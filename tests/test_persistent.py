@@ -10,29 +10,31 @@ import torch
 import triton
 
 import onegemm
-from onegemm.core import configs
+from onegemm.core import configs, launch
 from onegemm.core.configs import ANY_SCHEDULE, PER_TILE, PERSISTENT_CONFIGS, PERSISTENT_ONLY, with_meta
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
 from onegemm.core.configs import cfg as _cfg
-from onegemm.core.matmul import MATMUL
 from onegemm.core.runtime import default_programs
 from onegemm.testing import TOL, assert_close, matmul_ref
 
 from helpers import make, split_cfg, tol_for
 
 
+class _MatmulLaunches:
+    """A live view of a recording: (grid, plan) of each matmul_kernel launch so far."""
+
+    def __init__(self, every):
+        self.every = every
+
+    def __iter__(self):
+        return iter([(x.grid, x.plan) for x in self.every if x.family == "matmul"])
+
+
 @pytest.fixture
-def launched(monkeypatch):
+def launched():
     """(grid, plan) of each matmul_kernel launch in the test."""
-    seen = []
-    launch = MATMUL.launch
-
-    def spy(plan, grid, args):
-        seen.append((grid, plan))
-        return launch(plan, grid, args)
-
-    monkeypatch.setattr(MATMUL, "launch", spy)
-    return seen
+    with launch.recording() as every:
+        yield _MatmulLaunches(every)
 
 
 @pytest.fixture

@@ -222,7 +222,7 @@ def snapshot(out: Path, only: str | None) -> None:
 
     compiled = []
     # One wrapper per kernel: two launchers (matmul's and blockscaled's) share matmul_kernel.
-    for fn in {id(x.fn): x.fn for x in launch._LAUNCHERS.values()}.values():
+    for fn in {id(x.fn): x.fn for x in launch.launchers()}.values():
         run = fn.run
 
         def recording(*args, _run=run, **kwargs):
