@@ -81,7 +81,7 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
         scale_a scalar | [M, 1] | [M, ceil(K/128)] | [ceil(M/128), ceil(K/128)];
         scale_b scalar | [1, N] | [ceil(K/128), N] | [ceil(K/128), ceil(N/128)].
     out_dtype: bfloat16 (default), float16 or float32. bias [N]. activation as in matmul.
-    ``config`` forces one triton.Config instead of autotuning (tests and benchmarks).
+    ``config`` forces one triton.Config instead of the chosen one (tests and benchmarks).
     ``tma``: as in onegemm.matmul (None: tensor-descriptor loads of a and b on Hopper when
     they allow it, pointer loads otherwise; False: pointers; True: TMA or ValueError).
     Traceable by torch.compile. Not differentiable (its operands are quantised values): an
@@ -99,8 +99,7 @@ def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
     checks.check_fp8("a", a)
     checks.check_fp8("b", b)
     checks.check_operand_dtypes(a, b)
-    if a.shape[1] != b.shape[0]:
-        raise checks.bad_shape("b", f"[K, N] with K = {a.shape[1]} (a is [M, K] = {tuple(a.shape)})", b.shape)
+    checks.check_inner(a, b)
     checks.check_config(config)
     checks.check_tma(tma)
     M, K = a.shape

@@ -125,8 +125,7 @@ def flavour_mode(tma, eligible: bool) -> int:
 
 
 def schedule_mode(persistent) -> int:
-    if persistent is not None and persistent is not True and persistent is not False:  # 1.0 == True: not a bool
-        raise checks.bad_type("persistent", "None (automatic), True or False", persistent)
+    checks.check_option("persistent", persistent)
     return ANY_SCHEDULE if persistent is None else (PERSISTENT_ONLY if persistent else PER_TILE)
 
 
@@ -741,8 +740,8 @@ def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
 def gather_col_blocks(row_programs: int, col_blocks: int, sms: int) -> int:
     """128-column blocks per gather_quantize program: whole rows when the rows alone give each
     SM a few programs, else the rows' blocks spread over more programs (a program's blocks
-    run one after another: a decode step's 8 rows of 7168 in one program took 165 us)."""
-    return max(1, col_blocks // max(1, -(-4 * sms // max(row_programs, 1))))
+    run one after another, so a decode step's few long rows in one program serialise)."""
+    return max(1, col_blocks // max(1, cdiv(4 * sms, max(row_programs, 1))))
 
 
 # ---------------------------------------------------------------------------- MoE routing

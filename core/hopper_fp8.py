@@ -42,8 +42,9 @@ from . import checks, configs
 from .dispatch import Launch
 from .launch import Launcher, Request
 from .runtime import INTERPRET, capability, cdiv, sm_count
+from .fp8 import amax_input, fp8_grid, fp8_scale
 from .scaling import BLOCKWISE, SCALE_BLOCK, Scaling
-from .tiles import NO_OPERAND, NO_VECTOR, Operand, Scales, Vector, activate, epilogue, quantize_rows, swizzle_tile
+from .tiles import NO_OPERAND, NO_VECTOR, Operand, Scales, Vector, activate, epilogue, swizzle_tile
 from .tma import tma_layout
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: the M of one warpgroup's wgmma
@@ -278,6 +279,19 @@ def _store_rows(C, acc, off_m, off_n, row_end, N, scatter):
     gl.store(ptrs, val, mask=mask_m[:, None] & (cols < N)[None, :])
 
 
+# tiles.quantize_tile's 1x128 rule for one block per row: its reshape and arange take no Gluon
+# layouts, and a row form shared with it changed the Triton body's SASS (tools/ptx_snapshot.py).
+@gluon.jit
+def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr):
+    """h [rows, 128] -> fp8 values on the grid (fp32) with one scale per row (core/fp8.py's
+    rule, quantize_fp8's 1x128 blocks), stored at S[out_rows, off_n / 128]. Columns past N are
+    zeroed first: they must not set an amax."""
+    h = gl.where(mask_n[None, :], h, 0.0)
+    scale = fp8_scale(gl.max(amax_input(h), axis=1), dtype)
+    gl.store(S.ptr + out_rows.to(gl.int64) * S.stride0 + (off_n // _SCALE_BLOCK) * S.stride1, scale, mask=mask_m)
+    return fp8_grid(h, scale[:, None], dtype)
+
+
 @gluon.jit
 def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, xchg, xchg_full, xchg_empty, C, M, N, K,
                        scales, bias, groups,
@@ -363,8 +377,7 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, xchg, xchg_
                 if fill == 0:  # a filled tile (rows past the last offset, bad offs) is stored as it is
                     acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias_g, groups.weight, out_rows)
                 if scales.out.ptr is not None:
-                    acc = quantize_rows(acc, scales.out, out_rows, off_n // _SCALE_BLOCK, mask_m, mask_n,
-                                        C.ptr.dtype.element_ty)
+                    acc = _quantize_rows(acc, scales.out, out_rows, off_n, N, mask_m, mask_n, C.ptr.dtype.element_ty)
                 _store_rows(C, acc, off_m, off_n, row_end, N, groups.scatter)
         else:
             acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)

@@ -26,12 +26,12 @@ POISON: bool = os.environ.get("ONEGEMM_POISON", "0") == "1"
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints on the host (triton.cdiv goes through Triton's constexpr wrapper,
-    about 2 us a call: a launch computes several)."""
+    which a launch's host path cannot afford several times)."""
     return -(-a // b)
 
 
 def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (>= 1), on the host (triton.next_power_of_2 costs ~5 us)."""
+    """The smallest power of two >= n (>= 1), on the host (triton.next_power_of_2 is slower)."""
     return 1 << (max(n, 1) - 1).bit_length()
 
 

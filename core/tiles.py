@@ -421,18 +421,6 @@ def epilogue(acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION: tl.constexpr, scal
 
 
 @triton.jit
-def quantize_rows(h, S, rows, block, mask_m, mask_n, dtype: tl.constexpr):
-    """h [rows, 128], one scale block of columns -> its fp8 ``dtype`` values (in fp32, on the
-    fp8 grid) with one scale per row (core/fp8.py's rule, quantize_fp8's 1x128 blocks), stored
-    at S[rows, block]. Columns outside ``mask_n`` are zeroed first: they must not set an amax.
-    Written without reshapes or aranges, so core's Gluon body (its layouts explicit) calls it too."""
-    h = tl.where(mask_n[None, :], h, 0.0)
-    scale = fp8_scale(tl.max(amax_input(h), axis=1), dtype)
-    tl.store(S.ptr + rows.to(tl.int64) * S.stride0 + block * S.stride1, scale, mask=mask_m)
-    return fp8_grid(h, scale[:, None], dtype)
-
-
-@triton.jit
 def quantize_tile(acc, S, rows, pid_n, N, mask_m, mask_n, dtype: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] -> its fp8 ``dtype`` values (in fp32, on the fp8 grid: the
     store's cast is exact) with one scale per row per 128 columns (core/fp8.py's rule, the
@@ -443,8 +431,6 @@ def quantize_tile(acc, S, rows, pid_n, N, mask_m, mask_n, dtype: tl.constexpr):
     BM: tl.constexpr = acc.shape[0]
     BN: tl.constexpr = acc.shape[1]
     NB: tl.constexpr = BN // _SCALE_BLOCK
-    if NB == 1:
-        return quantize_rows(acc, S, rows, pid_n, mask_m, mask_n, dtype)
     acc = tl.where(mask_n[None, :], acc, 0.0)
     blocks = tl.reshape(acc, (BM, NB, _SCALE_BLOCK))
     scale = fp8_scale(tl.max(amax_input(blocks), axis=2), dtype)

@@ -551,8 +551,7 @@ def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):
         if x.dtype != As[0].dtype or w.dtype != Bs[0].dtype:
             raise checks.bad_dtype(f"a[{i}] and b[{i}]", f"of a[0] and b[0]'s dtypes ({As[0].dtype}, {Bs[0].dtype}): every "
                                    "pair must share one dtype", f"{x.dtype} and {w.dtype}")
-        if x.shape[1] != w.shape[0]:
-            raise checks.bad_shape(f"b[{i}]", f"[K, N] with K = {x.shape[1]} (a[{i}] is [M, K] = {tuple(x.shape)})", w.shape)
+        checks.check_inner(x, w, f"a[{i}]", f"b[{i}]")
         checks.check_same_device(**{"a[0]": As[0], f"a[{i}]": x, f"b[{i}]": w})
     out_dtype = checks.resolve_out_dtype(out_dtype, As[0].dtype)
     As, Bs = [interpretable(x) for x in As], [interpretable(w) for w in Bs]
