@@ -78,8 +78,6 @@ def matmul_ref(a, b, bias=None, activation=None):
 
 # ---- FP8 (blockscaled/) ----
 
-SCALE_BLOCK = 128
-
 
 def ref_grads(ref_fn, inputs, grad_out) -> list:
     """float64 gradients of ``ref_fn(*inputs)`` against ``grad_out``: each floating-point input
@@ -510,24 +508,10 @@ def launched(fn) -> list[dict]:
     'tuned', 'heuristic', 'forced' or 'interpreter')."""
     from .core import configs, launch
 
-    seen = []
-    originals = {name: la.launch for name, la in launch._LAUNCHERS.items()}
-
-    def spy(name, original):
-        def run(plan, grid, args):
-            seen.append(dict(family=name, config=configs.label(plan.config), triton_config=plan.config,
-                             source=plan.source))
-            return original(plan, grid, args)
-        return run
-
-    try:
-        for name, la in launch._LAUNCHERS.items():
-            la.launch = spy(name, originals[name])
+    with launch.recording() as seen:
         fn()
-    finally:
-        for name, la in launch._LAUNCHERS.items():
-            del la.launch  # back to the class's method
-    return seen
+    return [dict(family=x.family, config=configs.label(x.plan.config), triton_config=x.plan.config,
+                 source=x.plan.source) for x in seen]
 
 
 # ---- several processes (onegemm.ep) ----

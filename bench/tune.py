@@ -31,6 +31,7 @@ from pathlib import Path
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
 from onegemm.core import launch
+from onegemm.core.runtime import cdiv
 
 BF16, FP16 = torch.bfloat16, torch.float16
 M_BUCKETS = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -111,7 +112,7 @@ def ragged_cases():
                     qa, sa = onegemm.quantize_fp8(torch.randn(rows, K, device="cuda"))
                     qr, sr = onegemm.quantize_fp8(torch.randn(rows, K, device="cuda"), "row")
                     qb = torch.randn(E, N, K, device="cuda").to(torch.float8_e4m3fn).transpose(1, 2)
-                    onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=torch.ones(E, -(-K // 128), -(-N // 128),
+                    onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=torch.ones(E, cdiv(K, 128), cdiv(N, 128),
                                                                                         device="cuda"))
                     onegemm.grouped_matmul(qr, qb, offs, scale_a=sr, scale_b=torch.ones(E, 1, N, device="cuda"))
                 yield f"grouped fp8 {name} {which} rows={rows}", run
@@ -198,8 +199,7 @@ def main():
         if args.cache:
             tmp = str(args.cache)
         os.environ["ONEGEMM_CACHE_DIR"] = tmp
-        launch.TABLE_DIR = Path(tmp) / "none"  # tune every key, whatever the shipped table holds
-        launch.reload_tables()
+        launch.reload_tables(shipped=False)  # tune every key, whatever the shipped table holds
         start = time.perf_counter()
         with onegemm.autotune():
             for f in families:

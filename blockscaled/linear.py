@@ -11,8 +11,10 @@ from torch import nn
 
 from ..core import checks
 from ..core.dispatch import Cached, Op, first_order_only
+from ..core.runtime import cdiv
+from ..core.scaling import BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from .matmul import run_blockscaled, scaled_record
-from .quantize import _BLOCKS_BY_NAME, BLOCK, QUANTIZE_OP, _scale_view, quantize_fp8
+from .quantize import _BLOCKS_BY_NAME, QUANTIZE_OP, _scale_view, quantize_fp8
 
 
 def _quantize(x, block):
@@ -40,7 +42,7 @@ def _fp8_linear_record(x, weight, weight_scale, bias):
         quantize_w = QUANTIZE_OP.direct.route((weight, "128x128", torch.float8_e4m3fn, False, False))
         weight, weight_scale = quantize_w(weight)
     q, scale = quantize_x(x)
-    gemm = scaled_record(q, weight.t(), scale.t(), weight_scale.t(), "1x128", "128x128", x.dtype, bias)
+    gemm = scaled_record(q, weight.t(), scale.t(), weight_scale.t(), BLOCKWISE, x.dtype, bias)
 
     def run(x, weight, weight_scale, bias):
         if quantize_w is not None:
@@ -79,13 +81,13 @@ def _fp8_linear_backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     q_w, s_w = (weight, weight_scale) if weight.dtype == torch.float8_e4m3fn else _quantize(weight, "128x128")
     q_dy, s_dy = _quantize(dy, "1x128")
     # b = W [N, K] as [reduction N, output K]: its scale [nb, kb] is 128x128 as stored.
-    dx = run_blockscaled(q_dy, q_w, s_dy, s_w, "1x128", "128x128", x.dtype)
+    dx = run_blockscaled(q_dy, q_w, s_dy, s_w, BLOCKWISE, x.dtype)
     if not need_weight:
         return dx, x.new_empty(0)
     q_dyt, s_dyt = _quantize(dy.t(), "1x128")  # [N, M], scales along M
     q_xt, s_xt = _quantize(x.t(), "1x128")  # [K, M], scales along M
     # b = (x^T)^T = x [M, K], read K-major; its scale [K, mb] transposed is 128x1.
-    return dx, run_blockscaled(q_dyt, q_xt.t(), s_dyt, s_xt.t(), "1x128", "128x1", weight.dtype)
+    return dx, run_blockscaled(q_dyt, q_xt.t(), s_dyt, s_xt.t(), Scaling(ROW_BLOCKS, COL_BLOCKS), weight.dtype)
 
 
 def _fp8_linear_backward_fake(dy, x, weight, weight_scale, need_weight):
@@ -167,7 +169,7 @@ class Fp8Linear(nn.Module):
         if self.trainable:
             self.weight.copy_(weight)
             return
-        q, scale = quantize_fp8(weight.detach(), (BLOCK, BLOCK))
+        q, scale = quantize_fp8(weight.detach(), (SCALE_BLOCK, SCALE_BLOCK))
         if not bool(torch.isfinite(scale).all()):  # once per weight, not per call: the sync is fine
             raise checks.bad_value(name, "finite", "NaN or inf")
         self.weight, self.weight_scale = q, scale
@@ -226,7 +228,7 @@ def _forward_route(args):
     checks.check_tensor("x", x, dtypes=checks.FLOAT_DTYPES)
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise checks.bad_shape("x", f"[..., in_features] = [..., {in_features}]", x.shape)
-    kb, nb = -(-in_features // BLOCK), -(-out_features // BLOCK)
+    kb, nb = cdiv(in_features, SCALE_BLOCK), cdiv(out_features, SCALE_BLOCK)
     want = checks.FLOAT_DTYPES if trainable else (torch.float8_e4m3fn,)
     if w.dtype not in want or w.shape != (out_features, in_features):
         raise checks.bad_value("Fp8Linear.weight", f"{checks.dtype_names(want)} [{out_features}, {in_features}]",

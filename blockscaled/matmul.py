@@ -1,7 +1,7 @@
 """onegemm.blockscaled_matmul: fp8 GEMM with torch._scaled_mm's scale conventions.
 
 On an sm_90 GPU, block scales on both operands at M >= 128 run core's Gluon body
-(core/hopper_fp8.py; ``hopper_fp8.wgmma_body`` is the rule). Otherwise it is core's dense
+(core/hopper_fp8.py; ``hopper_fp8.uses_gluon_body`` is the rule). Otherwise it is core's dense
 kernel (core/matmul.py matmul_kernel, core/tiles.py gemm_tile) with its scales switched on:
 - block scales (1x128 / 128x1 / 128x128) go to the K loop, which multiplies each K block's
   partial product by its scales and promotes it to the fp32 accumulator
@@ -29,29 +29,25 @@ import triton
 
 from ..core import checks, configs
 from ..core.dispatch import Cached, Op, Record
-from ..core.hopper_fp8 import wgmma_body, wgmma_launch
+from ..core.hopper_fp8 import uses_gluon_body, wgmma_launch
 from ..core.launch import Launcher, Request
 from ..core.matmul import dense_launch, matmul_kernel
 from ..core.runtime import cdiv, empty
+from ..core.scaling import BLOCKS, COL, COL_BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity, Scaling
 from ..core.tiles import Operand, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta
-from .quantize import BLOCK
 
 
 # core's dense kernel; this launcher's family (core/configs.py) tunes it for fp8 operands.
-BLOCKSCALED = Launcher(matmul_kernel, configs.BLOCKSCALED)
+BLOCKSCALED = Launcher(matmul_kernel, "blockscaled")
 
-A_KINDS = ("tensor", "row", "1x128", "128x128")
-B_KINDS = ("tensor", "col", "128x1", "128x128")
-
-
-def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> str:
+def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> Granularity:
     """Which granularity scale_a's shape gives, coarsest first (module docstring)."""
-    kb, mb = cdiv(K, BLOCK), cdiv(M, BLOCK)
+    kb, mb = cdiv(K, SCALE_BLOCK), cdiv(M, SCALE_BLOCK)
     shape = tuple(scale_a.shape)
     if scale_a.dim() <= 2 and scale_a.numel() == 1:
-        return "tensor"
-    for kind, want in (("row", (M, 1)), ("1x128", (M, kb)), ("128x128", (mb, kb))):
+        return TENSOR
+    for kind, want in ((ROW, (M, 1)), (ROW_BLOCKS, (M, kb)), (BLOCKS, (mb, kb))):
         if shape == want:
             return kind
     raise checks.bad_shape(
@@ -60,12 +56,12 @@ def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> str:
         "it fits no granularity")
 
 
-def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> str:
-    kb, nb = cdiv(K, BLOCK), cdiv(N, BLOCK)
+def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> Granularity:
+    kb, nb = cdiv(K, SCALE_BLOCK), cdiv(N, SCALE_BLOCK)
     shape = tuple(scale_b.shape)
     if scale_b.dim() <= 2 and scale_b.numel() == 1:
-        return "tensor"
-    for kind, want in (("col", (1, N)), ("128x1", (kb, N)), ("128x128", (kb, nb))):
+        return TENSOR
+    for kind, want in ((COL, (1, N)), (COL_BLOCKS, (kb, N)), (BLOCKS, (kb, nb))):
         if shape == want:
             return kind
     raise checks.bad_shape(
@@ -85,7 +81,7 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
         scale_a scalar | [M, 1] | [M, ceil(K/128)] | [ceil(M/128), ceil(K/128)];
         scale_b scalar | [1, N] | [ceil(K/128), N] | [ceil(K/128), ceil(N/128)].
     out_dtype: bfloat16 (default), float16 or float32. bias [N]. activation as in matmul.
-    ``config`` forces one triton.Config instead of autotuning (tests and benchmarks).
+    ``config`` forces one triton.Config instead of the chosen one (tests and benchmarks).
     ``tma``: as in onegemm.matmul (None: tensor-descriptor loads of a and b on Hopper when
     they allow it, pointer loads otherwise; False: pointers; True: TMA or ValueError).
     Traceable by torch.compile. Not differentiable (its operands are quantised values): an
@@ -99,30 +95,29 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
 
 
 def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
-    """blockscaled_matmul's checks; returns (scale kinds, out_dtype)."""
+    """blockscaled_matmul's checks; returns (the Scaling the scales' shapes give, out_dtype)."""
     checks.check_fp8("a", a)
     checks.check_fp8("b", b)
     checks.check_operand_dtypes(a, b)
-    if a.shape[1] != b.shape[0]:
-        raise checks.bad_shape("b", f"[K, N] with K = {a.shape[1]} (a is [M, K] = {tuple(a.shape)})", b.shape)
+    checks.check_inner(a, b)
     checks.check_config(config)
     checks.check_tma(tma)
     M, K = a.shape
     N = b.shape[1]
     checks.check_tensor("scale_a", scale_a, dtypes=(torch.float32,))
     checks.check_tensor("scale_b", scale_b, dtypes=(torch.float32,))
-    kinds = scale_kind_a(scale_a, M, K), scale_kind_b(scale_b, K, N)
+    scaling = Scaling(scale_kind_a(scale_a, M, K), scale_kind_b(scale_b, K, N))
     checks.check_activation(activation)
     checks.check_bias(bias, (N,))
     checks.check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
-    return kinds, checks.resolve_out_dtype(out_dtype, a.dtype)
+    return scaling, checks.resolve_out_dtype(out_dtype, a.dtype)
 
 
 def blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, config=None) -> Record:
     """blockscaled_matmul's full path: its checks and decisions, as a Record (core/dispatch.py)."""
-    (kind_a, kind_b), out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma)
+    scaling, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma)
     checks.check_not_differentiable("blockscaled_matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
-    return scaled_record(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)
+    return scaled_record(a, b, scale_a, scale_b, scaling, out_dtype, bias, activation, config, tma)
 
 
 def _blockscaled_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -139,24 +134,24 @@ def _blockscaled_fake(a, b, scale_a, scale_b, bias, out_dtype, activation, tma):
 BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake, record=blockscaled_record, tensors=5)
 
 
-def run_blockscaled(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None, activation=None, config=None, tma=None):
-    """blockscaled_matmul's body, on checked inputs whose scale granularities are known
-    (Fp8Linear's GEMMs); on the signature cache unless a config is forced."""
+def run_blockscaled(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None, activation=None, config=None,
+                    tma=None):
+    """blockscaled_matmul's body, on checked inputs whose scaling is known (Fp8Linear's
+    GEMMs); on the signature cache unless a config is forced."""
     if config is None:
-        return _SCALED(a, b, scale_a, scale_b, bias, kind_a, kind_b, out_dtype, activation, tma)
-    return scaled_record(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias, activation, config, tma)(
+        return _SCALED(a, b, scale_a, scale_b, bias, scaling, out_dtype, activation, tma)
+    return scaled_record(a, b, scale_a, scale_b, scaling, out_dtype, bias, activation, config, tma)(
         a, b, scale_a, scale_b, bias)
 
 
-_SCALED = Cached(5, lambda args: scaled_record(*args[:4], *args[5:8], args[4], args[8], None, args[9]))
+_SCALED = Cached(5, lambda args: scaled_record(*args[:4], *args[5:7], args[4], args[7], None, args[8]))
 
 
-def _scales(kind_a: str, kind_b: str):
-    """(SA_ROWS, SB_COLS, scales(scale_a, scale_b) -> tiles.Scales) for these granularities:
-    block scales go to the K loop (rows / columns per scale: 1 or 128), the others to the
-    epilogue (stride 0 broadcasts the scalar)."""
-    a_block, b_block = kind_a in ("1x128", "128x128"), kind_b in ("128x1", "128x128")
-    a_tensor, b_tensor = kind_a == "tensor", kind_b == "tensor"
+def _scales(scaling: Scaling):
+    """scales(scale_a, scale_b) -> tiles.Scales for this scaling: block scales go to the K
+    loop, the others to the epilogue (stride 0 broadcasts the scalar)."""
+    a_block, b_block = scaling.a_per_k_block, scaling.b_per_k_block
+    a_tensor, b_tensor = scaling.a == TENSOR, scaling.b == TENSOR
 
     def scales(sa, sb):
         parts = {}
@@ -170,29 +165,29 @@ def _scales(kind_a: str, kind_b: str):
             parts["n"] = Vector(sb, 0 if b_tensor else sb.stride(1))
         return Scales(**parts)
 
-    return (BLOCK if kind_a == "128x128" else 1), (BLOCK if kind_b == "128x128" else 1), scales
+    return scales
 
 
-def scaled_record(a, b, scale_a, scale_b, kind_a, kind_b, out_dtype, bias=None, activation=None, config=None,
+def scaled_record(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None, activation=None, config=None,
                   tma=None) -> Record:
-    """The launch of a checked block-scaled GEMM whose scale granularities are known: core's
-    Gluon body where ``wgmma_body`` takes it, else core's dense kernel with its scales on."""
+    """The launch of a checked block-scaled GEMM whose scaling is known: core's Gluon body
+    where ``uses_gluon_body`` takes it, else core's dense kernel with its scales on."""
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return Record((M, N), out_dtype, a.device)
     c = empty((M, N), device=a.device, dtype=out_dtype)
-    if wgmma_body(a, b, c, kind_a, kind_b, tma, config):
-        key = configs.WgmmaKey(configs.m_bucket(M), N, K, f"{kind_a},{kind_b}", configs.dtype_name(out_dtype))
-        return Record((M, N), out_dtype, a.device, [wgmma_launch(a, b, c, kind_a, kind_b, bias, activation, key, config,
-                                                                       scale_a, scale_b)])
-    sa_rows, sb_cols, scales = _scales(kind_a, kind_b)
+    if uses_gluon_body(a, b, c, scaling, tma, config):
+        key = configs.WgmmaKey(configs.m_bucket(M), N, K, scaling, configs.dtype_name(out_dtype))
+        return Record((M, N), out_dtype, a.device, [wgmma_launch(a, b, c, bias, activation, key, config, scale_a,
+                                                                 scale_b)])
+    scales = _scales(scaling)
     layout = choose_tma(tma, a, b, c)
     plan = BLOCKSCALED.plan_for(Request(
         configs.BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
-                               configs.flavour_mode(tma, layout is not None), f"{kind_a},{kind_b}"),
+                               configs.flavour_mode(tma, layout is not None), scaling),
         # UPCAST off: the interpreter computes fp8 tiles right; PRECISION is unused for fp8.
-        dict(ACTIVATION=activation, UPCAST=False, PRECISION="ieee", SA_ROWS=sa_rows, SB_COLS=sb_cols,
+        dict(ACTIVATION=activation, UPCAST=False, PRECISION="ieee", SA_ROWS=scaling.sa_rows, SB_COLS=scaling.sb_cols,
              **layout_meta(layout)),
         a.device, forced_flavour(config, layout),
         lambda plan: dense_launch(BLOCKSCALED, plan, a, b, c, scales=scales).run(c, a, b, scale_a, scale_b, bias),

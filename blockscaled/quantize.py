@@ -31,9 +31,9 @@ from ..core.dispatch import Cached, Op
 from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty
+from ..core.scaling import SCALE_BLOCK
 
-BLOCK = 128  # the scale block of the DeepSeek-V3 recipe and of torch._scaled_mm's blockwise mode
-BLOCKS = ((1, BLOCK), (BLOCK, BLOCK), "row", "tensor")
+BLOCKS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")
 FLT_MIN = torch.finfo(torch.float32).tiny
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -94,12 +94,12 @@ def quantize_kernel(
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
 
 
-QUANTIZE = Launcher(quantize_kernel, configs.QUANT)
+QUANTIZE = Launcher(quantize_kernel, "quantize")
 
 
 def _scale_shape(block, M: int, K: int) -> tuple:
-    mb, kb = cdiv(M, BLOCK), cdiv(K, BLOCK)
-    return {(1, BLOCK): (M, kb), (BLOCK, BLOCK): (mb, kb), "row": (M, 1), "tensor": ()}[block]
+    mb, kb = cdiv(M, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)
+    return {(1, SCALE_BLOCK): (M, kb), (SCALE_BLOCK, SCALE_BLOCK): (mb, kb), "row": (M, 1), "tensor": ()}[block]
 
 
 def _quantize_triton(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
@@ -112,16 +112,16 @@ def _triton_quantizer(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bo
     plan, grid and strides fixed): what a record keeps."""
     M, K = x.shape
     device = x.device
-    kb = cdiv(K, BLOCK)
+    kb = cdiv(K, SCALE_BLOCK)
     # 1x128: [M, kb] stored outer-dim-major (a transposed [kb, M]): the layout
     # torch._scaled_mm's blockwise mode wants for scale_a, and the GEMM's K loop then loads
     # BLOCK_M consecutive scales (coalesced) per K block.
-    outer = block == (1, BLOCK)
+    outer = block == (1, SCALE_BLOCK)
     shape = _scale_shape(block, M, K)
     s_strides = (1, M) if outer else (shape[1], 1)
-    cols_per_scale = K if block == "row" else BLOCK
-    rows_per_scale = BLOCK if block == (BLOCK, BLOCK) else 1
-    kind = {(1, BLOCK): "1x128", (BLOCK, BLOCK): "128x128", "row": "row"}[block]
+    cols_per_scale = K if block == "row" else SCALE_BLOCK
+    rows_per_scale = SCALE_BLOCK if block == (SCALE_BLOCK, SCALE_BLOCK) else 1
+    kind = {(1, SCALE_BLOCK): "1x128", (SCALE_BLOCK, SCALE_BLOCK): "128x128", "row": "row"}[block]
     sx0, sx1 = x.stride()
 
     def outputs():
@@ -169,7 +169,7 @@ def _quantize_torch(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool
     x = x.float()
     ax = x.abs()
     ax = torch.where(torch.isnan(ax), float("inf"), ax)  # NaN counts as inf (module docstring)
-    rb, cb = {(1, BLOCK): (1, BLOCK), (BLOCK, BLOCK): (BLOCK, BLOCK), "row": (1, max(K, 1)), "tensor": (max(M, 1), max(K, 1))}[block]
+    rb, cb = {(1, SCALE_BLOCK): (1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK): (SCALE_BLOCK, SCALE_BLOCK), "row": (1, max(K, 1)), "tensor": (max(M, 1), max(K, 1))}[block]
     # Zero padding to whole blocks leaves every amax unchanged (|x| >= 0).
     ax = F.pad(ax, (0, (-K) % cb, 0, (-M) % rb))
     amax = einops.reduce(ax, "(mb rb) (kb cb) -> mb kb", "max", rb=rb, cb=cb)
@@ -177,7 +177,7 @@ def _quantize_torch(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool
     full = einops.repeat(scale, "mb kb -> (mb rb) (kb cb)", rb=rb, cb=cb)[:M, :K]
     fmax = fp8_max(dtype)
     q = (x / full).clamp(-fmax, fmax).to(dtype)
-    if block == (1, BLOCK):
+    if block == (1, SCALE_BLOCK):
         scale = scale.t().contiguous().t()  # outer-dim-major, as the kernel writes it
     return q, scale.reshape(_scale_shape(block, M, K))
 
@@ -193,7 +193,7 @@ def _check_args(x, block, dtype, pow2_scale, name="x"):
     return block
 
 
-def quantize_fp8(x, block=(1, BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False, check_finite=False):
+def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False, check_finite=False):
     """Quantise x [M, K] to fp8 with fp32 scales: x ~= q.float() * scale per block.
 
     block: (1, 128) -> scale [M, ceil(K/128)] (stored outer-dim-major on the GPU, the layout
@@ -229,10 +229,10 @@ def _quantize_fp8_route(args):
 def _scale_view(scale, block):
     # The registered op returns fresh contiguous tensors (not views); 1x128 scales are stored
     # [kb, M] and handed out as their transpose [M, kb] (outer-dim-major).
-    return scale.t() if block == (1, BLOCK) else scale
+    return scale.t() if block == (1, SCALE_BLOCK) else scale
 
 
-_BLOCK_NAMES = {(1, BLOCK): "1x128", (BLOCK, BLOCK): "128x128", "row": "row", "tensor": "tensor"}
+_BLOCK_NAMES = {(1, SCALE_BLOCK): "1x128", (SCALE_BLOCK, SCALE_BLOCK): "128x128", "row": "row", "tensor": "tensor"}
 _BLOCKS_BY_NAME = {v: k for k, v in _BLOCK_NAMES.items()}
 
 

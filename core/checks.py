@@ -167,9 +167,21 @@ def check_config(config) -> None:
         raise bad_type("config", "a triton.Config or None", config)
 
 
+def check_option(name: str, value) -> None:
+    """A three-way option (``tma``, ``persistent``): None (automatic), True or False; 1 or 1.0
+    equal True but are not a bool."""
+    if value is not None and value is not True and value is not False:
+        raise bad_type(name, "None (automatic), True or False", value)
+
+
 def check_tma(tma) -> None:
-    if tma is not None and tma is not True and tma is not False:
-        raise bad_type("tma", "None (automatic), True or False", tma)
+    check_option("tma", tma)
+
+
+def check_inner(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: str = "b") -> None:
+    """b [K, N] against a [M, K]: ValueError '<b_name> must be [K, N] with K = ...' otherwise."""
+    if a.shape[1] != b.shape[0]:
+        raise bad_shape(b_name, f"[K, N] with K = {a.shape[1]} ({a_name} is [M, K] = {tuple(a.shape)})", b.shape)
 
 
 # ---- plain Python arguments ----

@@ -30,6 +30,7 @@ import triton
 
 from . import checks
 from .runtime import cdiv, next_pow2
+from .scaling import COL_BLOCKS, SCALE_BLOCK, Scaling
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -105,7 +106,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 BLOCK_K = {"fp8": 128, "bf16": 64, "fp16": 64, "fp32": 32}
 
 
-def tiles(M: int, N: int, bm: int, bn: int) -> int:
+def tile_count(M: int, N: int, bm: int, bn: int) -> int:
+    """Output tiles of bm x bn over an [M, N] output."""
     return cdiv(M, bm) * cdiv(N, bn)
 
 
@@ -123,8 +125,7 @@ def flavour_mode(tma, eligible: bool) -> int:
 
 
 def schedule_mode(persistent) -> int:
-    if persistent is not None and persistent is not True and persistent is not False:  # 1.0 == True: not a bool
-        raise checks.bad_type("persistent", "None (automatic), True or False", persistent)
+    checks.check_option("persistent", persistent)
     return ANY_SCHEDULE if persistent is None else (PERSISTENT_ONLY if persistent else PER_TILE)
 
 
@@ -232,7 +233,8 @@ SPLIT_K_CONFIGS = with_splits([
 ])
 
 
-def persistent(configs, **extra):
+def as_persistent(configs, **extra):
+    """``configs`` on the persistent schedule (PERSISTENT=True)."""
     return [with_meta(c, PERSISTENT=True, **extra) for c in configs]
 
 
@@ -240,10 +242,10 @@ def two_per_sm(configs):
     """The 64 x (64 or 128) tiles with two programs per SM: their pipelines (64-98 KB of shared
     memory) fit twice in an SM, and two resident programs hide each other's load latency."""
     small = [c for c in configs if c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] <= 128]
-    return persistent(small, PROGRAMS_PER_SM=2)
+    return as_persistent(small, PROGRAMS_PER_SM=2)
 
 
-PERSISTENT_CONFIGS = persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
+PERSISTENT_CONFIGS = as_persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
 
 
 def big_persistent(c: triton.Config) -> bool:
@@ -264,7 +266,7 @@ def matmul_candidates(key: MatmulKey, sms: int) -> list[triton.Config]:
     pool = MATMUL_CONFIGS + SPLIT_K_CONFIGS + PERSISTENT_CONFIGS
 
     def few_tiles(c):  # a split that still leaves at most two units per SM
-        return split_of(c) <= 4 and tiles(key.m, key.n, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * split_of(c) <= 2 * sms
+        return split_of(c) <= 4 and tile_count(key.m, key.n, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * split_of(c) <= 2 * sms
 
     kept = [c for c in pool if c.kwargs["BLOCK_K"] == bk and (split_allowed(c, key.m) or few_tiles(c))]
     if key.m <= 64:
@@ -286,7 +288,7 @@ def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
     bk = BLOCK_K[key.dtype]
     M, N, K = key.m, key.n, key.k
     tma = key.tma != POINTERS_ONLY
-    big = tiles(M, N, 128, 256)
+    big = tile_count(M, N, 128, 256)
     if key.dtype != "fp32" and M >= 1024 and big >= sms // 2:
         if key.schedule != PER_TILE and (big >= sms or key.schedule == PERSISTENT_ONLY):
             return with_meta(cfg(128, 256, bk, 8, 3), PERSISTENT=True, USE_TMA=tma)
@@ -295,16 +297,16 @@ def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
             return warp_specialized(cfg(*wide, bk, 4, 3), USE_TMA=True)
         base = cfg(128, 256, bk, 8, 3)
     elif key.dtype == "fp32":
-        base = cfg(128, 128, 32, 4, 4) if tiles(M, N, 128, 128) >= sms else cfg(64, 64, 32, 4, 4)
-    elif M > 64 and tiles(M, N, 128, 128) >= sms:
+        base = cfg(128, 128, 32, 4, 4) if tile_count(M, N, 128, 128) >= sms else cfg(64, 64, 32, 4, 4)
+    elif M > 64 and tile_count(M, N, 128, 128) >= sms:
         base = cfg(128, 128, bk, 8, 4)
-    elif tiles(M, N, 64, 128) >= sms:
+    elif tile_count(M, N, 64, 128) >= sms:
         base = cfg(64, 128, bk, 4, 4)
     else:
         base = cfg(64, 64, bk, 4, 5 if bk == 64 else 4)
     kw = {"USE_TMA": key.tma == TMA_ONLY}
     bm, bn = base.kwargs["BLOCK_M"], base.kwargs["BLOCK_N"]
-    split = fill_split(tiles(M, N, bm, bn), K, bk, sms) if bm == 64 else 1
+    split = fill_split(tile_count(M, N, bm, bn), K, bk, sms) if bm == 64 else 1
     if split > 1:
         kw["SPLIT_K"] = split
     if key.schedule == PERSISTENT_ONLY:
@@ -325,13 +327,10 @@ class BlockscaledKey(NamedTuple):
     a_k: bool
     b_k: bool
     tma: int
-    scaling: str    # "<kind of scale_a>,<kind of scale_b>", e.g. "1x128,128x128"
+    scaling: Scaling
 
     def __str__(self):
         return f"m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} b_k={int(self.b_k)} tma={self.tma} {self.scaling}"
-
-
-SCALE_BLOCK = 128
 
 
 def blockscaled_cfg(bm, bn, warps, stages, group_m=8, **extra):
@@ -383,12 +382,12 @@ def blockscaled_heuristic(key: BlockscaledKey, sms: int) -> triton.Config:
     the operands allow it; otherwise 64-row tiles, split-K until the SMs are busy."""
     M, N, K = key.m, key.n, key.k
     tma = key.tma == TMA_ONLY or (key.tma == EITHER and M >= 1024)
-    if M >= 2048 and tiles(M, N, 128, 128) >= sms:
+    if M >= 2048 and tile_count(M, N, 128, 128) >= sms:
         if _ws_ok(key):
             return warp_specialized(blockscaled_cfg(128, 128, 4, 4), PERSISTENT=True, USE_TMA=True)
         return blockscaled_cfg(128, 128, 8, 4, PERSISTENT=True, USE_TMA=tma)
-    bn = 128 if tiles(M, N, 64, 128) >= sms else 64
-    split = fill_split(tiles(M, N, 64, bn), K, SCALE_BLOCK, sms)
+    bn = 128 if tile_count(M, N, 64, 128) >= sms else 64
+    split = fill_split(tile_count(M, N, 64, bn), K, SCALE_BLOCK, sms)
     extra = {"SPLIT_K": split} if split > 1 else {}
     return blockscaled_cfg(64, bn, 4, 4, USE_TMA=key.tma == TMA_ONLY, **extra)
 
@@ -403,7 +402,7 @@ class WgmmaKey(NamedTuple):
     m: int          # rows (dense); rows per group (grouped modes)
     n: int
     k: int
-    scaling: str    # "<kind of scale_a>,<kind of scale_b>", as BlockscaledKey's
+    scaling: Scaling
     out: str        # the output dtype: its staging tile in shared memory bounds STAGES
     mode: str = "dense"  # "dense", "grouped" (2D x 3D over offs), "swiglu" (MoE GEMM1), or their
     #                      decode forms "decode" / "decode_swiglu" (tiles computed transposed)
@@ -470,7 +469,7 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
                  for kg in (1, 2, 4)]
     elif key.mode == "swiglu":
         found = [wgmma_cfg(128, st, kg, bm=64) for st in (3, 4) for kg in (1, 2, 3)]
-    elif key.scaling.endswith("128x1"):
+    elif key.scaling.b == COL_BLOCKS:
         found = [wgmma_cfg(64, st, kg) for st in (4, 6) for kg in (2, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 6)]
     else:
         found = [wgmma_cfg(bn, st, kg) for bn in (128, 64) for st in (4, 5, 6) for kg in (2, 3, 4)]
@@ -489,7 +488,7 @@ def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
         return next(c for c in (wgmma_cfg(bn, st, 2, bm=bt) for st in (8, 6, 4)) if _wgmma_fits(c, key.out, key.mode))
     if key.mode == "swiglu":
         return wgmma_cfg(128, 4, 2, bm=64)
-    narrow = key.scaling.endswith("128x1") or (key.mode == "dense" and tiles(key.m, key.n, 128, 128) < sms)
+    narrow = key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tile_count(key.m, key.n, 128, 128) < sms)
     if narrow:
         return wgmma_cfg(64, 6, 4)
     return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))
@@ -510,13 +509,12 @@ class RaggedKey(NamedTuple):
     tma: int
     swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
     gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
-    scaling: str = ""  # an FP8 grouped GEMM's scale granularities ("1x128,128x128", "row,col"),
-    #                    ",fp8out" when the tiles quantise their own fp8 output (FP8_OUT)
+    scaling: Scaling | None = None  # an FP8 grouped GEMM's (None: unscaled)
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
                 f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
-                + (f" scaling={self.scaling}" if self.scaling else ""))
+                + (f" scaling={self.scaling}" if self.scaling is not None else ""))
 
 
 # Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
@@ -539,31 +537,36 @@ RAGGED_CONFIGS = MATMUL_CONFIGS + RAGGED_LARGE_M + RAGGED_SMALL_M
 # Wider than matmul's interpreter tile: the upper-bound grid adds G + 1 rows of programs, and
 # each program pays a fixed Python cost under the interpreter.
 RAGGED_INTERPRET = cfg(32, 64, 64, 1, 1, group_m=4)
-# Block scales need BLOCK_K = 128, the scale block.
-RAGGED_SCALED_INTERPRET = cfg(32, 64, 128, 1, 1, group_m=4)
+# Block scales need BLOCK_K = the scale block.
+RAGGED_SCALED_INTERPRET = cfg(32, 64, SCALE_BLOCK, 1, 1, group_m=4)
 
 
-# An fp8 output quantised in the epilogue: a tile's output columns are whole 128-column scale
-# blocks (BLOCK_N 256 under SwiGLU, which halves it), and the scaled tiles' size cap holds.
-FP8_OUT = ",fp8out"
-RAGGED_FP8_OUT = [cfg(bm, bn, 128, w, 3) for bm in (16, 32, 64) for bn in (128, 256) for w in (4, 8)
+# An fp8 output quantised in the epilogue (Scaling.fp8_out): a tile's output columns are whole
+# 128-column scale blocks (BLOCK_N 256 under SwiGLU, which halves it), and the scaled tiles'
+# size cap holds.
+RAGGED_FP8_OUT = [cfg(bm, bn, SCALE_BLOCK, w, 3) for bm in (16, 32, 64) for bn in (128, 256) for w in (4, 8)
                   if bm * bn <= 128 * 128]
 # Decode streams the weights: thin fp8 tiles hold half a bf16 tile's bytes per stage, so
 # deeper pipelines keep as many bytes in flight.
-RAGGED_FP8_OUT += [cfg(16, bn, 128, 4, s) for bn in (128, 256) for s in (4, 5)]
+RAGGED_FP8_OUT += [cfg(16, bn, SCALE_BLOCK, 4, s) for bn in (128, 256) for s in (4, 5)]
 RAGGED_FP8_SMALL_M = [cfg(16, 64, 128, 4, 8), cfg(16, 128, 128, 4, 6), cfg(32, 128, 128, 4, 5)]
-RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, 128, 1, 1, group_m=4)
+RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, SCALE_BLOCK, 1, 1, group_m=4)
+
+
+def fp8_out(key: RaggedKey) -> bool:
+    """Whether the tiles quantise their own fp8 output (1x128 scales)."""
+    return key.scaling is not None and key.scaling.fp8_out
 
 
 def fp8_out_width(key: RaggedKey) -> int:
-    """BLOCK_N of a tile that quantises its fp8 output: 128 output columns."""
-    return 256 if key.swiglu else 128
+    """BLOCK_N of a tile that quantises its fp8 output: one scale block of output columns."""
+    return 2 * SCALE_BLOCK if key.swiglu else SCALE_BLOCK
 
 
 def ragged_interpret(key: RaggedKey) -> triton.Config:
-    if key.scaling.endswith(FP8_OUT):
+    if fp8_out(key):
         return with_meta(RAGGED_FP8_OUT_INTERPRET, BLOCK_N=fp8_out_width(key))
-    return RAGGED_SCALED_INTERPRET if key.scaling else RAGGED_INTERPRET
+    return RAGGED_SCALED_INTERPRET if key.scaling is not None else RAGGED_INTERPRET
 
 # Rows per group -> the tile heights worth trying: a tile much taller than a group multiplies
 # padding; a much shorter one re-reads each weight tile once per row block.
@@ -571,7 +574,7 @@ _BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128,
 
 
 def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
-    if key.scaling.endswith(FP8_OUT):
+    if fp8_out(key):
         kept = [c for c in RAGGED_FP8_OUT if c.kwargs["BLOCK_N"] == fp8_out_width(key)]
         return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
     bk = BLOCK_K[key.dtype]
@@ -583,7 +586,7 @@ def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
     if key.swiglu:
         # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
         kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128]
-    if key.scaling:
+    if key.scaling is not None:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
 
@@ -593,10 +596,10 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
     picks on the MoE shapes of bench_grouped went; TMA only for large groups with long K."""
     bk = BLOCK_K[key.dtype]
     m = key.m
-    if key.scaling.endswith(FP8_OUT):
+    if fp8_out(key):
         # The promotion holds the block's partial next to the accumulator: 64x256 needs 8 warps.
         bm = min(64, max(16, next_pow2(m)))
-        return with_meta(cfg(bm, fp8_out_width(key), 128, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
+        return with_meta(cfg(bm, fp8_out_width(key), SCALE_BLOCK, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
                          USE_TMA=key.tma == TMA_ONLY)
     if m <= 16:
         base = cfg(16, 128, bk, 4, 4) if key.swiglu else cfg(16, 64, bk, 4, 5 if bk <= 64 else 4)
@@ -608,7 +611,7 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         base = cfg(128, 128, bk, 4, 4)
     else:
         base = cfg(128, 256, bk, 8, 4 if bk <= 64 else 3)
-    if key.scaling and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] >= 128 * 128:
+    if key.scaling is not None and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] >= 128 * 128:
         # The per-K-block promotion converts the fp32 partial's layout through shared memory:
         # a 128x256 tile does not fit next to its pipeline, and a 128x128 one keeps its
         # partial next to the accumulator in 8 warps' registers (the block-scaled GEMM's tiles).
@@ -740,8 +743,8 @@ def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
 def gather_col_blocks(row_programs: int, col_blocks: int, sms: int) -> int:
     """128-column blocks per gather_quantize program: whole rows when the rows alone give each
     SM a few programs, else the rows' blocks spread over more programs (a program's blocks
-    run one after another: a decode step's 8 rows of 7168 in one program took 165 us)."""
-    return max(1, col_blocks // max(1, -(-4 * sms // max(row_programs, 1))))
+    run one after another, so a decode step's few long rows in one program serialise)."""
+    return max(1, col_blocks // max(1, cdiv(4 * sms, max(row_programs, 1))))
 
 
 # ---------------------------------------------------------------------------- MoE routing
@@ -786,18 +789,19 @@ class Family(NamedTuple):
     interpret: object        # the interpreter's triton.Config, or key -> triton.Config
 
 
-MATMUL = Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET)
-BLOCKSCALED = Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET)
-# never under the interpreter (Gluon has no interpreter): its "interpret" config is unused
-BLOCKSCALED_WGMMA = Family("blockscaled_wgmma", wgmma_candidates, wgmma_heuristic, wgmma_cfg(128, 4, 3))
-RAGGED = Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret)
-LIST = Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET)
-QUANT = Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET)
-SORT = Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1))
-ROW_TILES = Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
-GATHER_QUANTIZE = Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
-COMBINE = Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
-SWIGLU_BACKWARD = Family("swiglu_backward", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg)
-ROUTE = Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1))
-FAMILIES = {f.name: f for f in (MATMUL, BLOCKSCALED, BLOCKSCALED_WGMMA, RAGGED, LIST, QUANT, SORT, ROW_TILES,
-                                  GATHER_QUANTIZE, COMBINE, SWIGLU_BACKWARD, ROUTE)}
+# By name: a launcher (core/launch.py) names its family, and the tables file configs under it.
+FAMILIES = {f.name: f for f in (
+    Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET),
+    Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET),
+    # never under the interpreter (Gluon has no interpreter): its "interpret" config is unused
+    Family("blockscaled_wgmma", wgmma_candidates, wgmma_heuristic, wgmma_cfg(128, 4, 3)),
+    Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret),
+    Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET),
+    Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET),
+    Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
+    Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("swiglu_backward", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
+)}

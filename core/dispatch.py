@@ -59,7 +59,7 @@ _grad_enabled = torch.is_grad_enabled
 _precision = torch._C._get_float32_matmul_precision  # torch.get_float32_matmul_precision without its wrapper
 
 
-def activate(x: torch.Tensor, activation) -> torch.Tensor:
+def apply_activation(x: torch.Tensor, activation) -> torch.Tensor:
     """The kernels' epilogue activation as a differentiable torch op (the gradient path)."""
     return _ACTIVATIONS[activation](x)
 
@@ -90,7 +90,7 @@ def fused(op: "Op", args: Callable, activation, grad: bool):
     ops on the signature cache)."""
     if grad and activation is not None:
         checks.check_activation(activation)
-        return activate(op.run(args(None), True), activation)
+        return apply_activation(op.run(args(None), True), activation)
     return op.run(args(activation), grad)
 
 
@@ -350,7 +350,7 @@ class Op:
             apply = lambda *a: recorded(*a, run)  # noqa: E731
         if act is None:
             return lambda *t: apply(*t, *rest)
-        return lambda *t: activate(apply(*t, *rest), act)
+        return lambda *t: apply_activation(apply(*t, *rest), act)
 
     def __call__(self, *args, grad_inputs=()):
         """Run the op on ``args`` (the first a tensor); ``grad_inputs``: the tensors among them

@@ -24,7 +24,6 @@ Structure (one program per SM, persistent over 128 x BLOCK_N output tiles):
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -42,13 +41,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import checks, configs
 from .dispatch import Launch
 from .launch import Launcher, Request
-from .runtime import INTERPRET, cdiv, sm_count
+from .runtime import INTERPRET, capability, cdiv, sm_count
 from .fp8 import amax_input, fp8_grid, fp8_scale
-from .configs import SCALE_BLOCK
+from .scaling import BLOCKWISE, SCALE_BLOCK, Scaling
 from .tiles import NO_OPERAND, NO_VECTOR, Operand, Scales, Vector, activate, epilogue, swizzle_tile
 from .tma import tma_layout
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: the M of one warpgroup's wgmma
+_SCALE_BLOCK = gl.constexpr(SCALE_BLOCK)
 
 
 class Groups(NamedTuple):
@@ -279,6 +279,8 @@ def _store_rows(C, acc, off_m, off_n, row_end, N, scatter):
     gl.store(ptrs, val, mask=mask_m[:, None] & (cols < N)[None, :])
 
 
+# tiles.quantize_tile's 1x128 rule for one block per row: its reshape and arange take no Gluon
+# layouts, and a row form shared with it changed the Triton body's SASS (tools/ptx_snapshot.py).
 @gluon.jit
 def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr):
     """h [rows, 128] -> fp8 values on the grid (fp32) with one scale per row (core/fp8.py's
@@ -286,7 +288,7 @@ def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr
     zeroed first: they must not set an amax."""
     h = gl.where(mask_n[None, :], h, 0.0)
     scale = fp8_scale(gl.max(amax_input(h), axis=1), dtype)
-    gl.store(S.ptr + out_rows.to(gl.int64) * S.stride0 + (off_n // 128) * S.stride1, scale, mask=mask_m)
+    gl.store(S.ptr + out_rows.to(gl.int64) * S.stride0 + (off_n // _SCALE_BLOCK) * S.stride1, scale, mask=mask_m)
     return fp8_grid(h, scale[:, None], dtype)
 
 
@@ -424,7 +426,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     """
     gl.static_assert(SWAP or BLOCK_M == (1 if SWIGLU else 2) * ROWS)
     gl.static_assert(GROUPED or not SWAP)
-    gl.static_assert(BLOCK_K == 128)
+    gl.static_assert(BLOCK_K == _SCALE_BLOCK)
     gl.static_assert(SA_ROWS == 1 or SA_ROWS % BLOCK_M == 0)
     gl.static_assert(SB_COLS == 1 or SB_COLS % BLOCK_N == 0)
     gl.static_assert(GROUPED or not SWIGLU)
@@ -480,21 +482,11 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
 
 # ---------------------------------------------------------------------------- host side
 
-BLOCKSCALED_WGMMA = Launcher(blockscaled_wgmma_kernel, configs.BLOCKSCALED_WGMMA)
-
-# rows (scale_a) / columns (scale_b) per K-block scale, for the granularities this body serves
-SA_ROWS = {"1x128": 1, "128x128": 128}
-SB_COLS = {"128x1": 1, "128x128": 128}
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
+BLOCKSCALED_WGMMA = Launcher(blockscaled_wgmma_kernel, "blockscaled_wgmma")
 
 def on_sm90(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on an sm_90 GPU and kernels compile for it (not the interpreter)."""
-    return not INTERPRET and t.is_cuda and _sm90(t.get_device())
+    return not INTERPRET and t.is_cuda and capability(t.get_device()) == (9, 0)
 
 
 def k_major_layout(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
@@ -504,7 +496,7 @@ def k_major_layout(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
     return layout is not None and layout.a_k_contig and layout.b_k_contig and a.shape[1] > 0
 
 
-def wgmma_body(a, b, c, kind_a: str, kind_b: str, tma: bool | None, config) -> bool:
+def uses_gluon_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool:
     """The one decision between core's two bodies of a block-scaled FP8 GEMM: this Gluon body
     on an sm_90 GPU for block scales on both operands (1x128 or 128x128 scale_a, 128x1 or
     128x128 scale_b), TMA-readable K-major operands and M >= configs.WGMMA_MIN_M; core's Triton
@@ -520,8 +512,9 @@ def wgmma_body(a, b, c, kind_a: str, kind_b: str, tma: bool | None, config) -> b
     why = None
     if not on_sm90(a):
         why = "an sm_90 GPU (Triton's interpreter and other GPUs run core's Triton body)"
-    elif kind_a not in SA_ROWS or kind_b not in SB_COLS:
-        why = f"block scales on both operands (scale_a 1x128 or 128x128, scale_b 128x1 or 128x128; got {kind_a}, {kind_b})"
+    elif not (scaling.a_per_k_block and scaling.b_per_k_block):
+        why = (f"block scales on both operands (scale_a 1x128 or 128x128, scale_b 128x1 or 128x128; got {scaling.a}, "
+               f"{scaling.b})")
     elif tma is False:
         why = "TMA loads (tma=False asks for pointer loads)"
     elif not k_major_layout(a, b, c):
@@ -534,16 +527,10 @@ def wgmma_body(a, b, c, kind_a: str, kind_b: str, tma: bool | None, config) -> b
     return True
 
 
-def run_wgmma(a, b, c, scale_a, scale_b, kind_a, kind_b, bias, activation, key: configs.WgmmaKey, config=None):
-    """c = act((a * scale_a) @ (b * scale_b) + bias) through this body, on operands
-    ``wgmma_body`` accepted; ``key``: the call's WgmmaKey (tuning tables)."""
-    wgmma_launch(a, b, c, kind_a, kind_b, bias, activation, key, config, scale_a, scale_b).run(c, a, b, scale_a, scale_b, bias)
-
-
-def wgmma_launch(a, b, c, kind_a, kind_b, bias, activation, key: configs.WgmmaKey, config=None, scale_a=None,
-                 scale_b=None) -> Launch:
-    """This body's launch for operands shaped like a, b, c (``wgmma_body`` accepted them):
+def wgmma_launch(a, b, c, bias, activation, key: configs.WgmmaKey, config=None, scale_a=None, scale_b=None) -> Launch:
+    """This body's launch for operands shaped like a, b, c (``uses_gluon_body`` accepted them):
     a core/dispatch.py Launch whose builder takes (c, a, b, scale_a, scale_b, bias).
+    ``key``: the call's WgmmaKey (tuning tables; its scaling sets SA_ROWS and SB_COLS).
     scale_a, scale_b: the call's scales, for autotuning's trial launches."""
     M, K = a.shape
     N = b.shape[1]
@@ -558,7 +545,7 @@ def wgmma_launch(a, b, c, kind_a, kind_b, bias, activation, key: configs.WgmmaKe
         return Launch(BLOCKSCALED_WGMMA, plan, (min(tiles, sm_count(plan.device_index)),), build)
 
     plan = BLOCKSCALED_WGMMA.plan_for(Request(
-        key, dict(ACTIVATION=activation, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b]), a.device, config,
+        key, dict(ACTIVATION=activation, SA_ROWS=key.scaling.sa_rows, SB_COLS=key.scaling.sb_cols), a.device, config,
         lambda plan: launch_of(plan).run(c, a, b, scale_a, scale_b, bias)))
     return launch_of(plan)
 
@@ -576,7 +563,7 @@ def experts_layout(w: torch.Tensor) -> bool:
             and w.data_ptr() % 16 == 0)
 
 
-def wgmma_grouped(w, M: int, G: int, kind_a: str = "1x128", kind_b: str = "128x128", a=None, tma: bool | None = None,
+def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, tma: bool | None = None,
                   config=None) -> str | None:
     """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
     FP8 moe_ffn's GEMMs): on an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128
@@ -590,7 +577,7 @@ def wgmma_grouped(w, M: int, G: int, kind_a: str = "1x128", kind_b: str = "128x1
         return None
     rows = M / max(G, 1)
     mode = "grouped" if rows >= configs.WGMMA_MIN_GROUP_ROWS else "decode" if rows <= configs.WGMMA_DECODE_MAX_ROWS else None
-    if mode is None or not (on_sm90(w) and kind_a == "1x128" and kind_b == "128x128" and w.dtype == torch.float8_e4m3fn):
+    if mode is None or not (on_sm90(w) and scaling[:2] == BLOCKWISE[:2] and w.dtype == torch.float8_e4m3fn):
         return None
     a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))
     return mode if a_ok and experts_layout(w) else None
@@ -600,7 +587,7 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
                       activation=None, scatter=None, weight=None, out_scale=None, config=None):
     """The grouped flavour: C rows of group g = epilogue((a rows of g * scale_a) @ (W_g * scale_b_g)^T).
 
-    a fp8 [M, K] row-major; w fp8 [G, rows, K] (``wgmma_grouped``; rows = N, or 2N gate then
+    a fp8 [M, K] row-major; w fp8 [G, rows, K] (``gluon_grouped_mode``; rows = N, or 2N gate then
     up rows when ``key.mode`` is "swiglu" or "decode_swiglu"; the "decode" modes compute each
     tile transposed, SWAP); c [M or scattered rows, N]; schedule(block_m) -> (sched, count):
     the groups' row tiles of the plan's BLOCK_M (grouped/ builds them from offs on the device);
@@ -613,7 +600,8 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
     swiglu, swap = key.mode.endswith("swiglu"), key.mode.startswith("decode")
 
     def request():
-        return Request(key, dict(ACTIVATION=activation, SA_ROWS=1, SB_COLS=SCALE_BLOCK, GROUPED=True, SWIGLU=swiglu,
+        return Request(key, dict(ACTIVATION=activation, SA_ROWS=key.scaling.sa_rows, SB_COLS=key.scaling.sb_cols,
+                                 GROUPED=True, SWIGLU=swiglu,
                                  SWAP=swap), a.device, config, lambda plan: launch(plan))
 
     def launch(plan):

@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 import torch
 import triton
 
-from . import checks, configs, runtime
+from . import checks, configs, runtime, scratch
 from .runtime import INTERPRET, sm_count
 from . import triton_abi
 from .triton_abi import async_compile, compile_and_launch, compiled, direct, preparer
@@ -113,15 +113,16 @@ class Plan:
 
 
 class Launcher:
-    """One ``@triton.jit`` kernel and its family's tuning policy (core/configs.py).
+    """One ``@triton.jit`` kernel and its family's tuning policy (core/configs.py FAMILIES, by
+    name).
 
     The kernel takes its runtime arguments first and its constexprs last (checked here): a
     launch passes ``args`` (the runtime arguments, in order) and the plan supplies the rest.
     """
 
-    def __init__(self, fn, family: configs.Family):
+    def __init__(self, fn, family: str | configs.Family):
         self.fn = fn
-        self.family = family
+        self.family = family = configs.FAMILIES[family] if isinstance(family, str) else family
         self.params = kernel_params(fn)
         flags = [p.is_constexpr for p in self.params]
         if flags != sorted(flags):
@@ -172,14 +173,6 @@ class Launcher:
             return self._tune(req)
         config = self.family.heuristic(req.key, sm_count(req.device.index))
         return Plan(self.params, config, req.constexprs, req.device, "heuristic")
-
-    def clear(self) -> None:
-        """Forget every plan (tests; after changing tables or the autotune setting), and the
-        eager path's records, which hold plans (core/dispatch.py)."""
-        with self._lock:
-            self._plans.clear()
-        for hook in _ON_CLEAR:
-            hook()
 
     # -- launching --
 
@@ -277,16 +270,73 @@ _TUNE_WARMUP_MS, _TUNE_REP_MS, _FINALISTS = 5, 25, 3
 _LAUNCHERS: dict[str, Launcher] = {}
 
 
+def launchers() -> list[Launcher]:
+    """Every launcher, one per kernel family (tools/ptx_snapshot.py compiles through them)."""
+    return list(_LAUNCHERS.values())
+
+
 def plans(family: str) -> dict:
     """The plans a family's launcher holds, by key (what tests and benchmarks inspect)."""
     return dict(_LAUNCHERS[family]._plans)
 
 
 def clear_plans() -> None:
+    """Forget every plan and the eager path's records, which hold plans (core/dispatch.py):
+    after the tables or the autotune setting changed, or when a test changes a rule that
+    the records' decisions were made under."""
     for launcher in _LAUNCHERS.values():
-        launcher.clear()
+        with launcher._lock:
+            launcher._plans.clear()
     for hook in _ON_CLEAR:
         hook()
+
+
+def reset() -> None:
+    """Forget everything onegemm caches, as a fresh process would start: the plans and records,
+    the tables read from disk (read again at the next plan) and the scratch buffers (their
+    memory given back)."""
+    reload_tables()
+    scratch.clear()
+
+
+class Launched(NamedTuple):
+    """One launch inside ``recording()``: the kernel family's name, the plan (its config,
+    ``source`` and constexprs) and the grid."""
+
+    family: str
+    plan: Plan
+    grid: tuple
+
+
+@contextlib.contextmanager
+def recording():
+    """Record every kernel launch inside the block (tests and benchmarks ask what ran):
+
+        with launch.recording() as launched:
+            onegemm.matmul(a, b)
+        (one,) = launched  # a Launched
+
+    Each launcher's ``launch`` is wrapped for the block only, so calls outside it run the
+    launch path unchanged. Blocks nest; one thread at a time should record."""
+    seen: list[Launched] = []
+    wrapped = []
+    for name, launcher in _LAUNCHERS.items():
+        inner = launcher.launch  # an outer recording's wrapper, or the method
+
+        def launch(plan, grid, args, _name=name, _inner=inner):
+            seen.append(Launched(_name, plan, grid))
+            return _inner(plan, grid, args)
+
+        wrapped.append((launcher, launcher.__dict__.get("launch")))
+        launcher.launch = launch
+    try:
+        yield seen
+    finally:
+        for launcher, previous in wrapped:
+            if previous is None:
+                del launcher.launch  # the class's method again
+            else:
+                launcher.launch = previous
 
 
 _ON_CLEAR: list = []
@@ -353,6 +403,7 @@ def cache_dir() -> Path:
 
 _tables: dict[int, dict] = {}
 _tables_lock = threading.Lock()
+_read_shipped = True  # reload_tables(shipped=False): the user's cache alone
 
 
 def _read(path: Path) -> dict:
@@ -374,7 +425,8 @@ def _table(device: torch.device) -> dict:
         with _tables_lock:
             slug = gpu_slug(torch.cuda.get_device_name(index))
             table = {}
-            for source in (TABLE_DIR / f"{slug}.json", cache_dir() / f"{slug}.json"):
+            sources = ([TABLE_DIR / f"{slug}.json"] if _read_shipped else []) + [cache_dir() / f"{slug}.json"]
+            for source in sources:
                 for fam, entries in _read(source).items():
                     table.setdefault(fam, {}).update(entries)
             _tables[index] = table
@@ -403,11 +455,14 @@ def _record(family: str, key: tuple, device: torch.device, config: triton.Config
         tmp.replace(path)
 
 
-def reload_tables() -> None:
+def reload_tables(shipped: bool = True) -> None:
     """Read the tables again (after bench/tune.py or another process wrote them) and forget the
-    plans built from the old ones."""
+    plans built from the old ones. ``shipped`` False: from now on read only the user's cache,
+    not the table shipped for the GPU (bench/tune.py then tunes every key it holds too)."""
+    global _read_shipped
     with _tables_lock:
         _tables.clear()
+        _read_shipped = shipped
     clear_plans()
 
 

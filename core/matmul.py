@@ -64,7 +64,7 @@ def matmul_kernel(
         gemm_tile(pid_m, pid_n, a, b, c, M, N, K, spec, scales, Routing(), bias, SplitK(unit % SPLIT_K, ws_ptr, lock_ptr))
 
 
-MATMUL = Launcher(matmul_kernel, configs.MATMUL)
+MATMUL = Launcher(matmul_kernel, "matmul")
 
 
 def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.Config | None = None, tma=None,
@@ -74,11 +74,11 @@ def matmul(a, b, *, bias=None, activation=None, out_dtype=None, config: triton.C
     a [M, K], b [K, N], any strides (b may be ``W.t()`` of an nn.Linear weight, or a slice).
     Dtypes: float16, bfloat16, float32, float8_e4m3fn / float8_e5m2 (fp8 defaults to a
     bfloat16 output). bias [N]. activation: None, "relu", "gelu", "gelu_tanh", "silu".
-    ``config`` forces one triton.Config instead of autotuning (benchmarks and tests use it).
-    ``tma``: None lets the autotuner choose between pointer loads and the TMA flavour
-    (tensor-descriptor loads) on a Hopper GPU when a, b and the output allow TMA, and uses
-    pointer loads otherwise; False forces pointers; True forces TMA or raises ValueError (see
-    core/tma.py).
+    ``config`` forces one triton.Config instead of the chosen one (benchmarks and tests use it).
+    ``tma``: None lets the config (the tuned table's, the heuristic's or, opted in, the
+    autotuner's) choose between pointer loads and the TMA flavour (tensor-descriptor loads) on
+    a Hopper GPU when a, b and the output allow TMA, and uses pointer loads otherwise; False
+    forces pointers; True forces TMA or raises ValueError (see core/tma.py).
     ``persistent``: None lets the config choose the schedule (the tuned table and the
     heuristic take the persistent one for large outputs); False keeps one program per tile;
     True runs only the persistent schedule, as onegemm.persistent_matmul does. The
@@ -193,8 +193,7 @@ def check_matmul_inputs(a, b, bias, activation, out_dtype):
     checks.check_operand_dtypes(a, b)
     M, K = a.shape
     N = b.shape[1]
-    if K != b.shape[0]:
-        raise checks.bad_shape("b", f"[K, N] with K = {K} (a is [M, K] = {tuple(a.shape)})", b.shape)
+    checks.check_inner(a, b)
     if activation is not None:
         checks.check_activation(activation)
     if bias is not None:

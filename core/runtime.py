@@ -17,20 +17,21 @@ import triton
 
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 
-# Debug switch: fill every output onegemm allocates with NaN (or -1 for integers) before the
-# kernel runs, so a tile the kernel forgot to write shows as NaN instead of stale memory that
-# happens to be right (fresh pages are often zero). The test suite turns it on.
+# Debug switch, read once at import: fill every output onegemm allocates with NaN (or -1 for
+# integers) before the kernel runs, so a tile the kernel forgot to write shows as NaN instead
+# of stale memory that happens to be right (fresh pages are often zero). The test suite sets
+# ONEGEMM_POISON=1 before importing onegemm; without it ``empty`` is torch.empty itself.
 POISON: bool = os.environ.get("ONEGEMM_POISON", "0") == "1"
 
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints on the host (triton.cdiv goes through Triton's constexpr wrapper,
-    about 2 us a call: a launch computes several)."""
+    which a launch's host path cannot afford several times)."""
     return -(-a // b)
 
 
 def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (>= 1), on the host (triton.next_power_of_2 costs ~5 us)."""
+    """The smallest power of two >= n (>= 1), on the host (triton.next_power_of_2 is slower)."""
     return 1 << (max(n, 1) - 1).bit_length()
 
 
@@ -49,12 +50,13 @@ def interpretable(t):
     return out
 
 
-def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.empty for kernel outputs; NaN-poisoned when ``POISON`` is set."""
+def _poisoned_empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
-    if POISON:
-        out.fill_(float("nan") if out.is_floating_point() else -1)
-    return out
+    return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+
+# empty(shape, *, dtype, device): torch.empty for kernel outputs, NaN-poisoned under POISON.
+empty = _poisoned_empty if POISON else torch.empty
 
 
 def product_like(like: torch.Tensor, mm, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -100,6 +102,13 @@ def graph_bench(fn, warmup: float = 25, rep: float = 100, quantiles=None, return
         torch.cuda.synchronize()
         return do_bench(fn, warmup=warmup, rep=rep, quantiles=quantiles, return_mode=return_mode)
     return do_bench(graph.replay, warmup=warmup, rep=rep, quantiles=quantiles, return_mode=return_mode)
+
+
+@functools.cache
+def capability(device_index: int | None) -> tuple:
+    """The GPU's compute capability, e.g. (9, 0) for Hopper (the one probe TMA's and the Gluon
+    body's rules read)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache

@@ -43,6 +43,6 @@ def get(device: torch.device, kind: str, numel: int, dtype: torch.dtype, zeroed:
 
 
 def clear() -> None:
-    """Drop the cached buffers (tests; to give the memory back)."""
+    """Drop the cached buffers, giving their memory back (launch.reset calls it)."""
     with _lock:
         _held.clear()

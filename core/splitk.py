@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import scratch
+from .runtime import cdiv
 
 
 def buffers(device: torch.device, workspace: int, counters: int):
@@ -30,9 +31,4 @@ def for_plan(meta: dict, device: torch.device, M: int, N: int):
     split = meta.get("SPLIT_K", 1)
     if split == 1:
         return None, None
-    return buffers(device, split * M * N, -(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]))
-
-
-def clear() -> None:
-    """Drop the cached buffers (tests; to give the memory back)."""
-    scratch.clear()
+    return buffers(device, split * M * N, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]))

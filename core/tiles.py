@@ -42,6 +42,9 @@ import triton
 import triton.language as tl
 
 from .fp8 import amax_input, fp8_grid, fp8_scale
+from .scaling import SCALE_BLOCK
+
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 
 class Operand(NamedTuple):
@@ -402,11 +405,11 @@ def epilogue(acc, offs_m, offs_n, mask_m, mask_n, ACTIVATION: tl.constexpr, scal
     element belongs to each row.
     """
     if scales.m.ptr is not None:
-        sm = tl.load(scales.m.ptr + offs_m.to(tl.int64) * scales.m.stride, mask=mask_m, other=0.0)
-        acc = acc * sm.to(tl.float32)[:, None]
+        row_scale = tl.load(scales.m.ptr + offs_m.to(tl.int64) * scales.m.stride, mask=mask_m, other=0.0)
+        acc = acc * row_scale.to(tl.float32)[:, None]
     if scales.n.ptr is not None:
-        sn = tl.load(scales.n.ptr + offs_n.to(tl.int64) * scales.n.stride, mask=mask_n, other=0.0)
-        acc = acc * sn.to(tl.float32)[None, :]
+        col_scale = tl.load(scales.n.ptr + offs_n.to(tl.int64) * scales.n.stride, mask=mask_n, other=0.0)
+        acc = acc * col_scale.to(tl.float32)[None, :]
     if bias.ptr is not None:
         b = tl.load(bias.ptr + offs_n.to(tl.int64) * bias.stride, mask=mask_n, other=0.0)
         acc = acc + b.to(tl.float32)[None, :]
@@ -427,14 +430,14 @@ def quantize_tile(acc, S, rows, pid_n, N, mask_m, mask_n, dtype: tl.constexpr):
     """
     BM: tl.constexpr = acc.shape[0]
     BN: tl.constexpr = acc.shape[1]
-    NB: tl.constexpr = BN // 128
+    NB: tl.constexpr = BN // _SCALE_BLOCK
     acc = tl.where(mask_n[None, :], acc, 0.0)
-    blocks = tl.reshape(acc, (BM, NB, 128))
+    blocks = tl.reshape(acc, (BM, NB, _SCALE_BLOCK))
     scale = fp8_scale(tl.max(amax_input(blocks), axis=2), dtype)
     q = fp8_grid(blocks, scale[:, :, None], dtype)
     blk = pid_n * NB + tl.arange(0, NB)
     s_ptrs = S.ptr + rows.to(tl.int64)[:, None] * S.stride0 + blk.to(tl.int64)[None, :] * S.stride1
-    tl.store(s_ptrs, scale, mask=mask_m[:, None] & (blk < tl.cdiv(N, 128))[None, :])
+    tl.store(s_ptrs, scale, mask=mask_m[:, None] & (blk < tl.cdiv(N, _SCALE_BLOCK))[None, :])
     return tl.reshape(q, (BM, BN))
 
 

@@ -16,14 +16,13 @@ row length that is not a multiple of 16 bytes) runs the pointer flavour instead.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from . import checks
 from .configs import with_meta
-from .runtime import INTERPRET
+from .runtime import INTERPRET, capability
 from .triton_abi import ensure_allocator  # noqa: F401 - where the allocator is given (Triton internals)
 
 _ALIGN = 16  # bytes: TMA's requirement on the base address and on every non-unit stride
@@ -88,9 +87,8 @@ def tma_hardware(device: torch.device) -> bool:
     return device.type == "cuda" and _hopper(device.index)
 
 
-@functools.cache
 def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return capability(index)[0] >= 9
 
 
 def choose_tma(tma: bool | None, a, b, c, strides=(None, None, None)) -> TmaLayout | None:

@@ -22,7 +22,8 @@ from torch import nn
 from ..blockscaled.quantize import quantize_fp8
 from ..core import checks
 from ..core.matmul import matmul
-from ..core.runtime import INTERPRET
+from ..core.runtime import INTERPRET, cdiv
+from ..core.scaling import SCALE_BLOCK
 from ..grouped.loading import read_layer
 from ..grouped.moe import _check_moe, check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn
 from ..grouped.routing import route
@@ -194,7 +195,8 @@ def dispatch(x, topk_weights, topk_ids, num_local_experts: int, *, group=None, x
     checks.check_int("num_local_experts", num_local_experts, 1, what="(the experts on each rank)")
     if x_scale is not None:
         checks.check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,))
-        checks.check_shape("x_scale", x_scale, (T, -(-x.shape[1] // 128)), "[T, ceil(H/128)] (x's 1x128 scales)")
+        checks.check_shape("x_scale", x_scale, (T, cdiv(x.shape[1], SCALE_BLOCK)),
+                           "[T, ceil(H/128)] (x's 1x128 scales)")
     checks.check_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids, x_scale=x_scale)
 
     copies = min(k, world)  # at most this many ranks hold a token's experts

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..core.fp8 import amax_input, fp8_grid, fp8_scale
+from ..core.scaling import SCALE_BLOCK
 from ..core.tiles import (
     Fill,
     Operand,
@@ -51,6 +52,9 @@ class Stacked(NamedTuple):
     stride_g: Any
     stride0: Any
     stride1: Any
+
+
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 
 @triton.jit
@@ -88,16 +92,17 @@ def group_spans(offs, G, total, G_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def locate_tile(tile, offs, G, total, BLOCK: tl.constexpr, G_BLOCK: tl.constexpr):
-    """Block ``tile`` of the ragged dimension -> (g, start, size, local block, valid, bad).
+def locate_tile(tile, offs, G, total, TILE: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Tile ``tile`` (of TILE rows or columns) of the ragged dimension -> (g, start, size,
+    local tile, valid, bad).
 
-    Blocks are numbered group after group, cdiv(size_g, BLOCK) per group, tail group last.
+    Tiles are numbered group after group, cdiv(size_g, TILE) per group, tail group last.
     With bad offs the whole dimension becomes one tail group (filled with NaN by the caller).
     """
     idx, starts, sizes, bad = group_spans(offs, G, total, G_BLOCK)
     starts = tl.where(bad, 0, starts)
     sizes = tl.where(bad, tl.where(idx == G, total, 0), sizes)
-    tiles = (sizes + BLOCK - 1) // BLOCK
+    tiles = (sizes + TILE - 1) // TILE
     g, first = find_group(tile, tiles, idx)
     start = tl.sum(tl.where(idx == g, starts, 0))
     size = tl.sum(tl.where(idx == g, sizes, 0))
@@ -284,7 +289,7 @@ def list_kernel(
 @triton.jit
 def sort_by_expert_kernel(
     ids_ptr, pair_ptr, token_ptr, offs_ptr, P, E, k,
-    E_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr,
 ):
     """Stable counting sort of the P = T * k (token, slot) pairs by expert, in one program.
 
@@ -293,15 +298,15 @@ def sort_by_expert_kernel(
     pair_ptr, token_ptr [P] int32 (out): row r of the sorted order is pair pair[r], of token
         token[r] = pair[r] // k; pairs of one expert keep their order (stable).
     offs_ptr [E] int32 (out): cumulative end offsets, expert e owns rows [offs[e-1], offs[e]).
-    E_BLOCK: a power of two > E (the experts plus the last group). BLOCK: pairs per step.
+    E_BLOCK: a power of two > E (the experts plus the last group). PAIR_BLOCK: pairs per step.
     Grid: (1,). Two passes over the pairs: count per expert, then place each pair at its
     expert's start + the pairs of that expert before it (a running count plus a prefix sum
     over the step's one-hot rows). For decode-sized P, where torch's sort is several launches.
     """
     experts = tl.arange(0, E_BLOCK)
     totals = tl.zeros([E_BLOCK], dtype=tl.int32)
-    for start in range(0, P, BLOCK):
-        i = start + tl.arange(0, BLOCK)
+    for start in range(0, P, PAIR_BLOCK):
+        i = start + tl.arange(0, PAIR_BLOCK)
         e = tl.load(ids_ptr + i, mask=i < P, other=0)
         e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
         onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)
@@ -309,8 +314,8 @@ def sort_by_expert_kernel(
     ends = tl.cumsum(totals, axis=0)
     tl.store(offs_ptr + experts, ends, mask=experts < E)
     base = ends - totals
-    for start in range(0, P, BLOCK):
-        i = start + tl.arange(0, BLOCK)
+    for start in range(0, P, PAIR_BLOCK):
+        i = start + tl.arange(0, PAIR_BLOCK)
         e = tl.load(ids_ptr + i, mask=i < P, other=0)
         e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
         onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)
@@ -384,8 +389,8 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl
         r64 = r.to(tl.int64)
         dtype: tl.constexpr = Q.ptr.dtype.element_ty
         kb_lo = tl.program_id(1) * col_blocks
-        for kb in range(kb_lo, tl.minimum(kb_lo + col_blocks, tl.cdiv(H, 128))):
-            cols = kb * 128 + tl.arange(0, 128)
+        for kb in range(kb_lo, tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK))):
+            cols = kb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
             mask = live[:, None] & (cols < H)[None, :]
             x = tl.load(X.ptr + src[:, None] * X.stride0 + cols[None, :] * X.stride1, mask=mask, other=0.0)
             x = x.to(tl.float32)

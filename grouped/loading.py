@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..blockscaled.quantize import BLOCK
 from ..core import checks
-from ..core.runtime import INTERPRET
+from ..core.runtime import INTERPRET, cdiv
+from ..core.scaling import SCALE_BLOCK
 
 # An expert's (gate, up, down) weight names, and what the errors call them.
 EXPERT_NAMES = {"w1/w3/w2 (Mixtral)": ("w1", "w3", "w2"),
@@ -201,7 +201,7 @@ def _experts(keys: LayerKeys, gate, llama4_layout: bool, experts=None) -> dict:
 
 def _scale(keys: LayerKeys, name: str, rows: int, cols: int) -> torch.Tensor:
     """The fp32 128x128 block scales of an FP8 weight [rows, cols] ("...weight_scale_inv")."""
-    return keys.take(f"{name}.weight_scale_inv", (-(-rows // BLOCK), -(-cols // BLOCK)),
+    return keys.take(f"{name}.weight_scale_inv", (cdiv(rows, SCALE_BLOCK), cdiv(cols, SCALE_BLOCK)),
                      (torch.float32, torch.bfloat16), " (the 128x128 block scales)").float()
 
 
@@ -230,12 +230,12 @@ def _fused_experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
         return dict(w_gate_up=w13.transpose(1, 2).contiguous(), w_down=w2.transpose(1, 2).contiguous())
     out = dict(w_gate_up=w13, w_down=w2)
     if fp8:
-        if I % BLOCK:
+        if I % SCALE_BLOCK:
             # One block row of the fused [2I, H] matrix would hold gate and up rows: which of the
             # two quantisations made the file cannot be told from its shapes.
             raise keys.fail("experts.gate_up_proj_scale_inv", f"scales fused FP8 experts of I = {I}, not a multiple of "
-                                                              f"{BLOCK}: save the per-expert names instead")
-        kh, ki = -(-H // BLOCK), I // BLOCK
+                                                              f"{SCALE_BLOCK}: save the per-expert names instead")
+        kh, ki = cdiv(H, SCALE_BLOCK), I // SCALE_BLOCK
         scale = ((torch.float32, torch.bfloat16), " (the 128x128 block scales)")
         out["w_gate_up_scale"] = keys.take("experts.gate_up_proj_scale_inv", (E, 2 * ki, kh), *scale).float()
         out["w_down_scale"] = keys.take("experts.down_proj_scale_inv", (E, kh, ki), *scale).float()
@@ -283,7 +283,7 @@ def _shared(keys: LayerKeys, gate) -> dict:
                 w = keys.take(f"{s}.{name}.weight", (rows, cols))
             if w.dtype in checks.FP8_DTYPES:  # dequantised: the shared experts run in the router's dtype
                 sc = _scale(keys, f"{s}.{name}", rows, cols)
-                sc = sc.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+                sc = sc.repeat_interleave(SCALE_BLOCK, 0)[:rows].repeat_interleave(SCALE_BLOCK, 1)[:, :cols]
                 w = (w.float() * sc).to(gate.dtype)
             if w.dtype != gate.dtype:
                 raise keys.fail(f"{s}.{name}.weight", f"has dtype {w.dtype}, expected {checks.dtype_names((gate.dtype,))} "
@@ -457,8 +457,8 @@ def _family(cfg: dict, config_path):
     if cfg.get("hidden_act", "silu") != "silu":
         raise checks.in_file(config_path, f"hidden_act = {cfg['hidden_act']!r}: MoEFFN's experts are SwiGLU (silu)")
     quant = cfg.get("quantization_config") or {}
-    if quant and (quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size") or [BLOCK, BLOCK])
-                  != [BLOCK, BLOCK]):
+    if quant and (quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size") or [SCALE_BLOCK, SCALE_BLOCK])
+                  != [SCALE_BLOCK, SCALE_BLOCK]):
         raise checks.in_file(config_path, f"quantization_config {quant}: only FP8 with 128x128 weight blocks "
                                           "(weight_scale_inv) is read")
     return cfg, model_type

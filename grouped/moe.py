@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from ..core import checks, configs
 from ..core.dispatch import Op, wants_grad
 from ..core.launch import Launcher, Request
-from ..blockscaled.quantize import BLOCK, QUANTIZE_FP8, quantize_fp8
-from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
-from ..core.runtime import empty, next_pow2
+from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8
+from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
+from ..core.runtime import cdiv, empty, next_pow2
+from ..core.scaling import BLOCKWISE, SCALE_BLOCK
 from ..core.tiles import NO_SCALES, Operand, Routing, Scales
 from .kernels import Stacked, sort_by_expert_kernel
 from .ops import combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles, swiglu_backward
@@ -52,7 +53,7 @@ def sort_by_expert(topk_ids, num_experts: int):
     return pair.to(torch.int32), (pair // k).to(torch.int32), offs
 
 
-SORT = Launcher(sort_by_expert_kernel, configs.SORT)
+SORT = Launcher(sort_by_expert_kernel, "sort")
 
 
 def _sort_small(flat, E: int, k: int):
@@ -62,7 +63,7 @@ def _sort_small(flat, E: int, k: int):
 def _small_sorter(P: int, E: int, k: int, device):
     """The one-program sort of P pairs as a callable flat ids -> (pair, token, offs)."""
     e_block = next_pow2(E + 1)
-    plan = SORT.plan_for(Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, BLOCK=max(16, min(256, 8192 // e_block))),
+    plan = SORT.plan_for(Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))),
                                  device))
 
     def sort(flat):
@@ -164,7 +165,7 @@ def quantize_experts(w_gate_up, w_down):
     I = w_down.shape[2]
 
     def blocks(w):
-        qs = [quantize_fp8(m, (BLOCK, BLOCK)) for m in w.detach()]
+        qs = [quantize_fp8(m, (SCALE_BLOCK, SCALE_BLOCK)) for m in w.detach()]
         return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
     with torch.no_grad():
@@ -210,7 +211,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     fp8 = w_gate_up_scale is not None
     sort = _sorter(topk_ids, E)
     pair, token, offs = sort(topk_ids)
-    quantize = QUANTIZE_FP8.route((x, (1, BLOCK), w_gate_up.dtype, False, False)) if fp8 and x_scale is None else None
+    quantize = QUANTIZE_FP8.route((x, (1, SCALE_BLOCK), w_gate_up.dtype, False, False)) if fp8 and x_scale is None else None
     h_dtype = w_gate_up.dtype if fp8 else dtype
 
     def scales(xs, hs, w_gate_up_scale, w_down_scale):
@@ -222,7 +223,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
                 Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
 
     def h_scales():
-        return empty((-(-I // BLOCK), P), dtype=torch.float32, device=device).t() if fp8 else None
+        return empty((cdiv(I, SCALE_BLOCK), P), dtype=torch.float32, device=device).t() if fp8 else None
 
     a1, xs = (quantize(x) if quantize is not None else (x, x_scale)) if fp8 else (x, None)
     h = empty((P, I), dtype=h_dtype, device=device)
@@ -230,9 +231,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
     gemm1 = _expert_launch(a1, w_gate_up, h, offs, a_rows=token, swiglu=True, scales=s1,
-                           **(dict(scaling="1x128,128x128" + configs.FP8_OUT) if fp8 else {}))
+                           **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
     gemm2 = _expert_launch(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, scales=s2,
-                           **(dict(scaling="1x128,128x128") if fp8 else {}))
+                           **(dict(scaling=BLOCKWISE) if fp8 else {}))
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
         pair, token, offs = sort(topk_ids)
@@ -261,7 +262,7 @@ def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> Non
                                    "weight_scale_inv)", None)
         checks.check_tensor(name, t, ndim=3, dtypes=(torch.float32,))
     E, two_i, H = w_gate_up.shape
-    kh, ki = -(-H // BLOCK), -(-(two_i // 2) // BLOCK)
+    kh, ki = cdiv(H, SCALE_BLOCK), cdiv(two_i // 2, SCALE_BLOCK)
     checks.check_shape("w_gate_up_scale", w_gate_up_scale, (E, 2 * ki, kh),
                        f"[E, 2 * ceil(I/128), ceil(H/128)] = {[E, 2 * ki, kh]} (gate blocks, then up blocks)")
     checks.check_shape("w_down_scale", w_down_scale, (E, kh, ki), f"[E, ceil(H/128), ceil(I/128)] = {[E, kh, ki]}")
@@ -275,7 +276,7 @@ def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
     if x_scale is not None:
         checks.check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,))
         T, H = x.shape
-        checks.check_shape("x_scale", x_scale, (T, -(-H // BLOCK)), f"[T, ceil(H/128)] = {[T, -(-H // BLOCK)]} "
+        checks.check_shape("x_scale", x_scale, (T, cdiv(H, SCALE_BLOCK)), f"[T, ceil(H/128)] = {[T, cdiv(H, SCALE_BLOCK)]} "
                            "(x's 1x128 scales, as quantize_fp8(x) gives)")
         checks.check_same_device(x=x, x_scale=x_scale)
 
@@ -294,14 +295,14 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
     """The FP8 moe_ffn's full path for its arguments' signature: the checks, then the Gluon
-    pipeline (on sm_90, ``hopper_fp8.wgmma_grouped``) or the Triton body's (_moe_pipeline)."""
+    pipeline (on sm_90, ``hopper_fp8.gluon_grouped_mode``) or the Triton body's (_moe_pipeline)."""
     _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                     topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
                                     w_down_scale=w_down_scale, x_scale=x_scale)
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
-    mode = wgmma_grouped(w_gate_up, P, E) if P else None
-    if mode is not None and wgmma_grouped(w_down, P, E) == mode:
+    mode = gluon_grouped_mode(w_gate_up, P, E) if P else None
+    if mode is not None and gluon_grouped_mode(w_down, P, E) == mode:
         sort = _sorter(topk_ids, E)
 
         def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
@@ -316,7 +317,7 @@ def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scal
 def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs,
                    mode, x_scale=None):
     """The FP8 expert FFN on core's Gluon body (sm_90; ``mode`` "grouped" or "decode", from
-    hopper_fp8.wgmma_grouped): TMA cannot gather rows, so x is quantised once in
+    hopper_fp8.gluon_grouped_mode): TMA cannot gather rows, so x is quantised once in
     expert-sorted order (one row per pair), then GEMM1 (its two warpgroups the gate and the up
     product) writes silu(gate) * up as fp8 with 1x128 scales, and GEMM2 scatters each pair's
     weighted row; the combine sums each token's rows in slot order (fp32). The rows of experts
@@ -333,8 +334,7 @@ def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
         xs = x_scale.index_select(0, token)
     out_dtype = _out_dtype(x)
     h = empty((P, I), dtype=w_gate_up.dtype, device=x.device)
-    hs = empty((-(-I // BLOCK), P), dtype=torch.float32, device=x.device).t()
-    scaling = "1x128,128x128"
+    hs = empty((cdiv(I, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t()
     m = configs.m_bucket(P // E)
     tables = {}
 
@@ -344,11 +344,11 @@ def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
         return tables[block_m]
 
     run_wgmma_grouped(xq, w_gate_up, h, schedule, xs, w_gate_up_scale.transpose(1, 2), N=I, out_scale=hs,
-                      key=configs.WgmmaKey(m, I, H, scaling, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
+                      key=configs.WgmmaKey(m, I, H, BLOCKWISE, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
     y_pairs = empty((T * k, H), dtype=out_dtype, device=x.device)
     run_wgmma_grouped(h, w_down, y_pairs, schedule, hs, w_down_scale.transpose(1, 2), N=H,
                       scatter=pair, weight=topk_weights.reshape(-1).to(torch.float32).contiguous(),
-                      key=configs.WgmmaKey(m, H, I, scaling, configs.dtype_name(out_dtype), mode))
+                      key=configs.WgmmaKey(m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
     return combine(y_pairs, topk_ids, E, out_dtype)
 
 
@@ -367,7 +367,7 @@ def _moe_sizes(x, w_gate_up, topk_ids):
 
 def _expert_gemm(a, w, c, offs, **kwargs):
     """c[r] = a[r] @ w[e].T for the rows r of expert e (2D x 3D, offs over rows; ``kwargs``:
-    launch_ragged's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
+    ragged_launch's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
     launch = _expert_launch(a, w, c, offs, **kwargs)
     launch.launcher.launch(launch.plan, launch.grid, launch.build(
         c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_SCALES)))

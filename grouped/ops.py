@@ -6,25 +6,25 @@ from typing import Optional
 
 import torch
 
-from ..blockscaled.quantize import BLOCK
 from ..core import checks, configs
-from ..core.dispatch import Launch, Op, Record, activate, begin, wants_grad
+from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
+from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from ..core.tiles import NO_OPERAND, NO_SCALES, NO_VECTOR, Operand, Routing, Scales, Vector
 
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
-from ..core.hopper_fp8 import run_wgmma_grouped, wgmma_grouped
+from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
 from .kernels import (Stacked, combine_kernel, gather_quantize_kernel, list_kernel, ragged_kernel, row_tiles_kernel,
                       swiglu_backward_kernel)
 
-RAGGED = Launcher(ragged_kernel, configs.RAGGED)
-LIST = Launcher(list_kernel, configs.LIST)
-ROW_TILES = Launcher(row_tiles_kernel, configs.ROW_TILES)
-GATHER_QUANTIZE = Launcher(gather_quantize_kernel, configs.GATHER_QUANTIZE)
-COMBINE = Launcher(combine_kernel, configs.COMBINE)
-SWIGLU_BACKWARD = Launcher(swiglu_backward_kernel, configs.SWIGLU_BACKWARD)
+RAGGED = Launcher(ragged_kernel, "ragged")
+LIST = Launcher(list_kernel, "list")
+ROW_TILES = Launcher(row_tiles_kernel, "row_tiles")
+GATHER_QUANTIZE = Launcher(gather_quantize_kernel, "gather_quantize")
+COMBINE = Launcher(combine_kernel, "combine")
+SWIGLU_BACKWARD = Launcher(swiglu_backward_kernel, "swiglu_backward")
 
 
 def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True):
@@ -50,10 +50,10 @@ def gather_quantize(x, rows, dtype=torch.float8_e4m3fn, offs=None):
     coalesced line. ``offs`` (int32 [G] group end offsets): rows past offs[-1] are left unwritten."""
     P, H = rows.shape[0], x.shape[1]
     q = empty((P, H), dtype=dtype, device=x.device)
-    s = empty((cdiv(H, BLOCK), P), dtype=torch.float32, device=x.device).t()
+    s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t()
     key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
     plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, x.get_device()), lambda: Request(key, {}, x.device))
-    row_programs, col_blocks = cdiv(P, plan.meta["BLOCK_R"]), cdiv(H, BLOCK)
+    row_programs, col_blocks = cdiv(P, plan.meta["BLOCK_R"]), cdiv(H, SCALE_BLOCK)
     per = configs.gather_col_blocks(row_programs, col_blocks, 1 if INTERPRET else sm_count(plan.device_index))
     GATHER_QUANTIZE.launch(plan, (row_programs, cdiv(col_blocks, per)), (
         Operand(interpretable(x), *x.stride()), rows, Operand(q, *q.stride()), Operand(s, *s.stride()), P, H, offs,
@@ -160,31 +160,25 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     return None
 
 
-def launch_ragged(a, b, c, offs, **kwargs):
-    """Launch ragged_kernel once (``ragged_launch``'s arguments); returns c."""
-    ragged_launch(a, b, c, offs, **kwargs).run(c)
-    return c
-
-
 def ragged_launch(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
-    rows_per_group=None, config=None, tma=None, scales=NO_SCALES, scaling="", build=None,
+    rows_per_group=None, config=None, tma=None, scales=NO_SCALES, scaling: Scaling | None = None, build=None,
 ) -> Launch:
     """ragged_kernel's launch (see its docstring for the meaning of every argument), as a
     core/dispatch.py Launch.
 
     scales, scaling: an FP8 grouped GEMM's tiles.Scales (as ragged_kernel takes them) and its
-    granularities, "<a>,<b>" of "1x128" / "row" and "128x128" / "col", plus ",fp8out" when
-    C is fp8 and the tiles write its 1x128 scales (``scales.out``; configs.FP8_OUT).
+    core/scaling.py Scaling (scale_a 1x128 or row, scale_b 128x128 or col; ``fp8_out`` when
+    C is fp8 and the tiles write its 1x128 scales, ``scales.out``); None without scales.
     rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
     build: the launch's argument builder ``build(c, *tensors)`` for a record that launches it
     again on other tensors of the same signature; default, these arguments' own (``build(c)``).
     """
-    if scaling and config is not None and config.kwargs.get("BLOCK_K") != BLOCK:
-        raise checks.bad_value("config", f"a config with BLOCK_K = {BLOCK} (the scale block) for an FP8 grouped GEMM",
+    if scaling is not None and config is not None and config.kwargs.get("BLOCK_K") != SCALE_BLOCK:
+        raise checks.bad_value("config", f"a config with BLOCK_K = {SCALE_BLOCK} (the scale block) for an FP8 grouped GEMM",
                                f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
     layout = _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a, strides_b, strides_c))
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
@@ -196,7 +190,8 @@ def ragged_launch(
                           configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling),
         dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
              PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
-             SA_ROWS=1, SB_COLS=BLOCK if "128x128" in scaling.split(",") else 1, **layout_meta(layout)),
+             SA_ROWS=1 if scaling is None else scaling.sa_rows, SB_COLS=1 if scaling is None else scaling.sb_cols,
+             **layout_meta(layout)),
         a.device, forced_flavour(config, layout),
         lambda plan: Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own).run(c),
     ))
@@ -341,7 +336,7 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
 
 
 def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
-    """The FP8 grouped GEMM's scales as ragged_kernel takes them, and their granularities."""
+    """The FP8 grouped GEMM's scales as ragged_kernel takes them, and their Scaling."""
     for name, t, other in (("scale_a", scale_a, "scale_b"), ("scale_b", scale_b, "scale_a")):
         if t is None:
             raise checks.bad_value(name, f"an fp32 tensor given with {other}", None)
@@ -352,22 +347,23 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
     checks.check_fp8("a", a)
     checks.check_fp8("b", b, ndim=3)
     checks.check_same_device(a=a, scale_a=scale_a, scale_b=scale_b)
-    kb, nb = -(-K // BLOCK), -(-N // BLOCK)
+    kb, nb = cdiv(K, SCALE_BLOCK), cdiv(N, SCALE_BLOCK)
     if tuple(scale_a.shape) == (M, kb):
-        kind_a = "1x128"
+        kind_a = ROW_BLOCKS
     elif tuple(scale_a.shape) == (M, 1):
-        kind_a = "row"
+        kind_a = ROW
     else:
         raise checks.bad_shape("scale_a", f"[sum_M, ceil(K/128)] = [{M}, {kb}] (1x128 per token) or [sum_M, 1] = "
                                f"[{M}, 1] (row-wise)", scale_a.shape)
     if tuple(scale_b.shape) == (G, kb, nb):
-        kind_b = "128x128"
+        kind_b = BLOCKS
     elif tuple(scale_b.shape) == (G, 1, N):
-        kind_b = "col"
+        kind_b = COL
     else:
         raise checks.bad_shape("scale_b", f"[G, ceil(K/128), ceil(N/128)] = [{G}, {kb}, {nb}] (128x128) or [G, 1, N] "
                                f"= [{G}, 1, {N}] (per output channel)", scale_b.shape)
-    a_block, b_block = kind_a == "1x128", kind_b == "128x128"
+    scaling = Scaling(kind_a, kind_b)
+    a_block, b_block = scaling.a_per_k_block, scaling.b_per_k_block
 
     def scales(sa, sb):
         return Scales(a=Operand(sa, *sa.stride()) if a_block else NO_OPERAND,
@@ -375,7 +371,7 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
                       b=Stacked(sb, *sb.stride()) if b_block else NO_OPERAND,
                       n=NO_VECTOR if b_block else Operand(sb, sb.stride(0), sb.stride(2)))
 
-    return scales, f"{kind_a},{kind_b}"
+    return scales, scaling
 
 
 def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config=None, scale_a=None,
@@ -401,9 +397,8 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
         return Record(shape, out_dtype, device, finish=torch.Tensor.zero_, check=check)
     G, M, N, K = args["G"], args["M"], args["N"], args["K"]
     if fp8:
-        kind_a, kind_b = args["scaling"].split(",")
         w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
-        mode = wgmma_grouped(w, M, G, kind_a, kind_b, a=a, tma=tma, config=config)
+        mode = gluon_grouped_mode(w, M, G, args["scaling"], a=a, tma=tma, config=config)
         if mode is not None:
             key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(out_dtype), mode)
 
@@ -528,7 +523,7 @@ def _list_mode(As, Bs, activation, out_dtype, config):
     checks.check_activation(activation)
     if len(As) != len(Bs):
         raise checks.bad_value("b", f"a list of as many b's as a's ({len(As)})", len(Bs))
-    return [activate(z, activation) for z in _ListGrad.apply(len(As), out_dtype, *As, *Bs)]
+    return [apply_activation(z, activation) for z in _ListGrad.apply(len(As), out_dtype, *As, *Bs)]
 
 
 class _ListGrad(torch.autograd.Function):
@@ -578,8 +573,7 @@ def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):
         if x.dtype != As[0].dtype or w.dtype != Bs[0].dtype:
             raise checks.bad_dtype(f"a[{i}] and b[{i}]", f"of a[0] and b[0]'s dtypes ({As[0].dtype}, {Bs[0].dtype}): every "
                                    "pair must share one dtype", f"{x.dtype} and {w.dtype}")
-        if x.shape[1] != w.shape[0]:
-            raise checks.bad_shape(f"b[{i}]", f"[K, N] with K = {x.shape[1]} (a[{i}] is [M, K] = {tuple(x.shape)})", w.shape)
+        checks.check_inner(x, w, f"a[{i}]", f"b[{i}]")
         checks.check_same_device(**{"a[0]": As[0], f"a[{i}]": x, f"b[{i}]": w})
     out_dtype = checks.resolve_out_dtype(out_dtype, As[0].dtype)
     As, Bs = [interpretable(x) for x in As], [interpretable(w) for w in Bs]

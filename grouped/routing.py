@@ -132,7 +132,7 @@ def route(logits, top_k: int, renormalize: bool = True, *, scoring: str = "softm
     return weights, ids.to(torch.int32)
 
 
-ROUTE = Launcher(route_kernel, configs.ROUTE)
+ROUTE = Launcher(route_kernel, "route")
 
 
 def _blocks(E: int, n_group: int) -> tuple[int, int]:

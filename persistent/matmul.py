@@ -35,7 +35,7 @@ def persistent_matmul(
         min(num_programs, work units: tiles, times SPLIT_K for a split-K config): a program
         past the last unit would only build its descriptors and exit, so it is not started.
         Any value >= 1 gives the same result.
-    config: force one triton.Config instead of autotuning (benchmarks and tests); its kwargs
+    config: force one triton.Config instead of the chosen one (benchmarks and tests); its kwargs
         may add SPLIT_K (core/splitk.py) and PROGRAMS_PER_SM, which the tuner also tries.
     tma: as onegemm.matmul: None lets the tuner choose pointer or tensor-descriptor (TMA)
         loads on a Hopper GPU when a, b and the output allow TMA; False forces pointer loads;

@@ -21,8 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import onegemm
-from onegemm.core import runtime
+os.environ["ONEGEMM_POISON"] = "1"  # read once, when onegemm is imported
+import onegemm  # noqa: E402
+from onegemm.core import runtime  # noqa: E402
+
+assert runtime.POISON, "onegemm was imported before tests/conftest.py could switch its output poisoning on"
 
 HAS_GPU = torch.cuda.is_available() and not onegemm.INTERPRET
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,12 +77,11 @@ def pytest_report_header(config):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed_and_poison(monkeypatch):
+def _fresh_seed():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed = {seed}")  # shown by pytest only when the test fails
     torch.manual_seed(seed)
     random.seed(seed)
-    monkeypatch.setattr(runtime, "POISON", True)
     yield
 
 

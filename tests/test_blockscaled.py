@@ -20,6 +20,7 @@ from onegemm.core.configs import (BLOCKSCALED_CONFIGS, WGMMA_MIN_M, WgmmaKey, wa
 from onegemm.core.launch import plans
 from onegemm.core.fp8 import fp8_cast
 from onegemm.core.runtime import default_programs
+from onegemm.core.scaling import BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, Scaling
 from onegemm.testing import (
     TOL,
     assert_close,
@@ -723,7 +724,7 @@ def _dispatch_case(M, N, K, kinds=("1x128", "128x128"), a_layout="contig", b_lay
     a = torch.empty((M, K) if a_layout == "contig" else (K, M), dtype=E4M3)
     a = a if a_layout == "contig" else a.t()
     b = torch.empty((N, K), dtype=E4M3).t() if b_layout == "k_major" else torch.empty((K, N), dtype=E4M3)
-    return a, b, torch.empty((M, N), dtype=out), *kinds
+    return a, b, torch.empty((M, N), dtype=out), Scaling.parse(",".join(kinds))
 
 
 # (what changes from a 512 x 256 x 256 1x128 x 128x128 call, tma, the rule's answer)
@@ -750,10 +751,10 @@ def test_wgmma_dispatch_rule(change, tma, expected, monkeypatch):
     monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
     args = dict(M=512, N=256, K=256)
     args.update(change)
-    assert hopper_fp8.wgmma_body(*_dispatch_case(**args), tma, None) is expected
+    assert hopper_fp8.uses_gluon_body(*_dispatch_case(**args), tma, None) is expected
     if expected is False and args["M"] >= WGMMA_MIN_M:
         with pytest.raises(ValueError, match="config"):  # a forced Gluon config says why not
-            hopper_fp8.wgmma_body(*_dispatch_case(**args), tma, wgmma_cfg(128, 4, 4))
+            hopper_fp8.uses_gluon_body(*_dispatch_case(**args), tma, wgmma_cfg(128, 4, 4))
 
 
 def test_wgmma_dispatch_off_sm90(device):
@@ -763,10 +764,10 @@ def test_wgmma_dispatch_off_sm90(device):
     call = _dispatch_case(512, 256, 256)
     if hopper_fp8.on_sm90(torch.empty(1, device=device)):
         pytest.skip("this GPU is sm_90: the GPU tests below cover it")
-    assert hopper_fp8.wgmma_body(*call, None, None) is False
-    assert hopper_fp8.wgmma_body(*call, None, BLOCKSCALED_CONFIGS[0]) is False
+    assert hopper_fp8.uses_gluon_body(*call, None, None) is False
+    assert hopper_fp8.uses_gluon_body(*call, None, BLOCKSCALED_CONFIGS[0]) is False
     with pytest.raises(ValueError, match="config.*sm_90"):
-        hopper_fp8.wgmma_body(*call, None, wgmma_cfg(128, 4, 4))
+        hopper_fp8.uses_gluon_body(*call, None, wgmma_cfg(128, 4, 4))
     qa, sa, _ = quant_a(make_input((64, 128), device), "1x128")
     qb, sb, _ = quant_b(make_input((64, 128), device), "128x128")
     with pytest.raises(ValueError, match="config"):
@@ -793,7 +794,7 @@ def test_gpu_wgmma_body(M, N, K, grans, device):
     partial: TMA boxes past M, N and K arrive zero-filled and the stores clip."""
     qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
     qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
-    cfg = wgmma_heuristic(WgmmaKey(M, N, K, ",".join(grans), "fp32"), 132)
+    cfg = wgmma_heuristic(WgmmaKey(M, N, K, Scaling.parse(",".join(grans)), "fp32"), 132)
     out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=cfg)
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
 
@@ -801,7 +802,7 @@ def test_gpu_wgmma_body(M, N, K, grans, device):
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("cfg", sorted({configs.config_id(c): c for key in [
-    WgmmaKey(512, 512, 512, "1x128,128x128", "bf16"), WgmmaKey(512, 512, 512, "1x128,128x1", "bf16")]
+    WgmmaKey(512, 512, 512, BLOCKWISE, "bf16"), WgmmaKey(512, 512, 512, Scaling(ROW_BLOCKS, COL_BLOCKS), "bf16")]
     for c in wgmma_candidates(key, 132)}.values(), key=configs.label), ids=configs.label)
 def test_gpu_wgmma_every_config(cfg, device):
     """Each config the Gluon body is tuned over, on partial tiles, with bias and activation."""

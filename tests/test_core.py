@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import onegemm
-from onegemm.core import configs, scratch, splitk
+from onegemm.core import configs, launch, scratch, splitk
 from onegemm.core.checks import ACTIVATIONS
 from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
@@ -262,7 +262,7 @@ def test_split_k_buffers_are_reusable_and_deterministic(device):
     after launch (and CUDA-graph replays) as they are; the partials are added in split order,
     so every launch gives the same bits. A counter left at 1 would leave the second launch's
     tiles unwritten (NaN)."""
-    splitk.clear()
+    launch.reset()
     a = make((37, 300), torch.float32, device)
     b = make((300, 70), torch.float32, device)
     first = onegemm.matmul(a, b, activation="relu", config=split_cfg(3))
@@ -278,7 +278,7 @@ def test_split_k_buffers_are_reusable_and_deterministic(device):
 def test_split_k_buffers_grow_and_stay_zeroed(device):
     """A launch that needs more workspace or counters than the cached buffers gets larger
     ones (zeroed counters); a smaller one reuses what is there."""
-    splitk.clear()
+    launch.reset()
     dev = torch.device(device)
     ws, counters = splitk.buffers(dev, 100, 3)
     assert ws.numel() >= 100 and counters.numel() >= 3 and int(counters.abs().sum()) == 0
@@ -348,8 +348,9 @@ def test_linear_bad_input(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (300, 1000, 513), (4096, 4096, 4096), (3000, 14336, 4096)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
-def test_gpu_autotuned_large(M, N, K, dtype, device):
-    """Autotuned (every config that survives pruning is launched), NaN-poisoned output."""
+def test_gpu_chosen_config_large(M, N, K, dtype, device):
+    """The config the shipped table or the heuristic chooses (autotuning is opt-in), on a
+    NaN-poisoned output."""
     a = make((M, K), dtype, device)
     b = make((N, K), dtype, device).t()
     out = onegemm.matmul(a, b)

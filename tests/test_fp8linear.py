@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import onegemm
-from onegemm.blockscaled.quantize import BLOCK
+from onegemm.core.scaling import SCALE_BLOCK
 from onegemm.testing import assert_close, blockscaled_matmul_ref, calc_diff, quantize_fp8_ref, sqnr_db
 
 KERNEL_TOL = 1e-5 if onegemm.INTERPRET else 1e-3
@@ -21,9 +21,9 @@ def fp8_reference(layer: onegemm.Fp8Linear, x: torch.Tensor) -> torch.Tensor:
     """What Fp8Linear computes, in float64: x quantised 1x128 (torch reference), times the
     layer's own stored fp8 weight and scales, plus bias."""
     x2 = x.reshape(-1, layer.in_features).float()
-    qx, sx = quantize_fp8_ref(x2, (1, BLOCK))
+    qx, sx = quantize_fp8_ref(x2, (1, SCALE_BLOCK))
     bias = None if layer.bias is None else layer.bias.float()
-    y = blockscaled_matmul_ref(qx, layer.weight.t(), sx, layer.weight_scale.t(), (1, BLOCK), (BLOCK, BLOCK), bias)
+    y = blockscaled_matmul_ref(qx, layer.weight.t(), sx, layer.weight_scale.t(), (1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), bias)
     return y.reshape(*x.shape[:-1], layer.out_features)
 
 

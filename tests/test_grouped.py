@@ -280,7 +280,8 @@ def test_gpu_cuda_graph_replay_with_new_offs(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("rows_per_group", [4, 600])  # decode-like and prefill-like tiles
-def test_gpu_autotuned_moe_shapes(dtype, rows_per_group, device):
+def test_gpu_chosen_config_moe_shapes(dtype, rows_per_group, device):
+    """The config the shipped table or the heuristic chooses for ragged groups of MoE sizes."""
     G, K, N = 16, 1024, 768
     sizes = torch.randint(0, 2 * rows_per_group, (G,)).tolist()
     sizes[3] = 0

@@ -1,6 +1,6 @@
 """The grouped flavour of core's Gluon FP8 body (core/hopper_fp8.py, GROUPED / SWIGLU) and
 what grouped/ builds for it: the row-tile table (row_tiles), the expert-sorted fp8 rows
-(gather_quantize) and the dispatch rule (hopper_fp8.wgmma_grouped).
+(gather_quantize) and the dispatch rule (hopper_fp8.gluon_grouped_mode).
 
 Gluon has no interpreter: the kernels run on the H200 (``sm90`` tests); on CPU the table, the
 quantised gather and the rule are checked against torch.
@@ -13,6 +13,7 @@ import onegemm
 from helpers import fp8_grouped_inputs, fp8_moe_inputs, offs_of
 from onegemm.core import configs, hopper_fp8
 from onegemm.core.launch import clear_plans, plans
+from onegemm.core.scaling import Granularity, Scaling
 from onegemm.grouped.ops import combine, gather_quantize, row_tiles
 from onegemm.testing import (
     assert_close,
@@ -172,7 +173,8 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
          "sliced": lambda: _expert_weights(G, N + 16, K, args["dtype"])[:, :N],
          "n_major": lambda: _expert_weights(G, K, N, args["dtype"]).transpose(1, 2)}[args["w"]]()
     a = torch.empty(M, K, dtype=args["dtype"]) if args["a"] == "contig" else torch.empty(K, M, dtype=args["dtype"]).t()
-    assert hopper_fp8.wgmma_grouped(w, M, G, args["kind_a"], args["kind_b"], a=a, tma=args["tma"],
+    scaling = Scaling(Granularity.parse(args["kind_a"]), Granularity.parse(args["kind_b"]))
+    assert hopper_fp8.gluon_grouped_mode(w, M, G, scaling, a=a, tma=args["tma"],
                                     config=args["config"]) == expected
 
 
@@ -181,7 +183,7 @@ def test_wgmma_grouped_off_sm90(device):
     w = torch.empty(8, 512, 256, dtype=E4M3, device=device)
     if hopper_fp8.on_sm90(w):
         pytest.skip("this GPU is sm_90: the GPU tests below cover it")
-    assert hopper_fp8.wgmma_grouped(w, 4096, 8) is None and hopper_fp8.wgmma_grouped(w, 8, 8) is None
+    assert hopper_fp8.gluon_grouped_mode(w, 4096, 8) is None and hopper_fp8.gluon_grouped_mode(w, 8, 8) is None
 
 
 # ---------------------------------------------------------------- on the H200

@@ -11,6 +11,7 @@ import torch
 import onegemm
 from onegemm.core import configs, launch, scratch, splitk, triton_abi
 from onegemm.core.configs import cfg
+from onegemm.core.scaling import BLOCKWISE, Scaling
 from onegemm.core.matmul import MATMUL
 from onegemm.core.tiles import Operand, Scales, Vector
 from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, quantize_fp8_ref
@@ -106,6 +107,21 @@ def fresh_plans():
     launch.clear_plans()
     yield
     launch.clear_plans()
+
+
+def test_recording_sees_the_launches_of_its_block_only(device):
+    """launch.recording: one Launched per launch inside the block (nested blocks both see it),
+    none after it; the launchers run their own method again once it ends."""
+    a = torch.randn(20, 24, device=device)
+    b = torch.randn(24, 8, device=device)
+    with launch.recording() as outer:
+        onegemm.matmul(a, b)
+        with launch.recording() as inner:
+            onegemm.grouped_matmul([a], [b])
+    onegemm.matmul(a, b)
+    assert [x.family for x in outer] == ["matmul", "list"] and [x.family for x in inner] == ["list"]
+    assert any(outer[0].plan is p for p in launch.plans("matmul").values())
+    assert all("launch" not in vars(x) for x in launch.launchers())
 
 
 def test_plan_reused_for_the_same_call(fresh_plans, device):
@@ -212,7 +228,6 @@ def test_launcher_rejects_runtime_after_constexpr():
 
     with pytest.raises(TypeError, match="must come after the runtime ones"):
         launch.Launcher(bad, configs.Family("bad", None, None, cfg(16, 16, 16, 1, 1)))
-    launch._LAUNCHERS.pop("bad", None)
 
 
 # ---- split-K scratch ----
@@ -221,7 +236,7 @@ def test_launcher_rejects_runtime_after_constexpr():
 @pytest.mark.gpu
 def test_gpu_split_k_scratch_per_stream(device):
     """Buffers are keyed by device and stream: two streams never share one."""
-    splitk.clear()
+    launch.reset()
     dev = torch.device(device)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s1):
@@ -332,7 +347,10 @@ def _parse_key(key_type, text):
         name, _, value = token.rpartition("=")
         assert field.startswith(name), (text, token, field)
         kind = typing.get_type_hints(key_type)[field]
-        values.append(bool(int(value)) if kind is bool else int(value) if kind is int else "" if value == "-" else value)
+        if field == "scaling":
+            values.append(Scaling.parse(value))
+        else:
+            values.append(bool(int(value)) if kind is bool else int(value) if kind is int else "" if value == "-" else value)
     return key_type(*values)
 
 
@@ -341,7 +359,7 @@ def test_key_types_cover_every_family():
     key = configs.RaggedKey("bf16", "", 16, 64, 32, True, False, 2, True, False)
     assert _parse_key(configs.RaggedKey, str(key)) == key
     with pytest.raises(AssertionError):
-        _parse_key(configs.MatmulKey, str(configs.BlockscaledKey(16, 64, 32, True, False, 2, "1x128,128x128")))
+        _parse_key(configs.MatmulKey, str(configs.BlockscaledKey(16, 64, 32, True, False, 2, BLOCKWISE)))
 
 
 def test_the_h200_table_ships():

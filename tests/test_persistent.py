@@ -10,29 +10,31 @@ import torch
 import triton
 
 import onegemm
-from onegemm.core import configs
+from onegemm.core import configs, launch
 from onegemm.core.configs import ANY_SCHEDULE, PER_TILE, PERSISTENT_CONFIGS, PERSISTENT_ONLY, with_meta
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
 from onegemm.core.configs import cfg as _cfg
-from onegemm.core.matmul import MATMUL
 from onegemm.core.runtime import default_programs
 from onegemm.testing import TOL, assert_close, matmul_ref
 
 from helpers import make, split_cfg, tol_for
 
 
+class _MatmulLaunches:
+    """A live view of a recording: (grid, plan) of each matmul_kernel launch so far."""
+
+    def __init__(self, every):
+        self.every = every
+
+    def __iter__(self):
+        return iter([(x.grid, x.plan) for x in self.every if x.family == "matmul"])
+
+
 @pytest.fixture
-def launched(monkeypatch):
+def launched():
     """(grid, plan) of each matmul_kernel launch in the test."""
-    seen = []
-    launch = MATMUL.launch
-
-    def spy(plan, grid, args):
-        seen.append((grid, plan))
-        return launch(plan, grid, args)
-
-    monkeypatch.setattr(MATMUL, "launch", spy)
-    return seen
+    with launch.recording() as every:
+        yield _MatmulLaunches(every)
 
 
 @pytest.fixture
@@ -213,8 +215,8 @@ def test_persistent_bad_options(kwargs, exc, match, device):
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (300, 1000, 512), (896, 4864, 4096), (4096, 4096, 4096)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
-def test_gpu_autotuned_large(M, N, K, dtype, tma, device):
-    """Autotuned (every surviving config launched), one program per SM, both flavours;
+def test_gpu_chosen_config_large(M, N, K, dtype, tma, device):
+    """The config the shipped table or the heuristic chooses, one program per SM, both flavours;
     896 x 4864 is 133 tiles of 128 x 256 (one past a wave)."""
     a = make((M, K), dtype, device)
     b = make((N, K), dtype, device).t()

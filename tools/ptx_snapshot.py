@@ -99,7 +99,11 @@ def cases():
 
     import onegemm
     from onegemm.core import configs
-    from onegemm.grouped.ops import launch_ragged
+    from onegemm.core.scaling import BLOCKS, COL, COL_BLOCKS, ROW, ROW_BLOCKS, TENSOR, Scaling
+    from onegemm.grouped.ops import ragged_launch
+
+    def launch_ragged(a, b, c, offs, **kwargs):  # one launch of ragged_kernel
+        ragged_launch(a, b, c, offs, **kwargs).run(c)
 
     table = json.loads((Path(onegemm.__file__).parent / "core" / "tuned" / "NVIDIA_H200.json").read_text())["configs"]
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -132,14 +136,14 @@ def cases():
         f, _ = parse(key)
         config = configs.from_json(raw)
         M, N, K = int(f["m"]), int(f["n"]), int(f["k"])
-        kind_a, kind_b = key.split()[-1].split(",")
+        scaling = Scaling.parse(key.split()[-1])
         a = operand(M, K, torch.float8_e4m3fn, f["a_k"] == "1")
         b = operand(K, N, torch.float8_e4m3fn, f["b_k"] == "0")
         kb, mb, nb = triton.cdiv(K, 128), triton.cdiv(M, 128), triton.cdiv(N, 128)
-        sa = {"tensor": torch.ones(()), "row": torch.ones(M, 1), "1x128": torch.ones(M, kb),
-              "128x128": torch.ones(mb, kb)}[kind_a]
-        sb = {"tensor": torch.ones(()), "col": torch.ones(1, N), "128x1": torch.ones(kb, N),
-              "128x128": torch.ones(kb, nb)}[kind_b]
+        sa = {TENSOR: torch.ones(()), ROW: torch.ones(M, 1), ROW_BLOCKS: torch.ones(M, kb),
+              BLOCKS: torch.ones(mb, kb)}[scaling.a]
+        sb = {TENSOR: torch.ones(()), COL: torch.ones(1, N), COL_BLOCKS: torch.ones(kb, N),
+              BLOCKS: torch.ones(kb, nb)}[scaling.b]
         tma = bool(config.kwargs.get("USE_TMA", False))
         yield f"blockscaled {key}", lambda a=a, b=b, sa=sa, sb=sb, c=config, t=tma: onegemm.blockscaled_matmul(
             a, b, sa, sb, config=c, tma=t)
@@ -157,12 +161,12 @@ def cases():
         offs = torch.arange(1, G + 1, dtype=torch.int32) * rows
         swiglu, gather = f["swiglu"] == "1", f["gather"] == "1"
         b = operand(K, 2 * N if swiglu else N, dtype, f["b_k"] == "0", extra=(G,))
-        scaling = f.get("scaling", "")
-        c = torch.empty(M, N, dtype=dtype if scaling.endswith(configs.FP8_OUT) else
+        scaling = Scaling.parse(f["scaling"]) if "scaling" in f else None
+        c = torch.empty(M, N, dtype=dtype if scaling is not None and scaling.fp8_out else
                         torch.bfloat16 if dtype.itemsize == 1 else dtype)
         common = dict(ragged="M", G=G, M=M, N=N, K=K, strides_b=tuple(b.stride()), strides_c=(0, *c.stride()),
                       rows_per_group=rows, config=config, tma=tma)
-        if scaling:
+        if scaling is not None:
             common.update(scales=_ragged_scales(scaling, G, M, N, K, swiglu), scaling=scaling)
         if gather:
             x = torch.empty(M // 2, K, dtype=dtype)
@@ -188,26 +192,25 @@ def cases():
 
 
 def _ragged_scales(scaling, G, M, N, K, swiglu):
-    """tiles.Scales of an FP8 grouped key ("<a>,<b>[,fp8out]"), fp32 ones of the right shapes."""
+    """tiles.Scales of an FP8 grouped key's Scaling, fp32 ones of the right shapes."""
     import torch
 
     from onegemm.core.tiles import Operand, Scales, Vector
     from onegemm.grouped.kernels import Stacked
 
-    kind_a, kind_b, *out = scaling.split(",")
     kb, nb = -(-K // 128), -(-N // 128)
     parts = {}
-    if kind_a == "1x128":
+    if scaling.a_per_k_block:
         sa = torch.ones(kb, M).t()
         parts["a"] = Operand(sa, *sa.stride())
     else:
         parts["m"] = Vector(torch.ones(M), 1)
-    if kind_b == "128x128":
+    if scaling.b_per_k_block:
         sb = torch.ones(G, kb, nb * (2 if swiglu else 1))
         parts["b"] = Stacked(sb, *sb.stride())
     else:
         parts["n"] = Operand(torch.ones(G, N), N, 1)
-    if out:
+    if scaling.fp8_out:
         so = torch.ones(nb, M).t()
         parts["out"] = Operand(so, *so.stride())
     return Scales(**parts)
@@ -219,7 +222,7 @@ def snapshot(out: Path, only: str | None) -> None:
 
     compiled = []
     # One wrapper per kernel: two launchers (matmul's and blockscaled's) share matmul_kernel.
-    for fn in {id(x.fn): x.fn for x in launch._LAUNCHERS.values()}.values():
+    for fn in {id(x.fn): x.fn for x in launch.launchers()}.values():
         run = fn.run
 
         def recording(*args, _run=run, **kwargs):

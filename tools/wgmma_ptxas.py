@@ -28,27 +28,27 @@ import torch  # noqa: E402
 from triton.backends.nvidia import compiler as nv  # noqa: E402
 
 from onegemm.core import configs  # noqa: E402
-from onegemm.core.hopper_fp8 import SA_ROWS, SB_COLS, Groups, blockscaled_wgmma_kernel  # noqa: E402
+from onegemm.core.hopper_fp8 import Groups, blockscaled_wgmma_kernel  # noqa: E402
+from onegemm.core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, Scaling  # noqa: E402
 from onegemm.core.tiles import NO_OPERAND, NO_VECTOR, Operand, Scales  # noqa: E402
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def compile_config(cfg, scaling: str, out: str, M=4096, N=4096, K=4096, mode="dense"):
+def compile_config(cfg, scaling: Scaling, out: str, M=4096, N=4096, K=4096, mode="dense"):
     """Compile the body for ``cfg``: dense, or a grouped mode over G = 16 groups ("grouped" /
     "decode": bf16 out scattered with routing weights, as MoE GEMM2; "swiglu" /
     "decode_swiglu": fp8 out, as GEMM1)."""
-    kind_a, kind_b = scaling.split(",")
     a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
     if mode == "dense":
         b = torch.empty(N, K, dtype=torch.float8_e4m3fn).t()
         c = torch.empty(M, N, dtype=OUT_DTYPES[out])
-        sa = torch.empty(M if SA_ROWS[kind_a] == 1 else M // 128, K // 128)
-        sb = torch.empty(K // 128, N if SB_COLS[kind_b] == 1 else N // 128)
+        sa = torch.empty(M // scaling.sa_rows, K // 128)
+        sb = torch.empty(K // 128, N // scaling.sb_cols)
         return blockscaled_wgmma_kernel.warmup(
             Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
             Scales(a=Operand(sa, *sa.stride()), b=Operand(sb, *sb.stride())), NO_VECTOR, Groups(None, None, 1, N, 0, 0),
-            ACTIVATION=None, SA_ROWS=SA_ROWS[kind_a], SB_COLS=SB_COLS[kind_b], **cfg.kwargs,
+            ACTIVATION=None, SA_ROWS=scaling.sa_rows, SB_COLS=scaling.sb_cols, **cfg.kwargs,
             grid=(132,), num_warps=cfg.num_warps)
     G = 16
     swiglu = mode.endswith("swiglu")
@@ -65,7 +65,7 @@ def compile_config(cfg, scaling: str, out: str, M=4096, N=4096, K=4096, mode="de
         Scales(a=Operand(sa, *sa.stride()), b=Operand(sb, sb.stride(1), sb.stride(2)),
                out=Operand(so, *so.stride()) if swiglu else NO_OPERAND),
         NO_VECTOR, Groups(sched, count, G, rows, sb.stride(0), 0, scatter, weight),
-        ACTIVATION=None, SA_ROWS=1, SB_COLS=128, GROUPED=True, SWIGLU=swiglu, SWAP=mode.startswith("decode"),
+        ACTIVATION=None, SA_ROWS=scaling.sa_rows, SB_COLS=scaling.sb_cols, GROUPED=True, SWIGLU=swiglu, SWAP=mode.startswith("decode"),
         **cfg.kwargs,
         grid=(132,), num_warps=cfg.num_warps)
 
@@ -83,9 +83,10 @@ def main() -> int:
     print("| scaling | out | mode | config | registers | spill bytes | shared bytes | wgmma | setmaxnreg | ptxas warnings |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     bad = 0
-    cases = [(s, out, "dense") for s in ("1x128,128x128", "128x128,128x128", "1x128,128x1") for out in OUT_DTYPES]
-    cases += [("1x128,128x128", "bf16", "grouped"), ("1x128,128x128", "fp8", "swiglu"),
-              ("1x128,128x128", "bf16", "decode"), ("1x128,128x128", "fp8", "decode_swiglu")]
+    dense = (BLOCKWISE, Scaling(BLOCKS, BLOCKS), Scaling(ROW_BLOCKS, COL_BLOCKS))
+    cases = [(s, out, "dense") for s in dense for out in OUT_DTYPES]
+    cases += [(BLOCKWISE, "bf16", "grouped"), (BLOCKWISE, "fp8", "swiglu"), (BLOCKWISE, "bf16", "decode"),
+              (BLOCKWISE, "fp8", "decode_swiglu")]
     for scaling, out, mode in cases:
         key = configs.WgmmaKey(4096, 4096, 4096, scaling, out, mode)
         for cfg in configs.wgmma_candidates(key, 132):

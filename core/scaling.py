@@ -1,0 +1,97 @@
+"""How a block-scaled FP8 GEMM's operands are scaled: one ``Scaling``, built once by the checks.
+
+An op reads each scale's granularity from its shape (blockscaled/matmul.py, grouped/ops.py),
+once, into a ``Scaling``; the tuning keys (core/configs.py), the kernels' SA_ROWS / SB_COLS
+constexprs and the choice between core's two FP8 bodies (core/hopper_fp8.py) read that
+object, never a string. Its ``str`` is how the tuned tables (core/tuned/*.json) name it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# The scale block of the DeepSeek-V3 recipe and of torch._scaled_mm's blockwise mode: a block
+# scale covers 128 elements along K (and 128 rows or columns for 128x128 blocks).
+SCALE_BLOCK = 128
+
+
+class Granularity(NamedTuple):
+    """The elements of an operand (A [M, K] or B [K, N], as the GEMM reads it) one scale
+    covers: ``rows`` x ``cols`` of them, None for a whole dimension."""
+
+    rows: int | None
+    cols: int | None
+
+    def __str__(self):
+        if self.rows is None:
+            return "tensor" if self.cols is None else "col"
+        if self.cols is None:
+            return "row"
+        return f"{self.rows}x{self.cols}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Granularity":
+        """The granularity whose str() is ``text``."""
+        named = {"tensor": TENSOR, "row": ROW, "col": COL}
+        if text in named:
+            return named[text]
+        rows, cols = text.split("x")
+        return cls(int(rows), int(cols))
+
+
+TENSOR = Granularity(None, None)                 # one scale for the whole operand
+ROW = Granularity(1, None)                       # A: one per row (per token)
+COL = Granularity(None, 1)                       # B: one per column (per output channel)
+ROW_BLOCKS = Granularity(1, SCALE_BLOCK)         # A: 1x128, per token and K block
+COL_BLOCKS = Granularity(SCALE_BLOCK, 1)         # B: 128x1, per K block and column
+BLOCKS = Granularity(SCALE_BLOCK, SCALE_BLOCK)   # 128x128 (a checkpoint's weight_scale_inv)
+
+
+class Scaling(NamedTuple):
+    """A scaled GEMM's scales: A's and B's granularity and whether C is fp8 with its own
+    1x128 scales, written by the tiles (``tiles.Scales.out``).
+
+    A scale that varies along K (a block scale) goes to the K loop, which promotes each K
+    block's partial product with it; one constant along K (tensor, row, column) goes to the
+    epilogue.
+    """
+
+    a: Granularity
+    b: Granularity
+    fp8_out: bool = False
+
+    @property
+    def a_per_k_block(self) -> bool:
+        """scale_a changes every K block (1x128, 128x128): the K loop reads it."""
+        return self.a.cols == SCALE_BLOCK
+
+    @property
+    def b_per_k_block(self) -> bool:
+        """scale_b changes every K block (128x1, 128x128): the K loop reads it."""
+        return self.b.rows == SCALE_BLOCK
+
+    @property
+    def sa_rows(self) -> int:
+        """The kernels' SA_ROWS: rows of A per K-block scale (1, or 128 for 128x128)."""
+        return SCALE_BLOCK if self.a == BLOCKS else 1
+
+    @property
+    def sb_cols(self) -> int:
+        """The kernels' SB_COLS: columns of B per K-block scale (1, or 128 for 128x128)."""
+        return SCALE_BLOCK if self.b == BLOCKS else 1
+
+    def __str__(self):
+        return f"{self.a},{self.b}" + (",fp8out" if self.fp8_out else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Scaling":
+        """The Scaling whose str() is ``text`` (a tuned table's key)."""
+        a, b, *out = text.split(",")
+        if out not in ([], ["fp8out"]):
+            raise ValueError(f"not a scaling: {text!r}")
+        return cls(Granularity.parse(a), Granularity.parse(b), bool(out))
+
+
+# 1x128 activations x 128x128 weights: DeepSeek-V3's recipe, Fp8Linear's forward and the FP8
+# MoE's GEMMs.
+BLOCKWISE = Scaling(ROW_BLOCKS, BLOCKS)
