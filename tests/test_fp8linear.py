@@ -216,7 +216,9 @@ def _case_ties(model, ids, before):
     model(ids).square().sum().backward()
     for name, p in model.named_parameters():
         if p.requires_grad:
-            assert_close(p.grad, want[name], 0.1, f"grad of {name}")  # FP8 error ~2e-2; a lost tie ~0.5
+            # FP8's error here is 7% at the median and up to ~10% (e4m3 on 32-wide rows, three
+            # layers, 10 tokens: a 0.1 bound failed 1 run in 12); a lost tie is >= 47% off.
+            assert_close(p.grad, want[name], 0.25, f"grad of {name}")
 
 
 def _case_optimizer(model, ids, before):

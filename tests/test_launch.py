@@ -331,7 +331,8 @@ def test_table_reader_ignores_a_broken_file(tmp_path):
 KEY_TYPES = {
     "matmul": configs.MatmulKey, "blockscaled": configs.BlockscaledKey, "blockscaled_wgmma": configs.WgmmaKey,
     "ragged": configs.RaggedKey, "list": configs.ListKey, "quantize": configs.QuantKey, "sort": configs.SortKey,
-    "row_tiles": configs.PrepKey, "gather_quantize": configs.PrepKey, "combine": configs.PrepKey, "route": configs.RouteKey,
+    "row_tiles": configs.PrepKey, "gather_quantize": configs.PrepKey, "combine": configs.PrepKey, "swiglu_backward": configs.PrepKey,
+    "route": configs.RouteKey,
 }
 TUNED = Path(configs.__file__).parent / "tuned"  # shipped as package data (pyproject.toml)
 H200_SMS = 132
