@@ -150,7 +150,7 @@ def _triton_quantizer(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bo
     return run
 
 
-# ---- torch: the CPU path (the interpreter's fp32 -> fp8 cast is wrong) and "tensor" ----
+# ---- torch: the CPU path (the interpreter's fp8 cast turns NaN into 384) and "tensor" ----
 
 
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2_scale: bool) -> torch.Tensor:
@@ -254,7 +254,9 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite):
         return run
     if INTERPRET or block == "tensor":
         # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
-        # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it.
+        # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it. Under the
+        # interpreter the kernel gives these bits for finite x (tests/test_blockscaled.py), but
+        # its fp8 cast turns the NaN of a non-finite block into 384, a finite value.
         quantize = lambda x: _quantize_torch(x, block, dtype, pow2_scale)  # noqa: E731
     else:
         quantize = _triton_quantizer(x, block, dtype, pow2_scale)
