@@ -60,6 +60,17 @@ def split_cfg(split, dtype=torch.float32):
 # ---- grouped and MoE inputs (tests/test_grouped.py, test_moe.py, test_grouped_wgmma.py) ----
 
 
+def capture(fn):
+    """fn() once (its plans made and kernels compiled outside the capture), then captured in a
+    CUDA graph: (graph, the captured call's output, which each replay overwrites)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def offs_of(sizes, device):
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 

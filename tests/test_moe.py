@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import onegemm
-from helpers import fp8_moe_inputs, moe_inputs
+from helpers import capture, fp8_moe_inputs, moe_inputs
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER, sort_by_expert
 from onegemm.testing import (
     TOL,
@@ -414,11 +414,7 @@ def test_gpu_moeffn_cuda_graph(fp8, device):
     """The stored layer (or its FP8 twin) captured in a CUDA graph and replayed on new tokens."""
     layer = onegemm.MoEFFN.from_safetensors(STORED_FP8_LAYER if fp8 else STORED_LAYER, device=device)
     x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
-    layer(x)  # plans and compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = layer(x)
+    graph, y = capture(lambda: layer(x))
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import onegemm
+from helpers import capture
 from onegemm.testing import assert_close, moe_ref, route_ref
 
 # ---- routing ----
@@ -501,11 +502,7 @@ def test_gpu_deepseek_layer_cuda_graph_and_compile(device, monkeypatch):
                            n_group=4, topk_group=2, routed_scaling_factor=2.5, shared_w_gate_up=s13, shared_w_down=s2)
     x = torch.randn(64, H, device=device).to(torch.bfloat16)
     with torch.inference_mode():
-        layer(x)  # plans and compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = layer(x)
+        graph, y = capture(lambda: layer(x))
         x.copy_(torch.randn_like(x))
         want = layer(x)
         graph.replay()
