@@ -140,6 +140,7 @@ GROUPED_CASES = [
     ("2Dx3D", [5, 0, 17], 3, 40, 24, True),
     ("3Dx3D", None, 3, 17, 24, True),
     ("2Dx2D", [30, 0, 17], 3, 20, 24, True),
+    ("2Dx2D", [0, 1, 127, 129], 4, 9, 17, True),  # the weight-gradient mode's ragged K: empty, 1, around 128
     ("3Dx2D", [9, 0, 17], 3, 20, 24, True),
 ]
 
@@ -159,7 +160,8 @@ def _grouped_inputs(mode, sizes, G, M, N, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mode,sizes,G,M,N,with_bias", GROUPED_CASES)
+@pytest.mark.parametrize("mode,sizes,G,M,N,with_bias", GROUPED_CASES,
+                         ids=[f"{c[0]} sizes {c[1]}" for c in GROUPED_CASES])
 def test_grouped_gradients(mode, sizes, G, M, N, with_bias, dtype, device):
     a, b, bias, offs = _grouped_inputs(mode, sizes, G, M, N, dtype, device)
     out = onegemm.grouped_matmul(a, b, offs, bias=bias, activation="silu")
