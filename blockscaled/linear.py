@@ -12,16 +12,16 @@ from torch import nn
 from ..core import checks
 from ..core.dispatch import Cached, Op, first_order_only
 from ..core.runtime import cdiv
-from ..core.scaling import BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
+from ..core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from .matmul import run_blockscaled, scaled_record
-from .quantize import _BLOCKS_BY_NAME, QUANTIZE_OP, _scale_view, quantize_fp8
+from .quantize import QUANTIZE_OP, _scale_view, quantize_fp8
 
 
 def _quantize(x, block):
     """quantize_fp8 for the layer's own tensors (which may require grad: the layer's GEMMs
     are where their gradient comes from, not the quantiser)."""
-    q, scale = QUANTIZE_OP.impl(x, block, torch.float8_e4m3fn, False, False)
-    return q, _scale_view(scale, _BLOCKS_BY_NAME[block])
+    q, scale = QUANTIZE_OP.impl(x, str(block), torch.float8_e4m3fn, False, False)
+    return q, _scale_view(scale, block)
 
 
 def _fp8_linear_impl(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
@@ -36,10 +36,10 @@ def _fp8_linear_record(x, weight, weight_scale, bias):
     for a high-precision W) and the GEMM's, one callable. b = W.t(): K-major, the fast layout
     for Hopper's fp8 MMA; its 128x128 scale [kb, nb] is then weight_scale.t(), torch._scaled_mm's
     layout too."""
-    quantize_x = QUANTIZE_OP.direct.route((x, "1x128", torch.float8_e4m3fn, False, False))
+    quantize_x = QUANTIZE_OP.direct.route((x, str(ROW_BLOCKS), torch.float8_e4m3fn, False, False))
     quantize_w = None
     if weight.dtype != torch.float8_e4m3fn:
-        quantize_w = QUANTIZE_OP.direct.route((weight, "128x128", torch.float8_e4m3fn, False, False))
+        quantize_w = QUANTIZE_OP.direct.route((weight, str(BLOCKS), torch.float8_e4m3fn, False, False))
         weight, weight_scale = quantize_w(weight)
     q, scale = quantize_x(x)
     gemm = scaled_record(q, weight.t(), scale.t(), weight_scale.t(), BLOCKWISE, x.dtype, bias)
@@ -78,14 +78,14 @@ def _fp8_linear_backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     1x128 along the tokens M (dy^T and x^T quantised per row); an empty dW when not needed.
     A registered op of its own, so torch.compile traces the backward as one call."""
     dy = dy.contiguous()
-    q_w, s_w = (weight, weight_scale) if weight.dtype == torch.float8_e4m3fn else _quantize(weight, "128x128")
-    q_dy, s_dy = _quantize(dy, "1x128")
+    q_w, s_w = (weight, weight_scale) if weight.dtype == torch.float8_e4m3fn else _quantize(weight, BLOCKS)
+    q_dy, s_dy = _quantize(dy, ROW_BLOCKS)
     # b = W [N, K] as [reduction N, output K]: its scale [nb, kb] is 128x128 as stored.
     dx = run_blockscaled(q_dy, q_w, s_dy, s_w, BLOCKWISE, x.dtype)
     if not need_weight:
         return dx, x.new_empty(0)
-    q_dyt, s_dyt = _quantize(dy.t(), "1x128")  # [N, M], scales along M
-    q_xt, s_xt = _quantize(x.t(), "1x128")  # [K, M], scales along M
+    q_dyt, s_dyt = _quantize(dy.t(), ROW_BLOCKS)  # [N, M], scales along M
+    q_xt, s_xt = _quantize(x.t(), ROW_BLOCKS)  # [K, M], scales along M
     # b = (x^T)^T = x [M, K], read K-major; its scale [K, mb] transposed is 128x1.
     return dx, run_blockscaled(q_dyt, q_xt.t(), s_dyt, s_xt.t(), Scaling(ROW_BLOCKS, COL_BLOCKS), weight.dtype)
 

@@ -31,9 +31,9 @@ from ..core.dispatch import Cached, Op
 from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty
-from ..core.scaling import SCALE_BLOCK
+from ..core.scaling import BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity
 
-BLOCKS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")
+BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
 FLT_MIN = torch.finfo(torch.float32).tiny
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -97,17 +97,22 @@ def quantize_kernel(
 QUANTIZE = Launcher(quantize_kernel, "quantize")
 
 
-def _scale_shape(block, M: int, K: int) -> tuple:
+def granularity(block) -> Granularity:
+    """quantize_fp8's ``block`` argument (checked) as the scales' Granularity."""
+    return {(1, SCALE_BLOCK): ROW_BLOCKS, (SCALE_BLOCK, SCALE_BLOCK): BLOCKS, "row": ROW, "tensor": TENSOR}[block]
+
+
+def _scale_shape(block: Granularity, M: int, K: int) -> tuple:
     mb, kb = cdiv(M, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)
-    return {(1, SCALE_BLOCK): (M, kb), (SCALE_BLOCK, SCALE_BLOCK): (mb, kb), "row": (M, 1), "tensor": ()}[block]
+    return {ROW_BLOCKS: (M, kb), BLOCKS: (mb, kb), ROW: (M, 1), TENSOR: ()}[block]
 
 
-def _quantize_triton(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
-    """The fused kernel for (1, 128), (128, 128) and "row"; returns (q, scale)."""
+def _quantize_triton(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool):
+    """The fused kernel for 1x128, 128x128 and row scales; returns (q, scale)."""
     return _triton_quantizer(x, block, dtype, pow2_scale)(x)
 
 
-def _triton_quantizer(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
+def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool):
     """``_quantize_triton`` as a callable x -> (q, scale) for inputs of x's signature (the
     plan, grid and strides fixed): what a record keeps."""
     M, K = x.shape
@@ -116,12 +121,11 @@ def _triton_quantizer(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bo
     # 1x128: [M, kb] stored outer-dim-major (a transposed [kb, M]): the layout
     # torch._scaled_mm's blockwise mode wants for scale_a, and the GEMM's K loop then loads
     # BLOCK_M consecutive scales (coalesced) per K block.
-    outer = block == (1, SCALE_BLOCK)
+    outer = block == ROW_BLOCKS
     shape = _scale_shape(block, M, K)
     s_strides = (1, M) if outer else (shape[1], 1)
-    cols_per_scale = K if block == "row" else SCALE_BLOCK
-    rows_per_scale = SCALE_BLOCK if block == (SCALE_BLOCK, SCALE_BLOCK) else 1
-    kind = {(1, SCALE_BLOCK): "1x128", (SCALE_BLOCK, SCALE_BLOCK): "128x128", "row": "row"}[block]
+    cols_per_scale = K if block == ROW else SCALE_BLOCK
+    rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
     sx0, sx1 = x.stride()
 
     def outputs():
@@ -138,7 +142,7 @@ def _triton_quantizer(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bo
 
     q0, s0 = outputs()
     plan = QUANTIZE.plan_for(Request(
-        configs.QuantKey(configs.m_bucket(M), K, kind), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
+        configs.QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
         device, None, lambda plan: QUANTIZE.launch(plan, grid(plan), args(x, q0, s0))))
     g = grid(plan)
 
@@ -164,12 +168,12 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2_scale: bool) -
     return scale
 
 
-def _quantize_torch(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool):
+def _quantize_torch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool):
     M, K = x.shape
     x = x.float()
     ax = x.abs()
     ax = torch.where(torch.isnan(ax), float("inf"), ax)  # NaN counts as inf (module docstring)
-    rb, cb = {(1, SCALE_BLOCK): (1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK): (SCALE_BLOCK, SCALE_BLOCK), "row": (1, max(K, 1)), "tensor": (max(M, 1), max(K, 1))}[block]
+    rb, cb = block.rows or max(M, 1), block.cols or max(K, 1)  # None: the whole dimension
     # Zero padding to whole blocks leaves every amax unchanged (|x| >= 0).
     ax = F.pad(ax, (0, (-K) % cb, 0, (-M) % rb))
     amax = einops.reduce(ax, "(mb rb) (kb cb) -> mb kb", "max", rb=rb, cb=cb)
@@ -177,7 +181,7 @@ def _quantize_torch(x: torch.Tensor, block, dtype: torch.dtype, pow2_scale: bool
     full = einops.repeat(scale, "mb kb -> (mb rb) (kb cb)", rb=rb, cb=cb)[:M, :K]
     fmax = fp8_max(dtype)
     q = (x / full).clamp(-fmax, fmax).to(dtype)
-    if block == (1, SCALE_BLOCK):
+    if block == ROW_BLOCKS:
         scale = scale.t().contiguous().t()  # outer-dim-major, as the kernel writes it
     return q, scale.reshape(_scale_shape(block, M, K))
 
@@ -186,7 +190,7 @@ def _check_args(x, block, dtype, pow2_scale, name="x"):
     checks.check_tensor(name, x, ndim=2, dtypes=IN_DTYPES)
     if not isinstance(block, str):
         block = tuple(block) if isinstance(block, (tuple, list)) else block
-    checks.check_choice("block", block, BLOCKS)
+    checks.check_choice("block", block, BLOCK_ARGS)
     if dtype not in checks.FP8_DTYPES:
         raise checks.bad_dtype("dtype", "torch.float8_e4m3fn or torch.float8_e5m2", dtype)
     checks.check_bool("pow2_scale", pow2_scale)
@@ -217,23 +221,20 @@ def _quantize_fp8_route(args):
     block = _check_args(x, block, dtype, pow2_scale)
     checks.check_bool("check_finite", check_finite)
     checks.check_not_differentiable("quantize_fp8", x=x)
-    inner = QUANTIZE_OP.route((x, _BLOCK_NAMES[block], dtype, pow2_scale, check_finite))
+    gran = granularity(block)
+    inner = QUANTIZE_OP.route((x, str(gran), dtype, pow2_scale, check_finite))
 
     def run(x):
         q, scale = inner(x)
-        return q, _scale_view(scale, block)
+        return q, _scale_view(scale, gran)
 
     return run
 
 
-def _scale_view(scale, block):
+def _scale_view(scale, block: Granularity):
     # The registered op returns fresh contiguous tensors (not views); 1x128 scales are stored
     # [kb, M] and handed out as their transpose [M, kb] (outer-dim-major).
-    return scale.t() if block == (1, SCALE_BLOCK) else scale
-
-
-_BLOCK_NAMES = {(1, SCALE_BLOCK): "1x128", (SCALE_BLOCK, SCALE_BLOCK): "128x128", "row": "row", "tensor": "tensor"}
-_BLOCKS_BY_NAME = {v: k for k, v in _BLOCK_NAMES.items()}
+    return scale.t() if block == ROW_BLOCKS else scale
 
 
 def _quantize_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: bool,
@@ -245,14 +246,14 @@ def _quantize_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: 
 
 def _quantize_record(x, block: str, dtype, pow2_scale, check_finite):
     """The registered op's body for x's signature: a callable x -> (q, scale storage)."""
-    block = _BLOCKS_BY_NAME[block]
+    block = Granularity.parse(block)
     M, K = x.shape
     if x.numel() == 0:
         def run(x):
             ones = torch.ones(_scale_shape(block, M, K), device=x.device)
             return torch.empty((M, K), dtype=dtype, device=x.device), _scale_view(ones, block).contiguous()
         return run
-    if INTERPRET or block == "tensor":
+    if INTERPRET or block == TENSOR:
         # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
         # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it. Under the
         # interpreter the kernel gives these bits for finite x (tests/test_blockscaled.py), but
@@ -272,8 +273,9 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite):
 
 def _quantize_fake(x, block, dtype, pow2_scale, check_finite):
     M, K = x.shape
-    shape = _scale_shape(_BLOCKS_BY_NAME[block], M, K)
-    return x.new_empty((M, K), dtype=dtype), x.new_empty(shape[::-1] if block == "1x128" else shape, dtype=torch.float32)
+    gran = Granularity.parse(block)
+    shape = _scale_shape(gran, M, K)
+    return x.new_empty((M, K), dtype=dtype), x.new_empty(shape[::-1] if gran == ROW_BLOCKS else shape, dtype=torch.float32)
 
 
 QUANTIZE_OP = Op("quantize_fp8", _quantize_impl, _quantize_fake, record=_quantize_record, tensors=1)

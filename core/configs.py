@@ -30,7 +30,7 @@ import triton
 
 from . import checks
 from .runtime import cdiv, next_pow2
-from .scaling import COL_BLOCKS, SCALE_BLOCK, Scaling
+from .scaling import BLOCKS, COL_BLOCKS, ROW, SCALE_BLOCK, Granularity, Scaling
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -662,7 +662,7 @@ def list_heuristic(key: ListKey, sms: int) -> triton.Config:
 class QuantKey(NamedTuple):
     m: int
     k: int
-    block: str      # "1x128", "128x128" or "row"
+    block: Granularity  # ROW_BLOCKS (1x128), BLOCKS (128x128) or ROW; str() as the tables name it
 
     def __str__(self):
         return f"m={self.m} k={self.k} {self.block}"
@@ -678,16 +678,16 @@ QUANT_INTERPRET = _qcfg(SCALE_BLOCK, 1)
 
 
 def quant_candidates(key: QuantKey, sms: int) -> list[triton.Config]:
-    if key.block == "128x128":
+    if key.block == BLOCKS:
         return [c for c in QUANT_CONFIGS if c.kwargs["BLOCK_M"] == SCALE_BLOCK]
     return list(QUANT_CONFIGS)
 
 
 def quant_heuristic(key: QuantKey, sms: int) -> triton.Config:
-    if key.block == "128x128":
+    if key.block == BLOCKS:
         return _qcfg(SCALE_BLOCK, 4)
     # Enough programs for every SM (one per BLOCK_M rows and 128 columns), tall tiles otherwise.
-    columns = 1 if key.block == "row" else cdiv(key.k, SCALE_BLOCK)
+    columns = 1 if key.block == ROW else cdiv(key.k, SCALE_BLOCK)
     return _qcfg(32 if cdiv(key.m, 32) * columns >= 2 * sms else 16, 4)
 
 

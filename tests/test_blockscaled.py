@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import onegemm
-from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton
+from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton, granularity
 from onegemm.core import configs, hopper_fp8, launch
 from onegemm.core.configs import (BLOCKSCALED_CONFIGS, WGMMA_MIN_M, WgmmaKey, warp_specialized, wgmma_candidates,
                                   wgmma_cfg, wgmma_heuristic)
@@ -240,8 +240,8 @@ def test_quantize_kernel_matches_torch_path(block, pow2_scale, device):
     arithmetic) bit for bit on a sliced view, under the interpreter too: core/fp8.py's cast
     rounds finite values exactly there."""
     x = make_input((130, 300), device, "sliced")
-    q, scale = _quantize_triton(x, block, E4M3, pow2_scale)
-    q_ref, scale_ref = _quantize_torch(x, block, E4M3, pow2_scale)
+    q, scale = _quantize_triton(x, granularity(block), E4M3, pow2_scale)
+    q_ref, scale_ref = _quantize_torch(x, granularity(block), E4M3, pow2_scale)
     assert torch.equal(scale, scale_ref) and torch.equal(bits(q), bits(q_ref))
 
 
@@ -511,8 +511,8 @@ def test_gpu_quantize_kernel_matches_torch(shape, block, dtype, pow2_scale, devi
     """The fused kernel (autotuned) gives the torch path's fp8 bits and scales exactly."""
     for layout in ["contig", "transposed"]:
         x = make_input(shape, device, layout, dtype=torch.bfloat16)
-        q, scale = _quantize_triton(x, block, dtype, pow2_scale)
-        q_ref, scale_ref = _quantize_torch(x, block, dtype, pow2_scale)
+        q, scale = _quantize_triton(x, granularity(block), dtype, pow2_scale)
+        q_ref, scale_ref = _quantize_torch(x, granularity(block), dtype, pow2_scale)
         assert torch.equal(scale, scale_ref), layout
         mismatch = (bits(q) != bits(q_ref)).sum().item()
         assert mismatch == 0, f"{layout}: {mismatch} of {q.numel()} fp8 values differ"
@@ -523,7 +523,7 @@ def test_gpu_quantize_kernel_non_finite_and_zero(device):
     x = make_input((256, 512), device)
     x[:128, :128] = 0
     x[200, 300] = float("nan")
-    q, scale = _quantize_triton(x, (128, 128), E4M3, False)
+    q, scale = _quantize_triton(x, granularity((128, 128)), E4M3, False)
     assert scale[0, 0].item() == 1.0 and (q[:128, :128].float() == 0).all()
     assert math.isinf(scale[1, 2].item())
     with pytest.raises(ValueError, match="x must be finite"):

@@ -11,7 +11,7 @@ import torch
 import onegemm
 from onegemm.core import configs, launch, scratch, splitk, triton_abi
 from onegemm.core.configs import cfg
-from onegemm.core.scaling import BLOCKWISE, Scaling
+from onegemm.core.scaling import BLOCKWISE, Granularity, Scaling
 from onegemm.core.matmul import MATMUL
 from onegemm.core.tiles import Operand, Scales, Vector
 from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, quantize_fp8_ref
@@ -350,6 +350,8 @@ def _parse_key(key_type, text):
         kind = typing.get_type_hints(key_type)[field]
         if field == "scaling":
             values.append(Scaling.parse(value))
+        elif kind is Granularity:
+            values.append(Granularity.parse(value))
         else:
             values.append(bool(int(value)) if kind is bool else int(value) if kind is int else "" if value == "-" else value)
     return key_type(*values)
