@@ -281,7 +281,8 @@ class Op:
     ``activation`` argument, fused in the epilogue without gradients and applied by torch
     after the GEMM with them (so autograd keeps the pre-activation and the backward needs no
     second forward GEMM). ``differentiable``: the names of the leading tensor arguments
-    whose fp8 dtype rules gradients out.
+    whose fp8 dtype rules gradients out. A cached call's autograd route passes its
+    ``setup_context`` the ``tensors`` leading arguments alone: it may read only those.
     """
 
     def __init__(self, name: str, impl: Callable, fake: Callable, setup_context: Callable | None = None,
@@ -306,15 +307,17 @@ class Op:
             })
 
             # The autograd route of a cached call: its forward runs the record the call's
-            # route made (passed last), not a second signature lookup.
+            # route made (passed last), not a second signature lookup. It takes the leading
+            # tensor arguments alone (what every setup_context reads): each argument of a
+            # Function's apply costs host time.
             def forward_recorded(ctx, *args):
                 *args, run = args
-                out = run(*args[:tensors])
+                out = run(*args)
                 setup_context(ctx, args, out)
                 return out
 
             def backward_recorded(ctx, *grads):
-                return (*backward(ctx, *grads), None)
+                return (*backward(ctx, *grads)[:tensors], None)
 
             self.recorded = type(f"{name}_recorded", (torch.autograd.Function,), {
                 "forward": staticmethod(forward_recorded),
@@ -347,7 +350,9 @@ class Op:
             run = self.record(*args[:n], *rest)  # the checks, before any attribute of a wrong argument is read
             checks.check_differentiable(**dict(zip(self.differentiable, args)))
             recorded = self.recorded.apply
-            apply = lambda *a: recorded(*a, run)  # noqa: E731
+            if act is None:
+                return lambda *t: recorded(*t, run)
+            return lambda *t: apply_activation(recorded(*t, run), act)
         if act is None:
             return lambda *t: apply(*t, *rest)
         return lambda *t: apply_activation(apply(*t, *rest), act)
