@@ -187,7 +187,8 @@ def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids):
     return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
+def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
+                  keep_pre=False):
     """The sort, GEMM1 (gather + SwiGLU), GEMM2 (routing weight, scatter) and the combine:
     their plans and grids made here, once; the callable runs them on a call's tensors.
 
@@ -203,10 +204,18 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     1x128 scales, stored [ceil(I/128), P] (the outer-dim-major layout quantize_fp8 gives, so
     GEMM2's K loop reads them coalesced). ``x_scale``: x is already quantised (fp8 rows with
     their 1x128 scales); nothing is quantised again and the output is bfloat16.
+
+    ``keep_pre`` (16/32-bit experts; moe_ffn's training forward): GEMM1 writes its
+    pre-activation h_pre [P, 2I] (gate | up, sorted rows) in fp32 instead of fusing SwiGLU,
+    SwiGLU runs on those fp32 sums (what the fused epilogue computes), and the callable
+    returns (y, h_pre): the backward keeps h_pre rather than recomputing GEMM1, the largest
+    of the expert GEMMs.
     """
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
     device, dtype = x.device, _out_dtype(x)
     if P == 0:
+        if keep_pre:
+            return lambda x, *rest: (torch.zeros_like(x), x.new_empty((0, 2 * I), dtype=torch.float32))
         return lambda x, *rest: torch.zeros_like(x, dtype=dtype)
     fp8 = w_gate_up_scale is not None
     sort = _sorter(topk_ids, E)
@@ -230,8 +239,12 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     y_pairs = empty((T * k, H), dtype=dtype, device=device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
-    gemm1 = _expert_launch(a1, w_gate_up, h, offs, a_rows=token, swiglu=True, scales=s1,
-                           **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
+    if keep_pre:
+        gemm1 = _expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), offs,
+                               a_rows=token)
+    else:
+        gemm1 = _expert_launch(a1, w_gate_up, h, offs, a_rows=token, swiglu=True, scales=s1,
+                               **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
     gemm2 = _expert_launch(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, scales=s2,
                            **(dict(scaling=BLOCKWISE) if fp8 else {}))
 
@@ -242,11 +255,17 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         if quantize is not None:
             x, xs = quantize(x)
         s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
-        gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h, x, w_gate_up, offs, token, None, None, s1))
+        if keep_pre:
+            h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
+            gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h_pre, x, w_gate_up, offs, token, None, None, s1))
+            h = (F.silu(h_pre[:, :I]) * h_pre[:, I:]).to(h_dtype)
+        else:
+            gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h, x, w_gate_up, offs, token, None, None, s1))
         y_pairs = empty((T * k, H), dtype=dtype, device=device)
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         gemm2.launcher.launch(gemm2.plan, gemm2.grid, gemm2.build(y_pairs, h, w_down, offs, None, pair, weights, s2))
-        return y_pairs.view(T, k, H).sum(dim=1)
+        y = y_pairs.view(T, k, H).sum(dim=1)
+        return (y, h_pre) if keep_pre else y
 
     return run
 
@@ -393,34 +412,10 @@ def _moe_train_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
 
 
 def _moe_train_record(x, w_gate_up, w_down, topk_weights, topk_ids):
-    """moe_ffn's forward when it records gradients -> (y, h_pre): GEMM1 writes its
-    pre-activation h_pre [P, 2I] (gate | up, rows sorted by expert) in fp32, which the backward
-    keeps instead of recomputing GEMM1 (the largest of the expert GEMMs); SwiGLU then runs on
-    it (on the fp32 sums, as the fused epilogue does), GEMM2 and the combine as in
-    ``_moe_pipeline``."""
+    """moe_ffn's forward when it records gradients -> (y, h_pre): ``_moe_pipeline`` keeping
+    GEMM1's fp32 pre-activation for the backward."""
     _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
-    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
-    device, dtype = x.device, x.dtype
-    if P == 0:
-        return lambda x, *rest: (torch.zeros_like(x), x.new_empty((0, 2 * I), dtype=torch.float32))
-    sort = _sorter(topk_ids, E)
-    pair, token, offs = sort(topk_ids)
-    h_pre, h = empty((P, 2 * I), dtype=torch.float32, device=device), empty((P, I), dtype=dtype, device=device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    gemm1 = _expert_launch(x, w_gate_up, h_pre, offs, a_rows=token)
-    gemm2 = _expert_launch(h, w_down, empty((T * k, H), dtype=dtype, device=device), offs, c_rows=pair, weight=weights)
-
-    def run(x, w_gate_up, w_down, topk_weights, topk_ids):
-        pair, token, offs = sort(topk_ids)
-        h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
-        gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h_pre, x, w_gate_up, offs, token, None, None, NO_SCALES))
-        h = (F.silu(h_pre[:, :I]) * h_pre[:, I:]).to(dtype)
-        y_pairs = empty((T * k, H), dtype=dtype, device=device)
-        weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        gemm2.launcher.launch(gemm2.plan, gemm2.grid, gemm2.build(y_pairs, h, w_down, offs, None, pair, weights, NO_SCALES))
-        return y_pairs.view(T, k, H).sum(dim=1), h_pre
-
-    return run
+    return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, keep_pre=True)
 
 
 def _moe_train_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
