@@ -133,14 +133,15 @@ def train(model, steps, batch, d, teacher, device, seed):
     return losses, (half[len(half) // 2] if half else math.nan)
 
 
+def mlp(d, device):
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)).to(device, torch.bfloat16)
+
+
 def measure_fp8_training(d, steps, batch, device):
+    """bf16 against onegemm.fp8_training over ``steps`` steps: final losses and step times."""
     torch.manual_seed(0)
-
-    def mlp():
-        return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)).to(device, torch.bfloat16)
-
-    teacher = mlp()
-    bf16 = mlp()
+    teacher = mlp(d, device)
+    bf16 = mlp(d, device)
     fp8 = onegemm.fp8_training(copy.deepcopy(bf16))
     fp8_losses, fp8_ms = train(fp8, steps, batch, d, teacher, device, seed=1)
     bf16_losses, bf16_ms = train(bf16, steps, batch, d, teacher, device, seed=1)
@@ -151,6 +152,41 @@ def measure_fp8_training(d, steps, batch, device):
                fp8_step_ms=fp8_ms, fp8_speedup=bf16_ms / fp8_ms)
     print(row, flush=True)
     return row, bf16_losses, fp8_losses
+
+
+def torchao_recipes():
+    """torchao's float8 training conversions by recipe name, or {} where torchao is missing
+    (its C++ extensions are not needed: TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        print(f"torchao not importable ({e}): its columns are left out", flush=True)
+        return {}
+    return {name: (lambda m, name=name: convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(name)))
+            for name in ("tensorwise", "rowwise")}
+
+
+def measure_fp8_speed(d, batch, steps, device):
+    """Step ms (forward, backward, AdamW) of the same MLP in bf16, onegemm.fp8_training and
+    torchao's float8 recipes, eager and under torch.compile (the model compiled), in one run."""
+    torch.manual_seed(0)
+    teacher = mlp(d, device)
+    base = mlp(d, device)
+    variants = {"bf16": lambda m: m, "onegemm_fp8": onegemm.fp8_training}
+    variants.update({f"torchao_{name}": fn for name, fn in torchao_recipes().items()})
+    row = dict(tokens=batch)
+    for name, convert in variants.items():
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            model = convert(copy.deepcopy(base))
+            _, ms = train(torch.compile(model) if compiled else model, steps, batch, d, teacher, device, seed=1)
+            row[f"{name}{'_compiled' if compiled else ''}_ms"] = ms
+            print(name, "compiled" if compiled else "eager", batch, ms, flush=True)
+    for mode in ("", "_compiled"):
+        row[f"onegemm_vs_bf16{mode}"] = row[f"bf16{mode}_ms"] / row[f"onegemm_fp8{mode}_ms"]
+        if f"torchao_rowwise{mode}_ms" in row:
+            row[f"onegemm_vs_torchao_rowwise{mode}"] = row[f"torchao_rowwise{mode}_ms"] / row[f"onegemm_fp8{mode}_ms"]
+    return row
 
 
 def measure_host(device):
@@ -176,7 +212,8 @@ def measure_host(device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU interpreter: run every path once, write nothing")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="training steps of the loss comparison")
+    parser.add_argument("--speed-steps", type=int, default=40, help="steps per variant of the step-time matrix")
     args = parser.parse_args()
     quick = args.quick
     device = "cpu" if quick else "cuda"
@@ -190,10 +227,12 @@ def main():
     gemm_rows = measure_linear(QUICK["linear"] if quick else LINEAR_SHAPES, device, timer)
     gemm_rows += measure_moe(QUICK["moe"] if quick else MOE_SHAPES, device, timer)
     d, steps, batches = (QUICK["mlp"][0], QUICK["mlp"][1], [QUICK["mlp"][2]]) if quick else (4096, args.steps, [8192, 16384])
-    train_rows = []
+    train_rows, speed_rows = [], []
     for batch in batches:
         train_row, bf16_losses, fp8_losses = measure_fp8_training(d, steps, batch, device)
         train_rows.append(train_row)
+        if not quick:
+            speed_rows.append(measure_fp8_speed(d, batch, args.speed_steps, device))
     if quick:
         assert all(math.isfinite(x) for x in bf16_losses + fp8_losses)
         print("quick: every path ran; no files written")
@@ -218,6 +257,17 @@ def main():
     )
     text += markdown_table(train_rows) + "\n"
     text += "![loss curves](fp8_training.png)\n\n"
+    text += (
+        "### Step time against bf16 and torchao, eager and compiled\n\n"
+        f"ms per step (median of the second half of {args.speed_steps} steps) of the same MLP: bf16 nn.Linear, "
+        "onegemm.fp8_training, torchao 0.18's float8 training (tensorwise and rowwise recipes); `_compiled`: "
+        "the model under torch.compile. Ratios: the peer's time / onegemm's (> 1: onegemm faster). Targets: "
+        ">= 1.4x bf16 eager and compiled; >= 1.15x torchao rowwise compiled; 16384 tokens <= 2.1x the time "
+        "of 8192.\n\n" + markdown_table(speed_rows) + "\n"
+    )
+    if len(speed_rows) == 2:
+        text += (f"Time for 16384 tokens / 8192 (onegemm fp8, eager): "
+                 f"{speed_rows[1]['onegemm_fp8_ms'] / speed_rows[0]['onegemm_fp8_ms']:.2f}.\n\n")
     text += "## Eager host time of one call (us), M = 16, 4096 x 4096 bf16\n\n" + markdown_table(host_rows) + "\n"
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_autograd.py regenerates everything else. -->\n\n")
@@ -230,9 +280,12 @@ def main():
              peer="torch._grouped_mm forward+backward, GPU time (Qwen3-30B-A3B and Mixtral gate_up)"),
         dict(name="moe_ffn_fwd_bwd_vs_torch", value=by_op("moe_ffn"),
              peer="the torch MoE on torch._grouped_mm forward+backward, GPU time (Qwen3 T=8192, Mixtral T=4096)"),
-        dict(name="fp8_mlp_train_vs_bf16", value=geomean([r["fp8_speedup"] for r in train_rows]),
+        dict(name="fp8_mlp_train_vs_bf16", value=geomean([r["onegemm_vs_bf16"] for r in speed_rows]),
              peer="bf16 nn.Linear MLP 4096->16384->4096 training step, eager (8192 and 16384 tokens)"),
-    ])
+    ] + ([dict(name="fp8_mlp_train_vs_torchao_rowwise_compiled",
+               value=geomean([r["onegemm_vs_torchao_rowwise_compiled"] for r in speed_rows]),
+               peer="torchao 0.18 float8 rowwise training, both models under torch.compile (8192 and 16384 tokens)")]
+         if all("onegemm_vs_torchao_rowwise_compiled" in r for r in speed_rows) else []))
 
 
 def plot_losses(bf16_losses, fp8_losses):

@@ -10,24 +10,27 @@ import torch
 from torch import nn
 
 from ..core import checks
-from ..core.dispatch import Cached, Op, first_order_only
+from ..core.dispatch import Cached, Op, first_order_only, wants_grad
 from ..core.runtime import cdiv
 from ..core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from .matmul import run_blockscaled, scaled_record
-from .quantize import QUANTIZE_OP, _scale_view, quantize_fp8
+from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, _transposed_empty, quantize_fp8
 
 
-def _quantize(x, block):
-    """quantize_fp8 for the layer's own tensors (which may require grad: the layer's GEMMs
-    are where their gradient comes from, not the quantiser)."""
-    q, scale = QUANTIZE_OP.impl(x, str(block), torch.float8_e4m3fn, False, False)
-    return q, _scale_view(scale, block)
+E4M3 = torch.float8_e4m3fn
+
+
+def _quantizer(x, block, transposed=False):
+    """The registered quantiser's record for x's signature: x -> (q, scale storage[, q_t,
+    scale_t storage]) (blockscaled/quantize.py; 1x128 scales stored [kb, rows])."""
+    return (QUANTIZE_T_OP if transposed else QUANTIZE_OP).direct.route((x, str(block), E4M3, False, False))
 
 
 def _fp8_linear_impl(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
     """y = x @ W.T + bias in FP8: x [M, K] quantised 1x128; W [N, K] either fp8 with its
-    128x128 ``weight_scale`` or high precision (quantised 128x128 here, trainable layers)."""
+    128x128 ``weight_scale`` or high precision (quantised 128x128 here: a trainable layer
+    without gradients)."""
     return FP8_LINEAR.direct(x, weight, weight_scale, bias)
 
 
@@ -36,10 +39,10 @@ def _fp8_linear_record(x, weight, weight_scale, bias):
     for a high-precision W) and the GEMM's, one callable. b = W.t(): K-major, the fast layout
     for Hopper's fp8 MMA; its 128x128 scale [kb, nb] is then weight_scale.t(), torch._scaled_mm's
     layout too."""
-    quantize_x = QUANTIZE_OP.direct.route((x, str(ROW_BLOCKS), torch.float8_e4m3fn, False, False))
+    quantize_x = _quantizer(x, ROW_BLOCKS)
     quantize_w = None
-    if weight.dtype != torch.float8_e4m3fn:
-        quantize_w = QUANTIZE_OP.direct.route((weight, str(BLOCKS), torch.float8_e4m3fn, False, False))
+    if weight.dtype != E4M3:
+        quantize_w = _quantizer(weight, BLOCKS)
         weight, weight_scale = quantize_w(weight)
     q, scale = quantize_x(x)
     gemm = scaled_record(q, weight.t(), scale.t(), weight_scale.t(), BLOCKWISE, x.dtype, bias)
@@ -63,41 +66,114 @@ def _fp8_linear_setup(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
+def _bias_grad(ctx, dy, index):
+    """The bias's gradient if input ``index`` (the bias) needs one (a cached call's Function
+    has one more input after it: the record)."""
+    return dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[index] else None
+
+
 def _fp8_linear_backward(ctx, dy):
+    """The registered op's gradients: a frozen layer's dx (its fp8 W, transposed once here for
+    the K-major dgrad), or a direct call's on a high-precision W (quantised again)."""
     x, weight, weight_scale = ctx.saved_tensors
-    dx, dw = FP8_LINEAR_BACKWARD(dy, x, weight, weight_scale, ctx.needs_input_grad[1])
-    dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[3] else None
-    return dx, (dw if ctx.needs_input_grad[1] else None), None, dbias
+    need_x, need_w = ctx.needs_input_grad[:2]
+    q_xt = s_xt = None
+    if weight.dtype == E4M3:
+        q_wt, s_w = _transposed_empty(*weight.t().shape, E4M3, weight.device).copy_(weight.t()), weight_scale
+    else:  # the registered quantiser (under torch.compile too)
+        _, s_w, q_wt, _ = QUANTIZE_T_OP(weight, str(BLOCKS), E4M3, False, False)
+    if need_w:
+        _, _, q_xt, s_xt = QUANTIZE_T_OP(x, str(ROW_BLOCKS), E4M3, False, False)
+    dx, dw = FP8_LINEAR_BACKWARD(dy, q_wt if need_x else None, s_w, q_xt, s_xt, weight.dtype)
+    return (dx if need_x else None), (dw if need_w else None), None, _bias_grad(ctx, dy, 3)
 
 
-def _fp8_linear_backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                              weight_scale: Optional[torch.Tensor], need_weight: bool
+def _fp8_linear_train_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A trainable layer's forward when it records gradients -> (y, q_xt, s_xt, q_wt, s_w):
+    y as ``_fp8_linear_impl``, and what the backward's GEMMs read, made by the forward's own
+    quantiser passes (each one read of x and of W writes both layouts): x.t() quantised 1x128
+    along the tokens (q_xt [K, M], its scale stored [ceil(M/128), K]), W.t() in fp8 (q_wt
+    [K, N]) and W's 128x128 scale s_w [ceil(N/128), ceil(K/128)], which also serves W.t()."""
+    return FP8_LINEAR_TRAIN.direct(x, weight, bias)
+
+
+def _fp8_linear_train_record(x, weight, bias):
+    quantize_x = _quantizer(x, ROW_BLOCKS, transposed=True)
+    quantize_w = _quantizer(weight, BLOCKS, transposed=True)
+    q_w, s_w, _, _ = quantize_w(weight)
+    q, s, _, _ = quantize_x(x)
+    gemm = scaled_record(q, q_w.t(), s.t(), s_w.t(), BLOCKWISE, x.dtype, bias)
+
+    def run(x, weight, bias):
+        q_w, s_w, q_wt, _ = quantize_w(weight)  # W.t()'s 128x128 scale is s_w.t(): not kept
+        q, s, q_xt, s_xt = quantize_x(x)
+        return gemm(q, q_w.t(), s.t(), s_w.t(), bias), q_xt, s_xt, q_wt, s_w
+
+    return run
+
+
+def _fp8_linear_train_fake(x, weight, bias):
+    (M, K), N = x.shape, weight.shape[0]
+    return (x.new_empty((M, N)), _transposed_empty(K, M, E4M3, None, x),
+            x.new_empty((cdiv(M, SCALE_BLOCK), K), dtype=torch.float32), _transposed_empty(K, N, E4M3, None, x),
+            x.new_empty((cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)), dtype=torch.float32))
+
+
+def _fp8_linear_train_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.weight_dtype = weight.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _fp8_linear_train_backward(ctx, dy, *_):
+    q_xt, s_xt, q_wt, s_w = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = FP8_LINEAR_BACKWARD(dy, q_wt if need_x else None, s_w, q_xt if need_w else None, s_xt, ctx.weight_dtype)
+    return (dx if need_x else None), (dw if need_w else None), _bias_grad(ctx, dy, 2)
+
+
+def _fp8_linear_backward_impl(dy: torch.Tensor, q_wt: Optional[torch.Tensor], s_w: torch.Tensor,
+                              q_xt: Optional[torch.Tensor], s_xt: Optional[torch.Tensor], weight_dtype: torch.dtype
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW) in FP8, the DeepSeek-V3 recipe: each GEMM's operands quantised along its own
-    reduction dim. dgrad dx = dy @ W: dy 1x128 along N, W 128x128. wgrad dW = dy^T @ x: both
-    1x128 along the tokens M (dy^T and x^T quantised per row); an empty dW when not needed.
-    A registered op of its own, so torch.compile traces the backward as one call."""
+    reduction dim, every operand K-major (the layout of the Gluon body's fp8 wgmma). dy [M, N]
+    is read once for both GEMMs' operands.
+    dgrad dx = dy @ W (when q_wt is given): dy 1x128 along N; b = W as [N, K] read K-major from
+      q_wt = W.t() in fp8 [K, N], whose 128x128 scale is W's own s_w [ceil(N/128), ceil(K/128)].
+    wgrad dW = dy^T @ x (when q_xt is given), in weight_dtype: dy.t() and x.t() both quantised
+      1x128 along the tokens M: a = dy.t() [N, M]; b = x [M, K] read K-major from q_xt [K, M],
+      its scale s_xt stored [ceil(M/128), K] (128x1 blocks of b).
+    An empty tensor stands for a gradient not asked for. A registered op of its own, so
+    torch.compile traces the backward as one call."""
     dy = dy.contiguous()
-    q_w, s_w = (weight, weight_scale) if weight.dtype == torch.float8_e4m3fn else _quantize(weight, BLOCKS)
-    q_dy, s_dy = _quantize(dy, ROW_BLOCKS)
-    # b = W [N, K] as [reduction N, output K]: its scale [nb, kb] is 128x128 as stored.
-    dx = run_blockscaled(q_dy, q_w, s_dy, s_w, BLOCKWISE, x.dtype)
-    if not need_weight:
-        return dx, x.new_empty(0)
-    q_dyt, s_dyt = _quantize(dy.t(), ROW_BLOCKS)  # [N, M], scales along M
-    q_xt, s_xt = _quantize(x.t(), ROW_BLOCKS)  # [K, M], scales along M
-    # b = (x^T)^T = x [M, K], read K-major; its scale [K, mb] transposed is 128x1.
-    return dx, run_blockscaled(q_dyt, q_xt.t(), s_dyt, s_xt.t(), Scaling(ROW_BLOCKS, COL_BLOCKS), weight.dtype)
+    dx = dw = dy.new_empty(0)
+    if q_xt is None:
+        q_dy, s_dy = _quantizer(dy, ROW_BLOCKS)(dy)
+    else:
+        q_dy, s_dy, q_dyt, s_dyt = _quantizer(dy, ROW_BLOCKS, transposed=True)(dy)
+        dw = run_blockscaled(q_dyt, q_xt.t(), s_dyt.t(), s_xt, Scaling(ROW_BLOCKS, COL_BLOCKS), weight_dtype)
+    if q_wt is not None:
+        dx = run_blockscaled(q_dy, q_wt.t(), s_dy.t(), s_w, BLOCKWISE, dy.dtype)
+    return dx, dw
 
 
-def _fp8_linear_backward_fake(dy, x, weight, weight_scale, need_weight):
-    return torch.empty_like(x), (torch.empty_like(weight) if need_weight else x.new_empty(0))
+def _fp8_linear_backward_fake(dy, q_wt, s_w, q_xt, s_xt, weight_dtype):
+    M, N = dy.shape
+    dx = dy.new_empty(0) if q_wt is None else dy.new_empty((M, q_wt.shape[0]))
+    dw = dy.new_empty(0) if q_xt is None else dy.new_empty((N, q_xt.shape[0]), dtype=weight_dtype)
+    return dx, dw
 
 
 FP8_LINEAR_BACKWARD = Op("fp8_linear_backward", _fp8_linear_backward_impl, _fp8_linear_backward_fake)
 # The backward quantises dy and runs FP8 GEMMs: no second derivative, and an error says so.
 FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup,
                 first_order_only(_fp8_linear_backward, "Fp8Linear"), record=_fp8_linear_record, tensors=4)
+FP8_LINEAR_TRAIN = Op("fp8_linear_train", _fp8_linear_train_impl, _fp8_linear_train_fake, _fp8_linear_train_setup,
+                      first_order_only(_fp8_linear_train_backward, "Fp8Linear"), record=_fp8_linear_train_record,
+                      tensors=3)
 
 
 class Fp8Linear(nn.Module):
@@ -240,7 +316,11 @@ def _forward_route(args):
                                f"{bias.dtype} {tuple(bias.shape)}")
     checks.check_same_device(x=x, weight=w, weight_scale=s, bias=bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
-    inner = FP8_LINEAR.call.route((x2, w, s, bias))
+    if trainable and wants_grad(x, w, bias):  # the training forward keeps what the backward reads
+        train = FP8_LINEAR_TRAIN.call.route((x2, w, bias))
+        inner = lambda x, w, s, bias: train(x, w, bias)[0]  # noqa: E731
+    else:
+        inner = FP8_LINEAR.call.route((x2, w, s, bias))
     if x.dim() == 2:
         return inner
     shape = (*x.shape[:-1], out_features)

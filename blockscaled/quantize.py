@@ -36,6 +36,7 @@ from ..core.scaling import BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granula
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
 FLT_MIN = torch.finfo(torch.float32).tiny
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -94,7 +95,55 @@ def quantize_kernel(
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
 
 
+@triton.jit
+def quantize_pair_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+    stride_xm, stride_xk, stride_qm, stride_sm, stride_sk, stride_tk, stride_stk, stride_stm,
+    POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """x's 1x128 quantisation and x.t()'s, from one read of x (quantize_fp8(x, transposed=True)).
+
+    x_ptr [M, K] (fp32/bf16/fp16, any strides). q_ptr [M, K] fp8 (column stride 1) with its
+    scales s_ptr [M, ceil(K/128)]; qt_ptr [K, M] fp8 (column stride 1): x.t()'s blocks run
+    along x's rows, so each of its scales st_ptr [K, ceil(M/128)] belongs to one column of x
+    and 128 of its rows.
+    Grid: (cdiv(M, 128), cdiv(K, 128)); program (pm, pk) owns x's 128x128 block (pm, pk) and
+    walks it BLOCK_M rows at a time (the whole block in registers spills). Pass 1: each
+    column's amax over the block (x.t()'s scales). Pass 2, per BLOCK_M rows (again from
+    L1/L2): their own amax and scale, both casts and both stores.
+    """
+    SCALE: tl.constexpr = _SCALE_BLOCK
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    cols = pk * SCALE + tl.arange(0, SCALE)
+    mask_k = cols < K
+    x_cols = x_ptr + cols.to(tl.int64)[None, :] * stride_xk
+    dtype = q_ptr.dtype.element_ty
+
+    col_amax = tl.zeros((SCALE,), dtype=tl.float32)
+    for r0 in range(0, SCALE, BLOCK_M):
+        rows = pm * SCALE + r0 + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & mask_k[None, :]
+        x = tl.load(x_cols + rows.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
+        col_amax = tl.maximum(col_amax, tl.max(amax_input(x), axis=0))
+    col_scale = fp8_scale(col_amax, dtype, POW2)
+    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pm * stride_stm, col_scale, mask=mask_k)
+
+    for r0 in range(0, SCALE, BLOCK_M):
+        rows = pm * SCALE + r0 + tl.arange(0, BLOCK_M)
+        mask_m = rows < M
+        mask = mask_m[:, None] & mask_k[None, :]
+        x = tl.load(x_cols + rows.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
+        scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype, POW2)
+        tl.store(s_ptr + rows.to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=mask_m)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], fp8_cast(x, scale[:, None], dtype),
+                 mask=mask)
+        q_t = tl.trans(fp8_cast(x, col_scale[None, :], dtype))  # [128 columns of x, BLOCK_M rows]
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_tk + rows[None, :], q_t, mask=tl.trans(mask))
+
+
 QUANTIZE = Launcher(quantize_kernel, "quantize")
+QUANTIZE_PAIR = Launcher(quantize_pair_kernel, "quantize_pair")
 
 
 def granularity(block) -> Granularity:
@@ -107,49 +156,100 @@ def _scale_shape(block: Granularity, M: int, K: int) -> tuple:
     return {ROW_BLOCKS: (M, kb), BLOCKS: (mb, kb), ROW: (M, 1), TENSOR: ()}[block]
 
 
-def _quantize_triton(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool):
-    """The fused kernel for 1x128, 128x128 and row scales; returns (q, scale)."""
-    return _triton_quantizer(x, block, dtype, pow2_scale)(x)
+def _quantize_triton(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool,
+                     transposed: bool = False):
+    """The fused kernel for 1x128, 128x128 and row scales; returns (q, scale), and with
+    ``transposed`` (blocks only) (q_t, scale_t) of x.t() after them."""
+    return _triton_quantizer(x, block, dtype, pow2_scale, transposed)(x)
 
 
-def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool):
-    """``_quantize_triton`` as a callable x -> (q, scale) for inputs of x's signature (the
-    plan, grid and strides fixed): what a record keeps."""
+def _scale_storage(block: Granularity, M: int, K: int, device):
+    """An empty scale of x [M, K] in the layout the kernel writes: 1x128 outer-dim-major (a
+    transposed [kb, M], torch._scaled_mm's scale_a layout; the GEMM's K loop then loads
+    BLOCK_M consecutive scales, coalesced), the others row-major."""
+    shape = _scale_shape(block, M, K)
+    if block == ROW_BLOCKS:
+        return empty(shape[::-1], dtype=torch.float32, device=device).t()
+    return empty(shape, dtype=torch.float32, device=device)
+
+
+def _transposed_empty(K: int, M: int, dtype: torch.dtype, device, fake_like=None):
+    """q_t [K, M] with rows padded to a multiple of 16 bytes (a [K, M] view of [K, M rounded up
+    to 16]): a GEMM reads it K-major through TMA, which needs 16-byte aligned rows, whatever
+    the token count M. ``fake_like``: a fake tensor to allocate like (torch.compile)."""
+    rows = (K, cdiv(M, 16) * 16)
+    full = fake_like.new_empty(rows, dtype=dtype) if fake_like is not None else empty(rows, dtype=dtype, device=device)
+    return full[:, :M]
+
+
+def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool,
+                      transposed: bool = False, padded: bool = False):
+    """``_quantize_triton`` as a callable x -> (q, scale[, q_t, scale_t]) for inputs of x's
+    signature (the plan, grid and strides fixed): what a record keeps. ``transposed``: 1x128
+    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed,
+    so x.t() gets a second pass of this kernel (a copy of q.t() in torch reads and writes
+    single bytes: several times slower). ``padded``: q's rows padded as ``_transposed_empty``."""
+    if transposed:
+        if block == ROW_BLOCKS:
+            return _pair_quantizer(x, dtype, pow2_scale)
+        direct, of_t = _triton_quantizer(x, block, dtype, pow2_scale), _triton_quantizer(x.t(), block, dtype, pow2_scale,
+                                                                                          padded=True)
+        return lambda x: (*direct(x), *of_t(x.t()))
     M, K = x.shape
     device = x.device
-    kb = cdiv(K, SCALE_BLOCK)
-    # 1x128: [M, kb] stored outer-dim-major (a transposed [kb, M]): the layout
-    # torch._scaled_mm's blockwise mode wants for scale_a, and the GEMM's K loop then loads
-    # BLOCK_M consecutive scales (coalesced) per K block.
-    outer = block == ROW_BLOCKS
-    shape = _scale_shape(block, M, K)
-    s_strides = (1, M) if outer else (shape[1], 1)
     cols_per_scale = K if block == ROW else SCALE_BLOCK
     rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
-    sx0, sx1 = x.stride()
 
     def outputs():
-        q = empty((M, K), dtype=dtype, device=device)
-        scale = empty((kb, M), dtype=torch.float32, device=device).t() if outer else \
-            empty(shape, dtype=torch.float32, device=device)
-        return q, scale
+        q = _transposed_empty(M, K, dtype, device) if padded else empty((M, K), dtype=dtype, device=device)
+        return q, _scale_storage(block, M, K, device)
+
+    out0 = outputs()
+    strides = (*x.stride(), *out0[0].stride(), *out0[1].stride())
 
     def args(x, q, scale):
-        return (x, q, scale, M, K, cols_per_scale, sx0, sx1, K, 1, *s_strides)
+        return (x, q, scale, M, K, cols_per_scale, *strides)
 
     def grid(plan):
         return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
 
-    q0, s0 = outputs()
     plan = QUANTIZE.plan_for(Request(
         configs.QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
-        device, None, lambda plan: QUANTIZE.launch(plan, grid(plan), args(x, q0, s0))))
+        device, None, lambda plan: QUANTIZE.launch(plan, grid(plan), args(x, *out0))))
     g = grid(plan)
 
     def run(x):
-        q, scale = outputs()
-        QUANTIZE.launch(plan, g, args(x, q, scale))
-        return q, scale
+        out = outputs()
+        QUANTIZE.launch(plan, g, args(x, *out))
+        return out
+
+    return run
+
+
+def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
+    """quantize_pair_kernel's call for x's signature: x -> (q, scale, q_t, scale_t), 1x128."""
+    M, K = x.shape
+    device = x.device
+
+    def outputs():
+        return (empty((M, K), dtype=dtype, device=device), _scale_storage(ROW_BLOCKS, M, K, device),
+                _transposed_empty(K, M, dtype, device), _scale_storage(ROW_BLOCKS, K, M, device))
+
+    out0 = outputs()
+    strides = (*x.stride(), K, *out0[1].stride(), out0[2].stride(0), *out0[3].stride())
+    grid = (cdiv(M, SCALE_BLOCK), cdiv(K, SCALE_BLOCK))
+
+    def args(x, q, scale, q_t, scale_t):
+        return (x, q, scale, q_t, scale_t, M, K, *strides)
+
+    plan = QUANTIZE_PAIR.plan_for(Request(
+        configs.QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale), device, None,
+        lambda plan: QUANTIZE_PAIR.launch(plan, grid, args(x, *out0))))
+
+    def run(x):
+        out = outputs()
+        QUANTIZE_PAIR.launch(plan, grid, args(x, *out))
+        return out
 
     return run
 
@@ -180,7 +280,7 @@ def _quantize_torch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow
     scale = _scale_from_amax(amax, dtype, pow2_scale)
     full = einops.repeat(scale, "mb kb -> (mb rb) (kb cb)", rb=rb, cb=cb)[:M, :K]
     fmax = fp8_max(dtype)
-    q = (x / full).clamp(-fmax, fmax).to(dtype)
+    q = (x / full).clamp(-fmax, fmax).to(dtype).contiguous()  # row-major, as the kernel writes it, for any x
     if block == ROW_BLOCKS:
         scale = scale.t().contiguous().t()  # outer-dim-major, as the kernel writes it
     return q, scale.reshape(_scale_shape(block, M, K))
@@ -197,7 +297,8 @@ def _check_args(x, block, dtype, pow2_scale, name="x"):
     return block
 
 
-def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False, check_finite=False):
+def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False, check_finite=False,
+                 transposed=False):
     """Quantise x [M, K] to fp8 with fp32 scales: x ~= q.float() * scale per block.
 
     block: (1, 128) -> scale [M, ceil(K/128)] (stored outer-dim-major on the GPU, the layout
@@ -205,6 +306,12 @@ def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_s
         "row" -> [M, 1]; "tensor" -> 0-dim.
     dtype: torch.float8_e4m3fn (max 448) or torch.float8_e5m2 (max 57344); values saturate there.
     pow2_scale: round each scale up to a power of two (exact rescaling), quantising with it.
+    transposed: also quantise x.t() from the same read of x, and return (q, scale, q_t,
+        scale_t), where (q_t, scale_t) are quantize_fp8(x.t(), block) bit for bit: q_t [K, M]
+        row-major, its rows padded to a multiple of 16 bytes (the alignment TMA needs, so a
+        GEMM can read it whatever M is). With (1, 128) blocks x.t()'s run along M (what a weight-gradient GEMM
+        dY^T @ X reduces over); (128, 128) blocks are the same blocks transposed, so scale_t
+        is scale.t(). Block scales only.
     An all-zero block gets scale 1.0 and zeros. A block holding NaN or inf gets an inf scale,
     so it dequantises to NaN (never to finite values); nothing is read back to the host, so
     the call can be captured in a CUDA graph. check_finite=True reads the scales back (a
@@ -212,21 +319,25 @@ def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_s
     On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
     Traceable by torch.compile. Not differentiable: an x that requires grad is an error.
     """
-    return QUANTIZE_FP8(x, block, dtype, pow2_scale, check_finite)
+    return QUANTIZE_FP8(x, block, dtype, pow2_scale, check_finite, transposed)
 
 
 def _quantize_fp8_route(args):
     """quantize_fp8's checks, then the registered op's route (core/dispatch.py)."""
-    x, block, dtype, pow2_scale, check_finite = args
+    x, block, dtype, pow2_scale, check_finite, transposed = args
     block = _check_args(x, block, dtype, pow2_scale)
     checks.check_bool("check_finite", check_finite)
+    checks.check_bool("transposed", transposed)
     checks.check_not_differentiable("quantize_fp8", x=x)
     gran = granularity(block)
-    inner = QUANTIZE_OP.route((x, str(gran), dtype, pow2_scale, check_finite))
+    if transposed and gran not in (ROW_BLOCKS, BLOCKS):
+        raise checks.bad_value("transposed", "False for block 'row' or 'tensor' (x.t()'s scales would each "
+                               "span a whole column of x)", transposed)
+    op = QUANTIZE_T_OP if transposed else QUANTIZE_OP
+    inner = op.route((x, str(gran), dtype, pow2_scale, check_finite))
 
     def run(x):
-        q, scale = inner(x)
-        return q, _scale_view(scale, gran)
+        return tuple(_scale_view(t, gran) if i % 2 else t for i, t in enumerate(inner(x)))
 
     return run
 
@@ -244,39 +355,61 @@ def _quantize_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: 
     return QUANTIZE_OP.direct(x, block, dtype, pow2_scale, check_finite)
 
 
-def _quantize_record(x, block: str, dtype, pow2_scale, check_finite):
-    """The registered op's body for x's signature: a callable x -> (q, scale storage)."""
+def _quantize_t_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: bool,
+                     check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_quantize_impl`` of x and of x.t() in one pass: (q, scale, q_t, scale_t), scales as stored."""
+    return QUANTIZE_T_OP.direct(x, block, dtype, pow2_scale, check_finite)
+
+
+def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, transposed=False):
+    """The registered op's body for x's signature: a callable x -> (q, scale storage), with
+    ``transposed`` followed by x.t()'s (q_t, scale_t storage)."""
     block = Granularity.parse(block)
     M, K = x.shape
     if x.numel() == 0:
         def run(x):
-            ones = torch.ones(_scale_shape(block, M, K), device=x.device)
-            return torch.empty((M, K), dtype=dtype, device=x.device), _scale_view(ones, block).contiguous()
+            out = ()
+            for i, (m, k) in enumerate(((M, K), (K, M))[:1 + transposed]):
+                ones = torch.ones(_scale_shape(block, m, k), device=x.device)
+                q = _transposed_empty(m, k, dtype, x.device) if i else torch.empty((m, k), dtype=dtype, device=x.device)
+                out += (q, _scale_view(ones, block).contiguous())
+            return out
         return run
     if INTERPRET or block == TENSOR:
         # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
         # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it. Under the
         # interpreter the kernel gives these bits for finite x (tests/test_blockscaled.py), but
         # its fp8 cast turns the NaN of a non-finite block into 384, a finite value.
-        quantize = lambda x: _quantize_torch(x, block, dtype, pow2_scale)  # noqa: E731
+        def quantize(x):
+            out = _quantize_torch(x, block, dtype, pow2_scale)
+            if not transposed:
+                return out
+            q_t, scale_t = _quantize_torch(x.t(), block, dtype, pow2_scale)
+            return (*out, _transposed_empty(K, M, dtype, x.device).copy_(q_t), scale_t)
     else:
-        quantize = _triton_quantizer(x, block, dtype, pow2_scale)
+        quantize = _triton_quantizer(x, block, dtype, pow2_scale, transposed)
 
     def run(x):
-        q, scale = quantize(x)
-        if check_finite and not bool(torch.isfinite(scale).all()):
+        out = quantize(x)
+        if check_finite and not bool(torch.isfinite(out[1]).all()):
             raise checks.bad_value("x", "finite with check_finite=True", "NaN or inf (a block's scale would be inf)")
-        return q, _scale_view(scale, block).contiguous()
+        return tuple(_scale_view(t, block).contiguous() if i % 2 else t for i, t in enumerate(out))
 
     return run
 
 
-def _quantize_fake(x, block, dtype, pow2_scale, check_finite):
+def _quantize_fake(x, block, dtype, pow2_scale, check_finite, transposed=False):
     M, K = x.shape
     gran = Granularity.parse(block)
-    shape = _scale_shape(gran, M, K)
-    return x.new_empty((M, K), dtype=dtype), x.new_empty(shape[::-1] if gran == ROW_BLOCKS else shape, dtype=torch.float32)
+    out = ()
+    for i, (m, k) in enumerate(((M, K), (K, M))[:1 + transposed]):
+        shape = _scale_shape(gran, m, k)
+        out += (_transposed_empty(m, k, dtype, None, x) if i else x.new_empty((m, k), dtype=dtype),
+                x.new_empty(shape[::-1] if gran == ROW_BLOCKS else shape, dtype=torch.float32))
+    return out
 
 
 QUANTIZE_OP = Op("quantize_fp8", _quantize_impl, _quantize_fake, record=_quantize_record, tensors=1)
+QUANTIZE_T_OP = Op("quantize_fp8_transposed", _quantize_t_impl, lambda *args: _quantize_fake(*args, True),
+                   record=lambda *args: _quantize_record(*args, True), tensors=1)
 QUANTIZE_FP8 = Cached(1, _quantize_fp8_route)

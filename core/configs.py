@@ -691,6 +691,24 @@ def quant_heuristic(key: QuantKey, sms: int) -> triton.Config:
     return _qcfg(32 if cdiv(key.m, 32) * columns >= 2 * sms else 16, 4)
 
 
+# quantize_fp8(x, (1, 128), transposed=True): blockscaled/'s quantize_pair_kernel walks a 128x128
+# block of x BLOCK_M rows at a time (the whole block in registers spilled: 255 registers, 12.5%
+# occupancy), so a config is the chunk's height and the warps.
+def _pair_cfg(bm, warps):
+    return triton.Config({"BLOCK_M": bm}, num_warps=warps, num_stages=1)
+
+
+PAIR_CONFIGS = [_pair_cfg(bm, w) for bm in (16, 32, 64) for w in (4, 8)]
+
+
+def pair_candidates(key: QuantKey, sms: int) -> list[triton.Config]:
+    return list(PAIR_CONFIGS)
+
+
+def pair_heuristic(key: QuantKey, sms: int) -> triton.Config:
+    return _pair_cfg(32, 4)
+
+
 # ---------------------------------------------------------------------------- MoE routing sort
 # grouped/'s sort_by_expert_kernel: one program, so a config is only its warp count.
 
@@ -798,6 +816,7 @@ FAMILIES = {f.name: f for f in (
     Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret),
     Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET),
     Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET),
+    Family("quantize_pair", pair_candidates, pair_heuristic, _pair_cfg(32, 1)),  # interpreter: 4 chunks a block
     Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
     Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
     Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),

@@ -243,18 +243,22 @@ def first_order_only(backward: Callable, op: str) -> Callable:
     """``backward`` for an op that has no second derivative (its backward runs on quantised
     values): under create_graph=True its gradients come out of a node that raises ValueError
     naming ``op`` once something differentiates them, never a gradient missing its second-order
-    terms. The check covers the saved inputs too: a gradient depends on them even when the
-    incoming gradient is a constant."""
+    terms. A gradient depends on the op's inputs even when the incoming gradient is a constant,
+    and the backward may keep only their quantised forms (which do not require grad), so the
+    node is attached whenever gradients are given: to a stand-in leaf if nothing else requires
+    grad."""
 
     def wrapped(ctx, *grads):
         with torch.no_grad():
             out = backward(ctx, *grads)
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return out
-        sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
         given = [i for i, g in enumerate(out) if isinstance(g, torch.Tensor)]
-        if not sources or not given:
+        if not given:
             return out
+        sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not sources:
+            sources = [torch.zeros((), device=out[given[0]].device, requires_grad=True)]
         out = list(out)
         for i, g in zip(given, _NoSecondDerivative.apply(op, len(given), *(out[i] for i in given), *sources)):
             out[i] = g

@@ -12,8 +12,12 @@ written out in blockscaled/quantize.py's docstring and its torch path:
 import triton
 import triton.language as tl
 
+from .runtime import INTERPRET
+
 FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32
 _ROUND: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it - it rounds |x| < 2^22 to an integer (RNE)
+# The quantiser's cast: the GPU's own (exact, RNE); the interpreter's needs fp8_grid's rounding.
+HW_CAST: tl.constexpr = tl.constexpr(not INTERPRET)
 
 
 @triton.constexpr_function
@@ -75,5 +79,11 @@ def fp8_grid(x, scale, dtype: tl.constexpr):
 
 @triton.jit
 def fp8_cast(x, scale, dtype: tl.constexpr):
-    """fp8(x / scale) in ``dtype`` (``fp8_grid``, then an exact cast)."""
+    """fp8(x / scale) in ``dtype``: on a GPU the correctly rounded quotient, clamped, then the
+    hardware's cast (round to nearest even, as ``fp8_grid`` rounds, in one instruction per
+    pair); under the interpreter ``fp8_grid``'s explicit rounding, then an exact cast."""
+    if HW_CAST:
+        FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
+        q = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return q.to(dtype)
     return fp8_grid(x, scale, dtype).to(dtype)

@@ -220,7 +220,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     fp8 = w_gate_up_scale is not None
     sort = _sorter(topk_ids, E)
     pair, token, offs = sort(topk_ids)
-    quantize = QUANTIZE_FP8.route((x, (1, SCALE_BLOCK), w_gate_up.dtype, False, False)) if fp8 and x_scale is None else None
+    quantize = QUANTIZE_FP8.route((x, (1, SCALE_BLOCK), w_gate_up.dtype, False, False, False)) if fp8 and x_scale is None else None
     h_dtype = w_gate_up.dtype if fp8 else dtype
 
     def scales(xs, hs, w_gate_up_scale, w_down_scale):

@@ -273,24 +273,42 @@ def test_moe_layer_router_gets_its_gradient(device):
 FP8_GRAD_TOL = 4e-2
 
 
-@pytest.mark.parametrize("trainable", [False, True])
-def test_fp8_linear_gradients(trainable, device):
+# (trainable, x requires grad, weight requires grad, bias): each gradient the layer can be asked for
+FP8_GRAD_CASES = [
+    pytest.param(False, True, False, True, id="frozen"),
+    pytest.param(True, True, True, True, id="trainable"),
+    pytest.param(True, False, True, True, id="trainable-weight-only"),
+    pytest.param(True, True, False, False, id="trainable-frozen-weight-no-bias"),
+]
+
+
+@pytest.mark.parametrize("trainable,x_grad,w_grad,bias", FP8_GRAD_CASES)
+def test_fp8_linear_gradients(trainable, x_grad, w_grad, bias, device):
+    """Each gradient asked for arrives, within FP8's error of the float64 one of the same
+    (dequantised, for a frozen layer) weight; none is made that was not asked for."""
     torch.manual_seed(2)
-    linear = nn.Linear(200, 136, device=device)
+    linear = nn.Linear(200, 136, bias=bias, device=device)
+    linear.weight.requires_grad_(w_grad)
     layer = onegemm.Fp8Linear.from_linear(linear, trainable=trainable)
-    x = leaf(torch.randn(37, 200, device=device))
+    x = torch.randn(37, 200, device=device).requires_grad_(x_grad)
     out = layer(x)
     grad = torch.randn_like(out)
     out.backward(grad)
     if trainable:
         w = linear.weight.detach()
-        assert layer.weight.grad is not None and layer.weight.dtype == torch.float32
-        assert_close(layer.weight.grad, grad.double().t() @ x.detach().double(), FP8_GRAD_TOL, "grad of weight")
+        assert layer.weight.dtype == torch.float32
     else:
         w = dequantize_ref(layer.weight, layer.weight_scale, 128, 128)
-        assert layer.weight.grad is None  # a frozen fp8 buffer
-    assert_close(x.grad, grad.double() @ w.double(), FP8_GRAD_TOL, "grad of x")
-    assert_close(layer.bias.grad, grad.double().sum(0), TOL[torch.float32], "grad of bias")
+    if w_grad:
+        assert_close(layer.weight.grad, grad.double().t() @ x.detach().double(), FP8_GRAD_TOL, "grad of weight")
+    else:
+        assert layer.weight.grad is None
+    if x_grad:
+        assert_close(x.grad, grad.double() @ w.double(), FP8_GRAD_TOL, "grad of x")
+    else:
+        assert x.grad is None
+    if bias:
+        assert_close(layer.bias.grad, grad.double().sum(0), TOL[torch.float32], "grad of bias")
 
 
 def test_fp8_training_swaps_linears(device):
@@ -516,6 +534,21 @@ def test_compile_trains_like_eager(backend, device):
         assert_close(c, e, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_trains_fp8_linear_like_eager(backend, device):
+    """A trainable Fp8Linear's gradients (its training forward's fp8 outputs kept for the
+    backward) are the eager ones under torch.compile(fullgraph=True)."""
+    torch._dynamo.reset()
+    layer = onegemm.Fp8Linear(64, 40, trainable=True, device=device)
+    x = leaf(_r(10, 64, d=device))
+    params = [x, layer.weight, layer.bias]
+    loss = lambda x: layer(x).square().sum()  # noqa: E731
+    eager = torch.autograd.grad(loss(x), params)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=backend)(x), params)
+    for e, c in zip(eager, compiled):
+        assert_close(c, e, TOL[torch.float32])
+
+
 def _opcheck_grouped(d):
     a, b, _, offs = _grouped_inputs("2Dx3D", [5, 0, 7], 3, 16, 8, torch.float32, d)
     return a, b, offs, None, None, None, None, None
@@ -538,6 +571,14 @@ def _opcheck_moe_fp8(d):
     return x, q13, q2, weights, ids, s13, s2
 
 
+def _opcheck_fp8_backward(d):
+    """fp8_linear_backward's inputs as the training forward leaves them: dy [17, 9]; W.t() in fp8 with W's
+    128x128 scale; x.t() quantised 1x128 along the tokens."""
+    _, s_w, q_wt, _ = torch.ops.onegemm.quantize_fp8_transposed(_r(9, 24, d=d), "128x128", torch.float8_e4m3fn, False, False)
+    _, _, q_xt, s_xt = torch.ops.onegemm.quantize_fp8_transposed(_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False)
+    return _r(17, 9, d=d), q_wt, s_w, q_xt, s_xt, torch.float32
+
+
 # (op, args(device)): each registered op on small inputs.
 OPCHECK_CASES = [
     pytest.param(torch.ops.onegemm.matmul.default,
@@ -552,6 +593,11 @@ OPCHECK_CASES = [
     pytest.param(torch.ops.onegemm.blockscaled_mm.default, _opcheck_blockscaled, id="blockscaled_mm"),
     pytest.param(torch.ops.onegemm.fp8_linear.default, lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(9, 24, d=d)), None, None),
                  id="fp8_linear"),
+    pytest.param(torch.ops.onegemm.fp8_linear_train.default,
+                 lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(9, 24, d=d)), leaf(_r(9, d=d))), id="fp8_linear_train"),
+    pytest.param(torch.ops.onegemm.fp8_linear_backward.default, _opcheck_fp8_backward, id="fp8_linear_backward"),
+    pytest.param(torch.ops.onegemm.quantize_fp8_transposed.default,
+                 lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False), id="quantize_fp8_transposed"),
     pytest.param(torch.ops.onegemm.moe_ffn_fp8.default, _opcheck_moe_fp8, id="moe_ffn_fp8"),
 ]
 
@@ -563,8 +609,13 @@ ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", 
 def test_opcheck(op, args, device):
     args = args(device)
     utils = ALL_OPCHECKS
-    if op in (torch.ops.onegemm.blockscaled_mm.default, torch.ops.onegemm.moe_ffn_fp8.default):
+    if op in (torch.ops.onegemm.blockscaled_mm.default, torch.ops.onegemm.moe_ffn_fp8.default,
+              torch.ops.onegemm.fp8_linear_backward.default):
         # test_schema multiplies the inputs to check they are not mutated, and torch has no
         # float8 multiply (CPU or CUDA): the fp8 op is checked on the other three.
         utils = ALL_OPCHECKS[1:]
+    if op is torch.ops.onegemm.fp8_linear_train.default:
+        # test_aot_dispatch_dynamic sums every output into its loss, fp8 ones included, and torch
+        # has no float8 sum; test_compile_trains_fp8_linear_like_eager traces its autograd instead.
+        utils = ALL_OPCHECKS[:3]
     torch.library.opcheck(op, args, test_utils=utils)

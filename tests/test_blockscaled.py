@@ -245,6 +245,49 @@ def test_quantize_kernel_matches_torch_path(block, pow2_scale, device):
     assert torch.equal(scale, scale_ref) and torch.equal(bits(q), bits(q_ref))
 
 
+TRANSPOSED_CASES = [((1, 128), (1, 1)), ((1, 128), (130, 300)), ((1, 128), (300, 129)), ((1, 128), (257, 17)),
+                    ((128, 128), (130, 300)), ((128, 128), (17, 129))]
+
+
+@pytest.mark.parametrize("block,shape", TRANSPOSED_CASES, ids=str)
+@pytest.mark.parametrize("layout", ["contig", "sliced", "transposed"])
+def test_quantize_transposed_is_the_quantisation_of_the_transpose(block, shape, layout, device):
+    """quantize_fp8(x, transposed=True): one read of x gives x's quantisation and x.t()'s,
+    each bit for bit what quantize_fp8 gives for that tensor alone (the fused kernel's own
+    pass on every device, and the public call). 1x128 blocks of x.t() run along x's rows,
+    so rows of x spread over 1e-3..1e3 give x.t()'s blocks scales of their own."""
+    x = make_input(shape, device, layout)
+    x[0, 0] = 0.0
+    gran = granularity(block)
+    q, s, q_t, s_t = _quantize_triton(x, gran, E4M3, False, transposed=True)
+    for got, want in [((q, s), _quantize_torch(x, gran, E4M3, False)), ((q_t, s_t), _quantize_torch(x.t(), gran, E4M3, False))]:
+        assert got[0].shape == want[0].shape and torch.equal(bits(got[0]), bits(want[0]))
+        assert torch.equal(got[1], want[1]) and layout_of(got[1]) == layout_of(want[1])
+    public = onegemm.quantize_fp8(x, block, transposed=True)
+    alone = (*onegemm.quantize_fp8(x, block), *onegemm.quantize_fp8(x.t(), block))
+    assert len(public) == 4
+    for got, want in zip(public, alone):
+        assert got.shape == want.shape
+        assert torch.equal(bits(got), bits(want)) if got.dtype == E4M3 else torch.equal(got, want)
+        if got is not public[2]:
+            assert layout_of(got) == layout_of(want)
+    # q_t is row-major with 16-byte rows (TMA-readable for any M)
+    assert public[2].stride() == (-(-shape[0] // 16) * 16, 1)
+
+
+def layout_of(t):
+    """The strides that matter: those of dimensions longer than 1."""
+    return [st for n, st in zip(t.shape, t.stride()) if n > 1]
+
+
+def test_quantize_transposed_refuses_whole_row_scales(device):
+    for block in ["row", "tensor"]:
+        with pytest.raises(ValueError, match="transposed must be False for block 'row' or 'tensor'"):
+            onegemm.quantize_fp8(torch.randn(4, 8, device=device), block, transposed=True)
+    with pytest.raises(TypeError, match="transposed must be a bool"):
+        onegemm.quantize_fp8(torch.randn(4, 8, device=device), transposed=1)
+
+
 # ---------------------------------------------------------------- blockscaled_matmul
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 import onegemm
 from onegemm.core.scaling import SCALE_BLOCK
+from onegemm import testing
 from onegemm.testing import assert_close, blockscaled_matmul_ref, calc_diff, quantize_fp8_ref, sqnr_db
 
 KERNEL_TOL = 1e-5 if onegemm.INTERPRET else 1e-3
@@ -168,6 +169,37 @@ def test_gpu_llm_sized(lead, device):
     y = layer(x)
     assert_close(y, fp8_reference(layer, x), 1e-2)
     assert calc_diff(y, linear(x)) < 2e-3
+
+
+# (in, out, tokens): K-major operands every way, and ragged tails in each dimension
+TRAIN_GPU_SHAPES = [(512, 384, 256), (4096, 1024, 2048), (1040, 272, 300)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", TRAIN_GPU_SHAPES, ids=str)
+def test_gpu_fp8_training_step_on_the_gluon_body(shape, device):
+    """A trainable layer's step: one quantiser pass over x, W and dy each (both layouts from
+    one read), and the forward, dgrad and wgrad GEMMs all on core's Gluon body (every operand
+    K-major); gradients within FP8's error of float64's."""
+    K, N, M = shape
+    torch.manual_seed(0)
+    layer = onegemm.Fp8Linear(K, N, trainable=True, device=device, dtype=torch.bfloat16)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+
+    def step():
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        layer(x).backward(dy)
+
+    step()  # the first call builds the signature cache's records (their builders launch once too)
+    families = [c["family"] for c in testing.launched(step)]
+    # W: a 128x128 pass for W and one for W.t(); x and dy: one pass each for both layouts
+    assert families.count("quantize") == 2 and families.count("quantize_pair") == 2, families
+    assert families.count("blockscaled_wgmma") == 3, families
+    assert "blockscaled" not in families, families  # core's Triton body would mean a transposed operand
+    w, g = layer.weight.detach().double(), dy.double()
+    assert calc_diff(x.grad, g @ w) < 2e-3 and calc_diff(layer.weight.grad, g.t() @ x.detach().double()) < 2e-3
+    assert_close(layer.bias.grad, g.sum(0), 1e-2, "grad of bias")
 
 
 # ---- fp8_training keeps the model's own Parameters ----

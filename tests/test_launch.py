@@ -330,7 +330,7 @@ def test_table_reader_ignores_a_broken_file(tmp_path):
 # The key type each family's entries are stored under (str(key) is the table's key).
 KEY_TYPES = {
     "matmul": configs.MatmulKey, "blockscaled": configs.BlockscaledKey, "blockscaled_wgmma": configs.WgmmaKey,
-    "ragged": configs.RaggedKey, "list": configs.ListKey, "quantize": configs.QuantKey, "sort": configs.SortKey,
+    "ragged": configs.RaggedKey, "list": configs.ListKey, "quantize": configs.QuantKey, "quantize_pair": configs.QuantKey, "sort": configs.SortKey,
     "row_tiles": configs.PrepKey, "gather_quantize": configs.PrepKey, "combine": configs.PrepKey, "swiglu_backward": configs.PrepKey,
     "route": configs.RouteKey,
 }
