@@ -78,11 +78,12 @@ def main():
         row["config"] = configs.label(cfg)
         rows.append(row)
         print(row, flush=True)
-    text = header("GROUP_M 1 against 8: L2 hit rate and time (bf16 matmul, b = W.t())")
-    text += ("L2 hit rate: ncu `lts__t_sector_hit_rate.pct` of one launch (`--clock-control none`, L2 flushed before "
-             "it); time: GPU time of the same call. The config is what onegemm.matmul runs for the shape, with "
-             "GROUP_M forced.\n\n" + markdown_table(rows) + "\n")
-    write_results("l2", text)
+        # written after every shape: a run stopped at a time limit keeps what it measured
+        text = header("GROUP_M 1 against 8: L2 hit rate and time (bf16 matmul, b = W.t())")
+        text += ("L2 hit rate: ncu `lts__t_sector_hit_rate.pct` of one launch (`--clock-control none`, L2 flushed "
+                 "before it); time: GPU time of the same call. The config is what onegemm.matmul runs for the shape, "
+                 "with GROUP_M forced.\n\n" + markdown_table(rows) + "\n")
+        write_results("l2", text)
 
 
 if __name__ == "__main__":

@@ -187,8 +187,8 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
     """``_quantize_triton`` as a callable x -> (q, scale[, q_t, scale_t]) for inputs of x's
     signature (the plan, grid and strides fixed): what a record keeps. ``transposed``: 1x128
     by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed,
-    so x.t() gets a second pass of this kernel (a copy of q.t() in torch reads and writes
-    single bytes: several times slower). ``padded``: q's rows padded as ``_transposed_empty``."""
+    so x.t() gets a second pass of this kernel (torch's copy of the fp8 q.t() was slower than
+    a whole pass, docs/performance.md). ``padded``: q's rows padded as ``_transposed_empty``."""
     if transposed:
         if block == ROW_BLOCKS:
             return _pair_quantizer(x, dtype, pow2_scale)
