@@ -6,7 +6,8 @@ A call takes one of three routes:
   Nothing of PyTorch's dispatcher is on the path, so the call costs what the launch costs.
 - **Eager, an input requires grad**: through a ``torch.autograd.Function`` whose forward is
   the first route and whose backward runs onegemm's own kernels.
-- **Under torch.compile, or with a tensor subclass in any tensor argument** (a FakeTensor,
+- **Under torch.compile, inside a torch.func transform (grad, vmap: its tensors are wrappers
+  without storage), or with a tensor subclass in any tensor argument** (a FakeTensor,
   a functional or proxy tensor, a DTensor, any ``__torch_dispatch__`` subclass): through a
   ``torch.library`` custom op (namespace ``onegemm``) with a fake implementation, so Dynamo
   traces the call without a graph break, AOTAutograd differentiates it with the same
@@ -57,6 +58,7 @@ _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _precision = torch._C._get_float32_matmul_precision  # torch.get_float32_matmul_precision without its wrapper
+_transforms_active = torch._C._are_functorch_transforms_active  # inside torch.func.vmap / grad
 
 
 def apply_activation(x: torch.Tensor, activation) -> torch.Tensor:
@@ -167,7 +169,10 @@ class Cached:
         n = self.tensors
         sig = None
         if not torch.compiler.is_compiling():
-            sig = signature(args, n)
+            try:
+                sig = signature(args, n)
+            except RuntimeError:  # a torch.func wrapper (vmap's batched tensor) has no data_ptr
+                sig = None
             if sig is not None:
                 try:
                     run = self.records.get(sig)
@@ -340,7 +345,7 @@ class Op:
         n = self.tensors
         rest = args[n:]
         grad = self.function is not None and wants_grad(*args[:n])
-        custom = torch.compiler.is_compiling() or has_subclass(args[:n])
+        custom = torch.compiler.is_compiling() or _transforms_active() or has_subclass(args[:n])
         if not custom and not grad:
             return self.record(*args)
         i = self.activation
@@ -368,7 +373,7 @@ class Op:
 
     def run(self, args: tuple, grad: bool):
         """``__call__`` for a caller that has already asked ``wants_grad``."""
-        if torch.compiler.is_compiling() or has_subclass(args):
+        if torch.compiler.is_compiling() or _transforms_active() or has_subclass(args):
             return self.custom(*args)
         if grad and self.function is not None:
             return self.function.apply(*args)

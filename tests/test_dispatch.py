@@ -255,3 +255,22 @@ def test_fake_tensors_take_the_fake(name, device):
     with mode:
         got = fn(*fakes)
     assert isinstance(got, FakeTensor) and got.shape == want.shape and got.dtype == want.dtype
+
+
+# ---- torch.func transforms ----
+
+
+def test_vmap_takes_the_registered_op(device):
+    """Inside torch.func.vmap the tensors are batching wrappers without storage: the call takes
+    the registered op (torch's per-sample fallback), and equals the per-sample calls."""
+    a, b = torch.randn(3, 17, 24, device=device), torch.randn(24, 9, device=device)
+    got = torch.func.vmap(lambda x: onegemm.matmul(x, b))(a)
+    assert_close(got, torch.stack([matmul_ref(x, b) for x in a]), TOL[torch.float32])
+
+
+def test_func_grad_is_refused_by_torch(device):
+    """torch.func.grad differentiates through torch's custom-op autograd, which does not support
+    functorch transforms (torch 2.11-2.13): an error, never a gradient computed on a wrapper."""
+    a, b = torch.randn(17, 24, device=device), torch.randn(24, 9, device=device)
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.grad(lambda x: onegemm.matmul(x, b).sum())(a)
