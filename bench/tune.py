@@ -30,7 +30,7 @@ from pathlib import Path
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
-from onegemm.core import launch
+from onegemm.core import launch, tables
 from onegemm.core.runtime import cdiv
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -191,7 +191,7 @@ def main():
         return
     if not torch.cuda.is_available() or onegemm.INTERPRET:
         sys.exit("tuning needs a CUDA GPU (use --list to see the matrix)")
-    table_file = launch.TABLE_DIR / f"{launch.gpu_slug(torch.cuda.get_device_name())}.json"
+    table_file = tables.TABLE_DIR / f"{tables.gpu_slug(torch.cuda.get_device_name())}.json"
     if args.merge:
         print(f"merged {merge(args.merge, table_file)} entries into {table_file}")
         return

@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
-import re
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 import triton
 
-from . import checks, configs, runtime, scratch
+from . import checks, configs, runtime, scratch, tables
 from .runtime import INTERPRET, sm_count
 from . import triton_abi
 from .triton_abi import async_compile, compile_and_launch, compiled, direct, preparer
@@ -166,7 +162,7 @@ class Launcher:
             config = self.family.interpret
             config = config(req.key) if callable(config) else config
             return Plan(self.params, config, req.constexprs, req.device, "interpreter")
-        config = tuned_config(self.family.name, req.key, req.device)
+        config = tables.tuned_config(self.family.name, req.key, req.device)
         if config is not None:
             return Plan(self.params, config, req.constexprs, req.device, "table")
         if autotune_enabled() and req.trial is not None:
@@ -255,7 +251,7 @@ class Launcher:
         finalists = [p for _, p in sorted(timed, key=lambda t: t[0])[:_FINALISTS]]
         best = min(finalists, key=lambda p: runtime.graph_bench(lambda: req.trial(p), warmup=_TUNE_WARMUP_MS,
                                                                 rep=4 * _TUNE_REP_MS, return_mode="median"))
-        _record(self.family.name, req.key, req.device, best.config)
+        tables.record(self.family.name, req.key, req.device, best.config)
         return best
 
 
@@ -385,84 +381,14 @@ def _join_prewarm() -> None:
         thread.join()
 
 
-# ---------------------------------------------------------------------------- tuned tables
-
-TABLE_DIR = Path(__file__).resolve().parent / "tuned"
-
-
-def gpu_slug(name: str) -> str:
-    """A GPU's name as a file name: 'NVIDIA H200' -> 'NVIDIA_H200'."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
-
-
-def cache_dir() -> Path:
-    """Where ``onegemm.autotune`` stores what it measures: $ONEGEMM_CACHE_DIR, else
-    ~/.cache/onegemm."""
-    return Path(os.environ.get("ONEGEMM_CACHE_DIR") or Path.home() / ".cache" / "onegemm")
-
-
-_tables: dict[int, dict] = {}
-_tables_lock = threading.Lock()
-_read_shipped = True  # reload_tables(shipped=False): the user's cache alone
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return {fam: {k: configs.from_json(v) for k, v in entries.items()} for fam, entries in data["configs"].items()}
-    except FileNotFoundError:
-        return {}
-    except (ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"onegemm: ignoring the config table {path}: {type(e).__name__}: {e}", stacklevel=3)
-        return {}
-
-
-def _table(device: torch.device) -> dict:
-    """The shipped table for the device's GPU merged with the user's cache (which wins)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    table = _tables.get(index)
-    if table is None:
-        with _tables_lock:
-            slug = gpu_slug(torch.cuda.get_device_name(index))
-            table = {}
-            sources = ([TABLE_DIR / f"{slug}.json"] if _read_shipped else []) + [cache_dir() / f"{slug}.json"]
-            for source in sources:
-                for fam, entries in _read(source).items():
-                    table.setdefault(fam, {}).update(entries)
-            _tables[index] = table
-    return table
-
-
-def tuned_config(family: str, key: tuple, device: torch.device) -> triton.Config | None:
-    """The table's config for ``key`` on ``device``'s GPU, or None."""
-    return _table(device).get(family, {}).get(str(key))
-
-
-def _record(family: str, key: tuple, device: torch.device, config: triton.Config) -> None:
-    """Add a tuned config to the table in memory and to the user's cache file."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    _table(device).setdefault(family, {})[str(key)] = config
-    path = cache_dir() / f"{gpu_slug(torch.cuda.get_device_name(index))}.json"
-    with _tables_lock:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):
-            data = {"gpu": torch.cuda.get_device_name(index), "triton": triton.__version__, "configs": {}}
-        data["configs"].setdefault(family, {})[str(key)] = configs.to_json(config)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
+# ---------------------------------------------------------------------------- tuned tables (core/tables.py)
 
 
 def reload_tables(shipped: bool = True) -> None:
     """Read the tables again (after bench/tune.py or another process wrote them) and forget the
     plans built from the old ones. ``shipped`` False: from now on read only the user's cache,
     not the table shipped for the GPU (bench/tune.py then tunes every key it holds too)."""
-    global _read_shipped
-    with _tables_lock:
-        _tables.clear()
-        _read_shipped = shipped
+    tables.forget(shipped)
     clear_plans()
 
 

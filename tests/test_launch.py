@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import onegemm
-from onegemm.core import configs, launch, scratch, splitk, triton_abi
+from onegemm.core import configs, launch, scratch, splitk, tables, triton_abi
 from onegemm.core.configs import cfg
 from onegemm.core.scaling import BLOCKWISE, Granularity, Scaling
 from onegemm.core.matmul import MATMUL
@@ -318,13 +318,13 @@ def test_table_reader_ignores_a_broken_file(tmp_path):
     good = tmp_path / "good.json"
     good.write_text('{"configs": {"matmul": {"k": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, '
                     '"num_warps": 4, "num_stages": 3}}}}')
-    (config,) = launch._read(good)["matmul"].values()
+    (config,) = tables.read(good)["matmul"].values()
     assert config.kwargs["BLOCK_M"] == 64 and config.num_warps == 4 and config.num_stages == 3
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring the config table"):
-        assert launch._read(broken) == {}
-    assert launch._read(tmp_path / "missing.json") == {}
+        assert tables.read(broken) == {}
+    assert tables.read(tmp_path / "missing.json") == {}
 
 
 # The key type each family's entries are stored under (str(key) is the table's key).

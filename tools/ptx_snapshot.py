@@ -60,9 +60,9 @@ def _fake_sm90_driver():
 
     torch._C._cuda_getDevice = lambda: None  # the launcher's device check; plans are on the CPU
     torch.cuda.device = lambda index: contextlib.nullcontext()
-    from onegemm.core import checks, launch, tma
+    from onegemm.core import checks, launch, tables, tma
 
-    launch.tuned_config = lambda family, key, device: None  # unforced calls take the heuristic
+    tables.tuned_config = lambda family, key, device: None  # unforced calls take the heuristic
 
     checks.check_device = lambda name, t: None  # CPU tensors stand in for CUDA ones
     tma.tma_hardware = lambda device: True  # as on the H200: the TMA flavour is available
