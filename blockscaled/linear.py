@@ -147,8 +147,8 @@ def _fp8_linear_backward_impl(dy: torch.Tensor, q_wt: Optional[torch.Tensor], s_
       1x128 along the tokens M: a = dy.t() [N, M]; b = x [M, K] read K-major from q_xt [K, M],
       its scale s_xt stored [ceil(M/128), K] (128x1 blocks of b).
     An empty tensor stands for a gradient not asked for. A registered op of its own, so
-    torch.compile traces the backward as one call."""
-    dy = dy.contiguous()
+    torch.compile traces the backward as one call. dy may have any strides (the quantisers
+    read them)."""
     dx = dw = dy.new_empty(0)
     if q_xt is None:
         q_dy, s_dy = _quantizer(dy, ROW_BLOCKS)(dy)

@@ -60,7 +60,8 @@ def fp8_grid(x, scale, dtype: tl.constexpr):
     nearest even done in fp32, so that casting the result to ``dtype`` is exact. Hardware
     casts round the same way; Triton's interpreter does not carry a rounding into the
     exponent (31.3 -> 16 in e4m3), so with the explicit rounding the CPU tests check the
-    GPU's arithmetic."""
+    GPU's arithmetic. (``fp8_cast``, the standalone quantiser's cast, uses the hardware's on
+    a GPU, where the GPU tests compare its bits with the torch path's.)"""
     FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
     MANT: tl.constexpr = fp8_format(dtype)[1]
     MIN_EXP: tl.constexpr = fp8_format(dtype)[2]
