@@ -31,6 +31,8 @@ import triton.language as tl
 from ..core.fp8 import amax_input, fp8_grid, fp8_scale
 from ..core.scaling import SCALE_BLOCK
 from ..core.tiles import (
+    NO_OPERAND,
+    NO_VECTOR,
     Fill,
     Operand,
     Routing,
@@ -55,6 +57,22 @@ class Stacked(NamedTuple):
 
 
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
+
+
+def grouped_scales(a=None, m=None, b=None, n=None, out=None) -> Scales:
+    """ragged_kernel's ``scales`` from fp32 tensors, None where absent (docstring there):
+    a [rows, ceil(K/128)] and out [rows, ceil(N/128)] as Operands, m [rows] a Vector, b
+    [G, ceil(K/128), ceil(N/128)] a Stacked, n [G, N] an Operand. An absent one gets a
+    placeholder of the same layout, so the kernel moves every field to its group alike."""
+    return Scales(a=NO_OPERAND if a is None else Operand(a, *a.stride()),
+                  b=Stacked(None, 0, 0, 0) if b is None else Stacked(b, *b.stride()),
+                  m=NO_VECTOR if m is None else Vector(m, m.stride(0)),
+                  n=NO_OPERAND if n is None else Operand(n, *n.stride()),
+                  out=NO_OPERAND if out is None else Operand(out, *out.stride()))
+
+
+NO_GROUPED_SCALES = grouped_scales()  # what an unscaled grouped GEMM passes
+
 
 
 @triton.jit
@@ -132,8 +150,8 @@ def ragged_kernel(
         "N" a [total N] vector with stride0 = 0); NO_OPERAND without one.
     routing: tiles.Routing ("M" only: the MoE gather of x's rows, scatter of output rows and
         routing weight, indexed by the grouped row; all None otherwise).
-    scales: tiles.Scales of an FP8 grouped GEMM ("M" only; ptr None when absent), moved to
-        each group here: ``a`` an Operand over A's per-K-block scales [rows of A,
+    scales: an FP8 grouped GEMM's tiles.Scales, as ``grouped_scales`` builds them ("M" only;
+        NO_GROUPED_SCALES without scales), moved to each group here: ``a`` an Operand over A's per-K-block scales [rows of A,
         ceil(K/128)] (1x128, SA_ROWS = 1; with a gather indexed by token row, like A), ``m``
         a Vector over A's row scales [M] (not with a gather); ``b`` a Stacked over
         [G, ceil(K/128), ceil(N/128)] (128x128, SB_COLS = 128; with SWIGLU 2 * ceil(N/128)
@@ -224,26 +242,13 @@ def ragged_kernel(
         # its rows, as C itself.
         a_row0 = start.to(tl.int64) if RAGGED == "M" and not GATHER else 0
         c_row0 = start.to(tl.int64) if RAGGED == "M" and not SCATTER else 0
-        if scales.a.ptr is not None:
-            sa_g = Operand(scales.a.ptr + a_row0 * scales.a.stride0, scales.a.stride0, scales.a.stride1)
-        else:
-            sa_g = Operand(None, 0, 0)
-        if scales.m.ptr is not None:
-            sm_g = Vector(scales.m.ptr + a_row0 * scales.m.stride, scales.m.stride)
-        else:
-            sm_g = Vector(None, 0)
-        if scales.b.ptr is not None:
-            sb_g = Operand(scales.b.ptr + g64 * scales.b.stride_g, scales.b.stride0, scales.b.stride1)
-        else:
-            sb_g = Operand(None, 0, 0)
-        if scales.n.ptr is not None:
-            sn_g = Vector(scales.n.ptr + g64 * scales.n.stride0, scales.n.stride1)
-        else:
-            sn_g = Vector(None, 0)
-        if scales.out.ptr is not None:
-            so_g = Operand(scales.out.ptr + c_row0 * scales.out.stride0, scales.out.stride0, scales.out.stride1)
-        else:
-            so_g = Operand(None, 0, 0)
+        # (a jit helper cannot return an absent operand's None: the guards stay inline)
+        sa, sb, sm, sn, so = scales
+        sa_g = Operand(None if sa.ptr is None else sa.ptr + a_row0 * sa.stride0, sa.stride0, sa.stride1)
+        sm_g = Vector(None if sm.ptr is None else sm.ptr + a_row0 * sm.stride, sm.stride)
+        sb_g = Operand(None if sb.ptr is None else sb.ptr + g64 * sb.stride_g, sb.stride0, sb.stride1)
+        sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * sn.stride0, sn.stride1)
+        so_g = Operand(None if so.ptr is None else so.ptr + c_row0 * so.stride0, so.stride0, so.stride1)
         gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(sa_g, sb_g, sm_g, sn_g, so_g), routing, bias_g, None,
                   row0, fill)
 

@@ -23,8 +23,8 @@ from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8
 from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
 from ..core.runtime import cdiv, empty, next_pow2
 from ..core.scaling import BLOCKWISE, SCALE_BLOCK
-from ..core.tiles import NO_SCALES, Operand, Routing, Scales
-from .kernels import Stacked, sort_by_expert_kernel
+from ..core.tiles import Routing
+from .kernels import NO_GROUPED_SCALES, grouped_scales, sort_by_expert_kernel
 from .ops import combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles, swiglu_backward
 
 
@@ -226,10 +226,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     def scales(xs, hs, w_gate_up_scale, w_down_scale):
         """GEMM1's and GEMM2's tiles.Scales (FP8 experts)."""
         if not fp8:
-            return NO_SCALES, NO_SCALES
+            return NO_GROUPED_SCALES, NO_GROUPED_SCALES
         w13s, w2s = w_gate_up_scale.transpose(1, 2), w_down_scale.transpose(1, 2)
-        return (Scales(a=Operand(xs, *xs.stride()), b=Stacked(w13s, *w13s.stride()), out=Operand(hs, *hs.stride())),
-                Scales(a=Operand(hs, *hs.stride()), b=Stacked(w2s, *w2s.stride())))
+        return grouped_scales(a=xs, b=w13s, out=hs), grouped_scales(a=hs, b=w2s)
 
     def h_scales():
         return empty((cdiv(I, SCALE_BLOCK), P), dtype=torch.float32, device=device).t() if fp8 else None
@@ -389,7 +388,7 @@ def _expert_gemm(a, w, c, offs, **kwargs):
     ragged_launch's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
     launch = _expert_launch(a, w, c, offs, **kwargs)
     launch.launcher.launch(launch.plan, launch.grid, launch.build(
-        c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_SCALES)))
+        c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_GROUPED_SCALES)))
 
 
 def _expert_launch(a, w, c, offs, **kwargs):

@@ -11,13 +11,13 @@ from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_g
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
 from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling
-from ..core.tiles import NO_OPERAND, NO_SCALES, NO_VECTOR, Operand, Routing, Scales, Vector
+from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
-from .kernels import (Stacked, combine_kernel, gather_quantize_kernel, list_kernel, ragged_kernel, row_tiles_kernel,
-                      swiglu_backward_kernel)
+from .kernels import (NO_GROUPED_SCALES, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
+                      ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
 
 RAGGED = Launcher(ragged_kernel, "ragged")
 LIST = Launcher(list_kernel, "list")
@@ -163,12 +163,12 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
 def ragged_launch(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
-    rows_per_group=None, config=None, tma=None, scales=NO_SCALES, scaling: Scaling | None = None, build=None,
+    rows_per_group=None, config=None, tma=None, scales=NO_GROUPED_SCALES, scaling: Scaling | None = None, build=None,
 ) -> Launch:
     """ragged_kernel's launch (see its docstring for the meaning of every argument), as a
     core/dispatch.py Launch.
 
-    scales, scaling: an FP8 grouped GEMM's tiles.Scales (as ragged_kernel takes them) and its
+    scales, scaling: an FP8 grouped GEMM's tiles.Scales (kernels.grouped_scales) and its
     core/scaling.py Scaling (scale_a 1x128 or row, scale_b 128x128 or col; ``fp8_out`` when
     C is fp8 and the tiles write its 1x128 scales, ``scales.out``); None without scales.
     rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
@@ -200,7 +200,7 @@ def ragged_launch(
 
 def ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K) -> tuple:
     """ragged_kernel's runtime arguments. strides: per operand, its (group, dim 0, dim 1)
-    strides; routing: a tiles.Routing; scales: a tiles.Scales."""
+    strides; routing: a tiles.Routing; scales: kernels.grouped_scales' Scales."""
     sa, sb, sc = strides
     return (Stacked(interpretable(a), *sa), Stacked(interpretable(b), *sb), Stacked(c, *sc), _bias_operand(bias),
             None if offs is None else Vector(offs, offs.stride(0)), routing, scales, G, M, N, K)
@@ -366,10 +366,8 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
     a_block, b_block = scaling.a_per_k_block, scaling.b_per_k_block
 
     def scales(sa, sb):
-        return Scales(a=Operand(sa, *sa.stride()) if a_block else NO_OPERAND,
-                      m=NO_VECTOR if a_block else Vector(sa, sa.stride(0)),
-                      b=Stacked(sb, *sb.stride()) if b_block else NO_OPERAND,
-                      n=NO_VECTOR if b_block else Operand(sb, sb.stride(0), sb.stride(2)))
+        return grouped_scales(a=sa if a_block else None, m=None if a_block else sa[:, 0],
+                              b=sb if b_block else None, n=None if b_block else sb[:, 0])
 
     return scales, scaling
 
@@ -419,7 +417,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
         args["scales"] = scales(scale_a, scale_b)
     else:
         def build(c, a, b, offs, bias):
-            return ragged_args(a, b, c, bias, offs, strides, NO_ROUTING, NO_SCALES, G, M, N, K)
+            return ragged_args(a, b, c, bias, offs, strides, NO_ROUTING, NO_GROUPED_SCALES, G, M, N, K)
     launch = ragged_launch(a, b, c, offs, strides_a=strides[0], strides_b=strides[1], strides_c=strides[2], bias=bias,
                            activation=activation, config=config, tma=tma, build=build, **args)
     return Record(shape, out_dtype, device, [launch], check=check)

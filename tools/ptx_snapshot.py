@@ -192,28 +192,18 @@ def cases():
 
 
 def _ragged_scales(scaling, G, M, N, K, swiglu):
-    """tiles.Scales of an FP8 grouped key's Scaling, fp32 ones of the right shapes."""
+    """grouped_scales of an FP8 grouped key's Scaling, fp32 ones of the right shapes."""
     import torch
 
-    from onegemm.core.tiles import Operand, Scales, Vector
-    from onegemm.grouped.kernels import Stacked
+    from onegemm.grouped.kernels import grouped_scales
 
     kb, nb = -(-K // 128), -(-N // 128)
-    parts = {}
-    if scaling.a_per_k_block:
-        sa = torch.ones(kb, M).t()
-        parts["a"] = Operand(sa, *sa.stride())
-    else:
-        parts["m"] = Vector(torch.ones(M), 1)
-    if scaling.b_per_k_block:
-        sb = torch.ones(G, kb, nb * (2 if swiglu else 1))
-        parts["b"] = Stacked(sb, *sb.stride())
-    else:
-        parts["n"] = Operand(torch.ones(G, N), N, 1)
-    if scaling.fp8_out:
-        so = torch.ones(nb, M).t()
-        parts["out"] = Operand(so, *so.stride())
-    return Scales(**parts)
+    return grouped_scales(
+        a=torch.ones(kb, M).t() if scaling.a_per_k_block else None,
+        m=None if scaling.a_per_k_block else torch.ones(M),
+        b=torch.ones(G, kb, nb * (2 if swiglu else 1)) if scaling.b_per_k_block else None,
+        n=None if scaling.b_per_k_block else torch.ones(G, N),
+        out=torch.ones(nb, M).t() if scaling.fp8_out else None)
 
 
 def snapshot(out: Path, only: str | None) -> None:
