@@ -336,6 +336,48 @@ def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w
                     dequantize_experts_ref(w_down, w_down_scale), topk_weights, topk_ids, per_token_blocks)
 
 
+def moe_fp8_train_ref(x, w_gate_up, w_down, topk_weights, topk_ids, dy):
+    """float64 of moe_ffn(..., fp8_training=True) and its gradients: (y, dx, dw_gate_up, dw_down,
+    dtopk_weights), expert by expert. The recipe's operands are quantised as it does
+    (quantize_fp8_ref): x[token], the SwiGLU output, dy[token] and dh_pre in 1x128 blocks, each
+    expert's whole matrix in 128x128 blocks; what the kernels store in x's dtype (GEMM1's
+    output h_pre, the SwiGLU output, dh_pre) is rounded to it; the weight gradients take the
+    unquantised operands."""
+    dt, fp8 = x.dtype, torch.float8_e4m3fn
+    I = w_gate_up.shape[1] // 2
+
+    def rows(t):  # 1x128-quantised, dequantised
+        return dequantize_ref(*quantize_fp8_ref(t, (1, 128), fp8), 1, 128)
+
+    def rounded(t):
+        return t.to(dt).double()
+
+    w13 = dequantize_experts_ref(*quantize_experts_ref(w_gate_up.detach(), fp8))
+    w2 = dequantize_experts_ref(*quantize_experts_ref(w_down.detach(), fp8))
+    y, dx = torch.zeros_like(x, dtype=torch.float64), torch.zeros_like(x, dtype=torch.float64)
+    dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
+    dweights = torch.zeros_like(topk_weights, dtype=torch.float64)
+    x, dy = x.detach(), dy.to(dt)
+    for e in range(w13.shape[0]):
+        t, j = torch.nonzero(topk_ids == e, as_tuple=True)
+        if t.numel() == 0:
+            continue
+        w = topk_weights[t, j].detach().double()[:, None]
+        h_pre = rounded(rows(x[t]) @ w13[e].t())
+        g, u = h_pre[:, :I], h_pre[:, I:]
+        h = rounded((F.silu(g.float()) * u.float()).double())
+        y.index_add_(0, t, w * (rows(h) @ w2[e].t()))
+        dh_u = rows(dy[t]) @ w2[e]
+        sig = torch.sigmoid(g)
+        dweights[t, j] = (dh_u * F.silu(g) * u).sum(1)
+        dh = dh_u * w
+        dh_pre = rounded(torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * F.silu(g)], dim=1))
+        dx.index_add_(0, t, rows(dh_pre) @ w13[e])
+        dw13[e] = dh_pre.t() @ x[t].double()
+        dw2[e] = rounded(w * dy[t].double()).t() @ h
+    return y, dx, dw13, dw2, dweights
+
+
 def moe_ffn_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, use_grouped_mm: bool = False):
     """The expert FFN in plain torch, in x's dtype: the peer that benchmarks and
     ``python -m onegemm`` compare against (in float64 it is a reference).

@@ -2,6 +2,7 @@
 against bf16, and what recording gradients adds to an eager call.
 
     python bench/bench_autograd.py           # H200: bench/results/autograd.md and fp8_training.png
+    python bench/bench_autograd.py --moe-fp8 # H200: the FP8 MoE training part alone (moe_fp8_training.md)
     python bench/bench_autograd.py --quick   # CPU interpreter: every path once, tiny shapes, no files
 
 Forward+backward is timed in GPU time (the whole step, forward and backward, replayed from a
@@ -13,6 +14,10 @@ The FP8 MLP (d -> 4d -> d, GELU) learns a fixed random teacher of the same shape
 inputs (MSE loss, AdamW); onegemm.fp8_training swaps its two nn.Linear layers for trainable
 Fp8Linear ones (forward, dgrad and wgrad in FP8, the DeepSeek-V3 recipe). Both models start
 from the same weights and see the same batches.
+
+FP8 MoE training: moe_ffn(..., fp8_training=True) against bf16 moe_ffn, forward+backward of
+the benchmark's expert FFNs in GPU time, and an MoEFFN layer (router included) trained in bf16
+and under onegemm.fp8_training to a teacher layer: loss curves and step times.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
 import torch.nn.functional as F
 from common import bench_ms, geomean, header, markdown_table, update_summary, write_results
-from onegemm.testing import assert_close, host_us, moe_ffn_torch
+from onegemm.testing import assert_close, calc_diff, host_us, moe_ffn_torch
 from torch import nn
 
 LINEAR_SHAPES = [(4096, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336), (8192, 4096, 4096), (8192, 14336, 4096)]
 # (name, E, H, I, top_k, T): the expert FFNs of Qwen3-30B-A3B and Mixtral-8x7B at prefill.
 MOE_SHAPES = [("Qwen3-30B-A3B", 128, 2048, 768, 8, 8192), ("Mixtral-8x7B", 8, 4096, 14336, 2, 4096)]
-QUICK = dict(linear=[(64, 48, 32)], moe=[("tiny", 4, 32, 16, 2, 24)], mlp=(64, 6, 64))
+QUICK = dict(linear=[(64, 48, 32)], moe=[("tiny", 4, 32, 16, 2, 24)], mlp=(64, 6, 64),
+             moe_fp8=[("tiny", 4, 128, 64, 2, 24)], moe_layer=(4, 128, 64, 2, 32, 4))
+# The trained MoE layer: (E, H, I, top_k, tokens per step, steps).
+MOE_LAYER = (32, 1024, 512, 4, 4096, 200)
 
 
 def fwd_bwd(fn, inputs, grad):
@@ -154,6 +162,81 @@ def measure_fp8_training(d, steps, batch, device):
     return row, bf16_losses, fp8_losses
 
 
+def measure_moe_fp8(shapes, device, timer):
+    """moe_ffn(fp8_training=True) against bf16 moe_ffn: forward+backward GPU time, and how far
+    its gradients are from bf16's (calc_diff, DeepSeek's measure: 0 for equal directions)."""
+    rows = []
+    for name, E, H, I, k, T in shapes:
+        x, w13, w2, weights, ids = moe_inputs(E, H, I, k, T, device)
+        grad = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        bf16 = fwd_bwd(lambda *t: onegemm.moe_ffn(*t, ids), (x, w13, w2, weights), grad)
+        fp8 = fwd_bwd(lambda *t: onegemm.moe_ffn(*t, ids, fp8_training=True), (x, w13, w2, weights), grad)
+        bf16()
+        want = [t.grad.clone() for t in (x, w13, w2, weights)]
+        fp8()
+        diffs = {f"diff_{what}": calc_diff(t.grad, g) for t, g, what in zip((x, w13, w2, weights), want, ("dx", "dw13", "dw2", "dweights"))}
+        t_bf16, t_fp8 = timer(bf16), timer(fp8)
+        rows.append(dict(shape=f"{name} T={T}", bf16_ms=t_bf16, fp8_ms=t_fp8, fp8_vs_bf16=t_bf16 / t_fp8, **diffs))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def moe_layer(E, H, I, k, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape, scale):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(torch.bfloat16)
+
+    return onegemm.MoEFFN(rand(E, H, scale=H**-0.5), rand(E, 2 * I, H, scale=H**-0.5), rand(E, H, I, scale=I**-0.5),
+                          top_k=k)
+
+
+def measure_moe_fp8_training(E, H, I, k, batch, steps, device):
+    """An MoEFFN layer trained in bf16 and under onegemm.fp8_training: final losses, step times."""
+    teacher = moe_layer(E, H, I, k, device, seed=0)
+    bf16 = moe_layer(E, H, I, k, device, seed=1)
+    fp8 = onegemm.fp8_training(copy.deepcopy(bf16))
+    fp8_losses, fp8_ms = train(fp8, steps, batch, H, teacher, device, seed=2)
+    bf16_losses, bf16_ms = train(bf16, steps, batch, H, teacher, device, seed=2)
+    tail = max(1, steps // 10)
+    final_bf16, final_fp8 = sum(bf16_losses[-tail:]) / tail, sum(fp8_losses[-tail:]) / tail
+    row = dict(model=f"MoEFFN E={E} H={H} I={I} top-{k}, batch {batch}", steps=steps, bf16_final_loss=final_bf16,
+               fp8_final_loss=final_fp8, fp8_vs_bf16_loss=final_fp8 / final_bf16, bf16_step_ms=bf16_ms,
+               fp8_step_ms=fp8_ms, fp8_speedup=bf16_ms / fp8_ms)
+    print(row, flush=True)
+    return row, bf16_losses, fp8_losses
+
+
+def run_moe_fp8(quick, device, timer):
+    """The FP8 MoE training part: bench/results/moe_fp8_training.md, its plot, its summary figure."""
+    rows = measure_moe_fp8(QUICK["moe_fp8"] if quick else MOE_SHAPES, device, timer)
+    E, H, I, k, batch, steps = QUICK["moe_layer"] if quick else MOE_LAYER
+    train_row, bf16_losses, fp8_losses = measure_moe_fp8_training(E, H, I, k, batch, steps, device)
+    if quick:
+        assert all(math.isfinite(x) for x in bf16_losses + fp8_losses)
+        return
+    text = header("FP8 MoE training: moe_ffn(fp8_training=True) against bf16 moe_ffn")
+    text += (
+        "Forward+backward of the expert FFN in GPU time (CUDA-graph replay), same inputs and output "
+        "gradient; fp8_vs_bf16 = bf16 time / FP8 time (> 1: FP8 faster). diff_*: calc_diff of each FP8 "
+        "gradient against bf16's (1 - cosine-like similarity; 0 = same direction). Target: >= 1.3x.\n\n"
+        "FP8 here: the four expert GEMMs of the forward and the input gradient (1x128 activations, 128x128 "
+        "experts quantised every step); the two weight-gradient GEMMs, router, SwiGLU and combine in bf16.\n\n"
+    ) + markdown_table(rows) + "\n"
+    text += (
+        "## An MoEFFN layer trained in bf16 and in FP8\n\n"
+        "AdamW (lr 1e-3) on MSE against a fixed random teacher layer, the same batches for both; step time: "
+        "median of the second half (router, experts, loss, backward, optimizer), eager. Target: final loss "
+        "within 2% of bf16's.\n\n" + markdown_table([train_row]) + "\n![loss curves](moe_fp8_training.png)\n\n"
+    )
+    text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
+             "bench/bench_autograd.py regenerates everything else. -->\n\n")
+    write_results("moe_fp8_training", text)
+    plot_losses(bf16_losses, fp8_losses, "moe_fp8_training.png", "MoEFFN", "bf16 (moe_ffn)", "FP8 (fp8_training)")
+    update_summary([dict(name="fp8_moe_train_vs_bf16", value=geomean([r["fp8_vs_bf16"] for r in rows]),
+                         peer="onegemm moe_ffn bf16 forward+backward, GPU time (Qwen3-30B-A3B T=8192, Mixtral T=4096)")])
+
+
 def torchao_recipes():
     """torchao's float8 training conversions by recipe name, or {} where torchao is missing
     (its C++ extensions are not needed: TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1)."""
@@ -214,6 +297,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="CPU interpreter: run every path once, write nothing")
     parser.add_argument("--steps", type=int, default=300, help="training steps of the loss comparison")
     parser.add_argument("--speed-steps", type=int, default=40, help="steps per variant of the step-time matrix")
+    parser.add_argument("--moe-fp8", action="store_true", help="the FP8 MoE training part alone")
     args = parser.parse_args()
     quick = args.quick
     device = "cpu" if quick else "cuda"
@@ -224,6 +308,9 @@ def main():
             return math.nan
         return bench_ms(fn, warmup_ms=10, rep_ms=50)
 
+    run_moe_fp8(quick, device, timer)
+    if args.moe_fp8:
+        return
     gemm_rows = measure_linear(QUICK["linear"] if quick else LINEAR_SHAPES, device, timer)
     gemm_rows += measure_moe(QUICK["moe"] if quick else MOE_SHAPES, device, timer)
     d, steps, batches = (QUICK["mlp"][0], QUICK["mlp"][1], [QUICK["mlp"][2]]) if quick else (4096, args.steps, [8192, 16384])
@@ -288,7 +375,8 @@ def main():
          if all("onegemm_vs_torchao_rowwise_compiled" in r for r in speed_rows) else []))
 
 
-def plot_losses(bf16_losses, fp8_losses):
+def plot_losses(bf16_losses, fp8_losses, name="fp8_training.png", model="MLP", bf16_label="bf16 (nn.Linear)",
+                fp8_label="FP8 (onegemm.fp8_training)"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,15 +384,15 @@ def plot_losses(bf16_losses, fp8_losses):
     from common import RESULTS
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(bf16_losses, label="bf16 (nn.Linear)")
-    ax.plot(fp8_losses, label="FP8 (onegemm.fp8_training)")
+    ax.plot(bf16_losses, label=bf16_label)
+    ax.plot(fp8_losses, label=fp8_label)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("MSE loss")
-    ax.set_title(f"MLP regression on {torch.cuda.get_device_name()}")
+    ax.set_title(f"{model} regression on {torch.cuda.get_device_name()}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "fp8_training.png", dpi=120)
+    fig.savefig(RESULTS / name, dpi=120)
 
 
 if __name__ == "__main__":

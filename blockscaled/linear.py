@@ -333,9 +333,11 @@ _FORWARD = Cached(4, _forward_route)
 
 def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
     """Swap every nn.Linear in ``module`` (itself included) for a trainable Fp8Linear, in place
-    where it sits, and return the module: forward, dgrad and wgrad then run in FP8.
+    where it sits, and return the module: forward, dgrad and wgrad then run in FP8. Every
+    onegemm.MoEFFN in it trains its routed experts in FP8 too (moe_ffn's ``fp8_training``:
+    forward and input-gradient GEMMs; a layer whose experts cannot is a ValueError).
 
-    module_filter_fn(linear, fully_qualified_name) -> bool picks the layers to swap (default:
+    module_filter_fn(layer, fully_qualified_name) -> bool picks the layers to convert (default:
     all), as torchao's convert_to_float8_training takes it: keep a model's output head in high
     precision, for instance. Each new layer holds its Linear's own weight and bias Parameters
     (Fp8Linear.from_linear), so optimizers, ties, frozen weights and state_dict keys carry over.
@@ -345,9 +347,15 @@ def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str],
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise checks.bad_type("module_filter_fn", "a callable (module, fqn) -> bool, or None", module_filter_fn)
 
+    from ..grouped.layer import MoEFFN  # grouped/ builds on blockscaled/: imported when used
+
     def swap(m: nn.Module, fqn: str) -> nn.Module:
-        if type(m) is nn.Linear and (module_filter_fn is None or module_filter_fn(m, fqn)):
+        picked = module_filter_fn is None or module_filter_fn(m, fqn)
+        if type(m) is nn.Linear and picked:
             return Fp8Linear.from_linear(m, trainable=True)
+        if isinstance(m, MoEFFN) and picked:
+            m.check_fp8_training()
+            m.fp8_training = True
         for name, child in m.named_children():
             new = swap(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:

@@ -59,6 +59,9 @@ class Groups(NamedTuple):
        of the group, fill), fill 0 for a product, 1 for a tile of zeros (rows past the last
        offset), 2 for NaN (bad offs). count: int32 [1], how many rows of ``sched`` are used.
     G, b_rows: B's descriptor spans G * b_rows rows of W; group g's rows start at g * b_rows.
+    b_cols: None, or the experts side by side along K (a weight gradient's transposed copy,
+       W^T of [G * K, rows] stored [rows, G * K]): W is [b_rows, G * b_cols] and group g's
+       K columns start at g * b_cols (b_cols = K).
     scale_b_g, bias_g: element strides of scale_b and bias between groups.
     scatter: int32 [rows], the C row of each row (MoE GEMM2), or None (C row = row).
     weight: fp32 multiplier per C row (the routing weight), or None.
@@ -72,6 +75,7 @@ class Groups(NamedTuple):
     bias_g: Any
     scatter: Any = None
     weight: Any = None
+    b_cols: Any = None
 
 
 @triton.constexpr_function
@@ -123,7 +127,12 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, group
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, TILE_N, GROUP_M, GROUPED)
-        w_row = g * groups.b_rows + off_n
+        if groups.b_cols is None:
+            w_row = g * groups.b_rows + off_n
+            w_col = 0
+        else:
+            w_row = off_n
+            w_col = g * groups.b_cols
         if fill == 0:
             for kb in range(k_blocks):
                 s = it % STAGES
@@ -133,12 +142,13 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, group
                 tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
                 if TWO:
                     b = b_bufs.index(s)
-                    tma.async_copy_global_to_shared(b_desc, [w_row, kb * BLOCK_K], ready.index(s),
+                    tma.async_copy_global_to_shared(b_desc, [w_row, w_col + kb * BLOCK_K], ready.index(s),
                                                     b.slice(0, BLOCK_N, dim=0))
-                    tma.async_copy_global_to_shared(b_desc, [w_row + (N if SWIGLU else BLOCK_N), kb * BLOCK_K],
+                    tma.async_copy_global_to_shared(b_desc, [w_row + (N if SWIGLU else BLOCK_N), w_col + kb * BLOCK_K],
                                                     ready.index(s), b.slice(BLOCK_N, BLOCK_N, dim=0))
                 else:
-                    tma.async_copy_global_to_shared(b_desc, [w_row, kb * BLOCK_K], ready.index(s), b_bufs.index(s))
+                    tma.async_copy_global_to_shared(b_desc, [w_row, w_col + kb * BLOCK_K], ready.index(s),
+                                                    b_bufs.index(s))
                 it += 1
 
 
@@ -402,7 +412,8 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     A: Operand over fp8 [M, K] with stride1 == 1 (row-major), 16-byte aligned rows.
     B: Operand over fp8 [K, N] with stride0 == 1: the transpose of a K-major weight W [N, K],
        which the kernel reads as W (rows of stride B.stride1), the layout fp8 wgmma takes.
-       GROUPED: W is [G * groups.b_rows, K] (experts stacked), group g's rows from g * b_rows.
+       GROUPED: W is [G * groups.b_rows, K] (experts stacked), group g's rows from g * b_rows;
+       with groups.b_cols, [b_rows, G * K] (experts side by side), group g's columns from g * K.
     C: Operand over [M, N] (bf16, fp16, fp32; fp8 with scales.out) with stride1 == 1. Dense:
        16-byte aligned rows, tiles leave through TMA stores, which clip at M and N. GROUPED:
        masked pointer stores of each group's rows (scattered by groups.scatter).
@@ -434,8 +445,12 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], B.ptr.dtype.element_ty)
     a_desc = tma.make_tensor_descriptor(A.ptr, [M, K], [A.stride0, 1], [BLOCK_M, BLOCK_K], a_layout)
-    b_desc = tma.make_tensor_descriptor(B.ptr, [groups.G * groups.b_rows, K], [B.stride1, 1], [BLOCK_N, BLOCK_K],
-                                        b_layout)
+    if groups.b_cols is None:
+        b_desc = tma.make_tensor_descriptor(B.ptr, [groups.G * groups.b_rows, K], [B.stride1, 1], [BLOCK_N, BLOCK_K],
+                                            b_layout)
+    else:
+        b_desc = tma.make_tensor_descriptor(B.ptr, [groups.b_rows, groups.G * groups.b_cols], [B.stride1, 1],
+                                            [BLOCK_N, BLOCK_K], b_layout)
     B_TILE: gl.constexpr = (2 if SWIGLU or SWAP else 1) * BLOCK_N
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(B.ptr.dtype.element_ty, [STAGES, B_TILE, BLOCK_K], b_layout)
@@ -563,12 +578,23 @@ def experts_layout(w: torch.Tensor) -> bool:
             and w.data_ptr() % 16 == 0)
 
 
+def side_by_side_layout(w: torch.Tensor) -> bool:
+    """Whether TMA can read experts w [G, rows, K] as one [rows, G * K] matrix, the experts side
+    by side along K (the transposed copy quantize_fp8(..., transposed=True) makes of experts
+    stacked by rows): K a multiple of 128, so that no K block reaches into the next expert,
+    16-byte aligned rows and base."""
+    G, rows, K = w.shape
+    return (w.stride(2) == 1 and w.stride(0) == K and K % SCALE_BLOCK == 0 and w.stride(1) >= G * K
+            and (w.stride(1) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
 def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, tma: bool | None = None,
                   config=None) -> str | None:
     """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
     FP8 moe_ffn's GEMMs): on an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128
-    scale_b, the experts w [G, N, K] TMA-readable (``experts_layout``) and a [M, K] too
-    (``rows_layout``; ``a`` None: a row-major copy the caller writes, whose rows are K bytes):
+    scale_b, the experts w [G, N, K] TMA-readable (``experts_layout``, or side by side along K:
+    ``side_by_side_layout``) and a [M, K] too (``rows_layout``; ``a`` None: a row-major copy
+    the caller writes, whose rows are K bytes):
     "grouped" from configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles
     computed transposed, SWAP) up to configs.WGMMA_DECODE_MAX_ROWS, for experts of at least
     configs.WGMMA_MIN_EXPERT_ELEMENTS weights. None (core's Triton body): anything else,
@@ -580,14 +606,15 @@ def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, 
     if mode is None or not (on_sm90(w) and scaling[:2] == BLOCKWISE[:2] and w.dtype == torch.float8_e4m3fn):
         return None
     a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))
-    return mode if a_ok and experts_layout(w) else None
+    return mode if a_ok and (experts_layout(w) or side_by_side_layout(w)) else None
 
 
 def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: configs.WgmmaKey, bias=None,
                       activation=None, scatter=None, weight=None, out_scale=None, config=None):
     """The grouped flavour: C rows of group g = epilogue((a rows of g * scale_a) @ (W_g * scale_b_g)^T).
 
-    a fp8 [M, K] row-major; w fp8 [G, rows, K] (``gluon_grouped_mode``; rows = N, or 2N gate then
+    a fp8 [M, K] row-major; w fp8 [G, rows, K], stacked or side by side along K
+    (``gluon_grouped_mode``; rows = N, or 2N gate then
     up rows when ``key.mode`` is "swiglu" or "decode_swiglu"; the "decode" modes compute each
     tile transposed, SWAP); c [M or scattered rows, N]; schedule(block_m) -> (sched, count):
     the groups' row tiles of the plan's BLOCK_M (grouped/ builds them from offs on the device);
@@ -611,7 +638,7 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
         tiles = (cdiv(M, meta["BLOCK_M"]) + G + 1) * cdiv(N, tile_n)
         sched, count = schedule(meta["BLOCK_M"])
         groups = Groups(sched, count, G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter,
-                        weight)
+                        weight, b_cols)
         BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
             Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K,
             Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, scale_b.stride(1), scale_b.stride(2)),
@@ -619,6 +646,7 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
             NO_VECTOR if bias is None else Vector(bias, bias.stride(1)), groups,
         ))
 
+    b_cols = None if experts_layout(w) else K  # else side by side (gluon_grouped_mode checked one of the two)
     plan_key = (key, a.dtype, c.dtype, bias is None or bias.dtype, activation, scatter is None, weight is None,
-                out_scale is None, a.get_device(), config)
+                out_scale is None, b_cols is None, a.get_device(), config)
     launch(BLOCKSCALED_WGMMA.plan(plan_key, request))

@@ -14,6 +14,7 @@ from torch import nn
 from ..core import checks
 from ..core.matmul import linear, matmul
 from .moe import check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn, sort_by_expert
+from .moe_train import check_fp8_training
 from .ops import grouped_matmul
 from .routing import route
 
@@ -87,6 +88,17 @@ class MoEFFN(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_on_input = weights_on_input
+        self.fp8_training = False  # onegemm.fp8_training(layer) sets it (check_fp8_training)
+
+    def check_fp8_training(self) -> None:
+        """Whether the routed experts can train in FP8 (moe_ffn's fp8_training): 16/32-bit
+        experts without biases, 2I and H multiples of 128; a ValueError says what stands in
+        the way."""
+        if self.w_gate_up_scale is not None or self.biased_experts:
+            raise checks.bad_value("module", "MoEFFN layers with 16/32-bit experts and no expert biases for "
+                                   "fp8_training (pass a module_filter_fn that leaves this one out)",
+                                   "fp8 experts" if self.w_gate_up_scale is not None else "biased (gpt-oss) experts")
+        check_fp8_training(self.w_gate_up)
 
     @property
     def num_experts(self) -> int:
@@ -99,7 +111,8 @@ class MoEFFN(nn.Module):
         return (f"experts={E}, hidden={H}, intermediate={self.w_down.shape[2]}, top_k={self.top_k}, "
                 f"renormalize={self.renormalize}, scoring={self.routing['scoring']!r}, "
                 f"n_group={self.routing['n_group']}, correction_bias={self.correction_bias is not None}, "
-                f"weights_on_input={self.weights_on_input}, shared={shared}")
+                f"weights_on_input={self.weights_on_input}, shared={shared}"
+                + (", fp8_training=True" if self.fp8_training else ""))
 
     def router_logits(self, x):
         if self.routing["scoring"] == "sigmoid" and x.dtype != torch.float32:
@@ -121,6 +134,7 @@ class MoEFFN(nn.Module):
             raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
         weights, ids = self.route(x)
         scales = dict(w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale)
+        fp8 = dict(fp8_training=True) if self.fp8_training else {}
         if self.biased_experts:
             y = self.gpt_oss_experts(x, weights, ids)
         elif self.weights_on_input:
@@ -129,10 +143,10 @@ class MoEFFN(nn.Module):
             T, k = ids.shape
             xw = (x[:, None, :] * weights[:, :, None].to(x.dtype)).reshape(T * k, -1)
             ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
-            y = moe_ffn(xw, self.w_gate_up, self.w_down, ones, ids.reshape(T * k, 1), **scales)
+            y = moe_ffn(xw, self.w_gate_up, self.w_down, ones, ids.reshape(T * k, 1), **scales, **fp8)
             y = y.view(T, k, -1).sum(dim=1) if k > 1 else y
         else:
-            y = moe_ffn(x, self.w_gate_up, self.w_down, weights, ids, **scales)
+            y = moe_ffn(x, self.w_gate_up, self.w_down, weights, ids, **scales, **fp8)
         if self.shared_w_down is not None:
             y = y + self.shared_experts(x)
         return y

@@ -120,7 +120,8 @@ def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None,
     checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
+def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
+            fp8_training=False):
     """SwiGLU expert FFN: y[t] = sum_j w[t,j] * W2_e(silu(W1_e x_t) * W3_e x_t), e = ids[t,j].
 
     x [T, H] (fp16, bf16, fp32); w_gate_up [E, 2I, H] (gate rows W1 then up rows W3);
@@ -139,10 +140,22 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     quantises before sending): x float8_e4m3fn [T, H] with its fp32 1x128 scales x_scale
     [T, ceil(H/128)] (quantize_fp8(x), any strides); nothing is quantised again and the output
     is bfloat16.
+
+    ``fp8_training=True`` (high-precision experts; 2I and H multiples of 128): the expert GEMMs
+    of the forward and of the input gradient run in FP8 with DeepSeek-V3's block scales (the
+    experts quantised 128x128 on every call, activations and output gradients 1x128), the
+    weight gradients and everything outside the expert GEMMs in x's dtype (grouped/moe_train.py).
+    Differentiable as above, first order only.
     """
+    checks.check_bool("fp8_training", fp8_training)
     checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
                                   w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, x_scale=x_scale)
     fp8_weights = w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES
+    if fp8_training:
+        if w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None or fp8_weights:
+            raise checks.bad_value("fp8_training", "False with fp8 experts or scales (FP8 training quantises "
+                                   "high-precision experts itself)", fp8_training)
+        return MOE_FP8_TRAIN.call(x, w_gate_up, w_down, topk_weights, topk_ids)[0]
     if w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None or fp8_weights:
         return MOE_FP8.call(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     if wants_grad(x, w_gate_up, w_down, topk_weights):  # training: GEMM1's output is kept for the backward
@@ -512,9 +525,16 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
         dx_pairs = empty((P, H), dtype=torch.float32, device=x.device)
         _expert_gemm(dh_pre, w_gate_up.transpose(1, 2), dx_pairs, offs, c_rows=pair)
         dx = combine(dx_pairs, topk_ids, E, x.dtype)
-    dw13 = grouped_matmul(dh_pre.t(), x[token], offs, out_dtype=w_gate_up.dtype)  # 2D x 2D over the rows
-    dw2 = grouped_matmul((dy_x[token].float() * w_s[:, None]).to(x.dtype).t(), h, offs, out_dtype=w_down.dtype)
+    dw13, dw2 = expert_weight_grads(dh_pre, dy_x, x, h, token, w_s, offs, w_gate_up.dtype, w_down.dtype)
     return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
+
+
+def expert_weight_grads(dh_pre, dy, x, h, token, w_s, offs, w13_dtype, w2_dtype):
+    """The experts' weight gradients over the sorted rows (2D x 2D grouped GEMMs, ragged K):
+    dW13_e = dh_pre_e^T @ x[token]_e and dW2_e = (w * dy[token])_e^T @ h_e."""
+    dw13 = grouped_matmul(dh_pre.t(), x[token], offs, out_dtype=w13_dtype)
+    dw2 = grouped_matmul((dy[token].float() * w_s[:, None]).to(x.dtype).t(), h, offs, out_dtype=w2_dtype)
+    return dw13, dw2
 
 
 def _moe_backward_fake(dy, x, w_gate_up, w_down, topk_weights, topk_ids, h_pre=None):
@@ -528,3 +548,5 @@ MOE_TRAIN = Op("moe_ffn_train", _moe_train_impl, _moe_train_fake, _moe_train_set
 # FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
 # be traced on every bf16 call too), without a gradient.
 MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake, record=_moe_fp8_record, tensors=8)
+
+from .moe_train import MOE_FP8_TRAIN  # noqa: E402 (it imports this module's helpers)

@@ -14,6 +14,7 @@ from onegemm.testing import (
     launched,
     moe_ffn_torch,
     moe_fp8_ref,
+    moe_fp8_train_ref,
     moe_ref,
     quantize_experts_ref,
     quantize_fp8_ref,
@@ -396,6 +397,111 @@ def test_moe_ffn_fp8_bad_input(device):
         onegemm.moe_ffn(x.requires_grad_(), w13, w2, weights, ids, **scales)
 
 
+# ---- FP8 training (moe_ffn(..., fp8_training=True)) ----
+
+FP8_TRAIN_CASES = [
+    # T, H, I, E, k, dtype, extra
+    (1, 128, 64, 4, 2, FP32, ""),
+    (17, 128, 64, 3, 2, FP32, ""),
+    (64, 128, 192, 8, 2, BF16, ""),
+    (30, 128, 64, 8, 2, FP32, "empty experts"),
+    (40, 256, 128, 4, 3, FP32, "foreign ids"),
+]
+
+
+def _fp8_train_case(T, H, I, E, k, dtype, extra, device):
+    x, w13, w2, weights, ids = moe_inputs(T, H, I, E, k, dtype, device)
+    if extra == "empty experts":
+        ids = ids % (E // 2)  # the upper half of the experts gets no rows
+    if extra == "foreign ids":
+        ids[::3, 0] = E
+        ids[1::4, -1] = -1
+    return [t.requires_grad_() for t in (x, w13, w2, weights)], ids
+
+
+@pytest.mark.parametrize("T,H,I,E,k,dtype,extra", FP8_TRAIN_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-E{c[3]}k{c[4]}-{str(c[5])[6:]}-{c[6] or 'plain'}"
+                              for c in FP8_TRAIN_CASES])
+def test_moe_ffn_fp8_training_gradients(T, H, I, E, k, dtype, extra, device):
+    """Forward and every gradient against the recipe in float64 (the same operands quantised
+    alike). With fp32 x only the accumulation order differs; with bf16 x the intermediates
+    stored in bf16 round differently under the interpreter (it truncates), and fp8 roundings
+    of their quantisation follow: about 2% on 8192 outputs (the FP8 error itself, against
+    moe_ref, is about 6%), too noisy for a handful of outputs, so bf16 runs a larger case."""
+    leaves, ids = _fp8_train_case(T, H, I, E, k, dtype, extra, device)
+    y = onegemm.moe_ffn(*leaves, ids, fp8_training=True)
+    assert y.dtype == dtype and y.shape == (T, H)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want = moe_fp8_train_ref(*leaves, ids, dy)
+    tol = 3e-2 if dtype == BF16 else 1e-5
+    for got, like, ref, what in zip((y, *(t.grad for t in leaves)), (y, *leaves), want,
+                                    ("y", "dx", "dw_gate_up", "dw_down", "dweights")):
+        assert got.dtype == like.dtype, what
+        assert_close(got, ref, tol, what)
+    # ... and close to the unquantised layer's (the FP8 error, not a wrong layout or scale)
+    assert calc_diff(y, moe_ref(*leaves, ids)) < 5e-3
+
+
+def test_moe_ffn_fp8_training_is_deterministic(device):
+    leaves, ids = _fp8_train_case(33, 128, 64, 4, 2, BF16, "", device)
+    dy = torch.randn(33, 128, device=device, dtype=BF16)
+    runs = []
+    for _ in range(2):
+        for t in leaves:
+            t.grad = None
+        y = onegemm.moe_ffn(*leaves, ids, fp8_training=True)
+        y.backward(dy)
+        runs.append([y.detach(), *(t.grad for t in leaves)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_moe_ffn_fp8_training_bad_input(device):
+    x, w13, w2, weights, ids = moe_inputs(8, 128, 64, 4, 2, BF16, device)
+    with pytest.raises(TypeError, match="fp8_training must be a bool"):
+        onegemm.moe_ffn(x, w13, w2, weights, ids, fp8_training=1)
+    x2, w13_2, w2_2, weights2, ids2 = moe_inputs(8, 96, 64, 4, 2, BF16, device)
+    with pytest.raises(ValueError, match="w_gate_up must be \\[E, 2I, H\\] with 2I and H multiples of 128"):
+        onegemm.moe_ffn(x2, w13_2, w2_2, weights2, ids2, fp8_training=True)
+    x3, w13_3, w2_3, weights3, ids3 = moe_inputs(8, 128, 32, 4, 2, BF16, device)
+    with pytest.raises(ValueError, match="w_gate_up must be \\[E, 2I, H\\] with 2I and H multiples of 128"):
+        onegemm.moe_ffn(x3, w13_3, w2_3, weights3, ids3, fp8_training=True)
+    q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+    with pytest.raises(ValueError, match="fp8_training must be False with fp8 experts"):
+        onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2, fp8_training=True)
+    y = onegemm.moe_ffn(x, w13.requires_grad_(), w2, weights, ids, fp8_training=True)
+    with pytest.raises(ValueError, match="create_graph"):
+        (g,) = torch.autograd.grad(y.float().square().sum(), w13, create_graph=True)
+        g.sum().backward()
+
+
+def test_fp8_training_converts_moeffn_layers(device):
+    """onegemm.fp8_training switches an MoEFFN's experts to moe_ffn(fp8_training=True), keeps
+    its Parameters, and refuses layers whose experts cannot train in FP8 unless filtered out."""
+    E, H, I = 4, 128, 64
+    gate = torch.randn(E, H, device=device, dtype=BF16)
+    w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(BF16)
+    w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(BF16)
+    layer = onegemm.MoEFFN(gate, w13, w2, top_k=2)
+    params = list(layer.parameters())
+    model = onegemm.fp8_training(torch.nn.Sequential(layer))
+    assert model[0] is layer and layer.fp8_training and list(layer.parameters()) == params
+    assert "fp8_training=True" in repr(layer)
+    x = torch.randn(24, H, device=device, dtype=BF16)
+    weights, ids = layer.route(x)
+    assert torch.equal(layer(x), onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, weights, ids, fp8_training=True))
+    q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+    fp8_layer = onegemm.MoEFFN(gate, q13, q2, top_k=2, w_gate_up_scale=s13, w_down_scale=s2)
+    with pytest.raises(ValueError, match="module must be MoEFFN layers with 16/32-bit experts"):
+        onegemm.fp8_training(fp8_layer)
+    onegemm.fp8_training(torch.nn.Sequential(fp8_layer), lambda m, fqn: fqn != "0")
+    assert not fp8_layer.fp8_training
+    odd = onegemm.MoEFFN(gate[:, :96].contiguous(), w13[:, :, :96].contiguous(), w2[:, :96].contiguous(), top_k=2)
+    with pytest.raises(ValueError, match="2I and H multiples of 128"):
+        onegemm.fp8_training(odd)
+
+
 # ---- GPU only ----
 
 
@@ -406,6 +512,24 @@ def test_gpu_moe_ffn_real_sizes(T, H, I, E, k, device):
     y = onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids)
     assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 2 * TOL[torch.bfloat16])
     assert torch.equal(onegemm.moe_ffn(x, w_gate_up, w_down, weights, ids), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k", [(4096, 2048, 768, 128, 8), (1024, 4096, 1024, 8, 2), (8, 2048, 768, 128, 8)],
+                         ids=str)
+def test_gpu_moe_ffn_fp8_training_real_sizes(T, H, I, E, k, device):
+    """Qwen3-30B-A3B and a Mixtral-shaped layer in FP8 training against the recipe in float64;
+    at prefill sizes the four FP8 GEMMs run on the Gluon body (the backward's two on the
+    experts side by side along K), at 8 tokens on core's Triton body."""
+    leaves, ids = _fp8_train_case(T, H, I, E, k, BF16, "", device)
+    dy = torch.randn(T, H, device=device, dtype=BF16)
+    out = []
+    kernels = launched(lambda: out.append(onegemm.moe_ffn(*leaves, ids, fp8_training=True)) or out[0].backward(dy))
+    want = moe_fp8_train_ref(*leaves, ids, dy)
+    for got, ref, what in zip((out[0], *(t.grad for t in leaves)), want, ("y", "dx", "dw_gate_up", "dw_down", "dweights")):
+        assert_close(got, ref, 1e-2, what)
+    gluon = sum(x["family"] == "blockscaled_wgmma" for x in kernels)
+    assert gluon == (4 if T * k // E >= 256 else 0), kernels
 
 
 @pytest.mark.gpu
