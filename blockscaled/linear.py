@@ -124,6 +124,7 @@ def _fp8_linear_train_setup(ctx, inputs, output):
     x, weight, bias = inputs
     ctx.save_for_backward(*output[1:])
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero gradients of the fp8 copies (hundreds of MB)
     ctx.weight_dtype = weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 

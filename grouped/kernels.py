@@ -373,12 +373,16 @@ def row_tiles_kernel(offs, sched, count, G, M, BLOCK_M: tl.constexpr, G_BLOCK: t
 
 
 @triton.jit
-def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl.constexpr):
+def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl.constexpr,
+                           SWIGLU: tl.constexpr = False, ROUND: tl.constexpr = ""):
     """Q[r] = X[rows[r]] in fp8 with 1x128 block scales S[r, :] (core/fp8.py's rule): the MoE
     GEMM1 operand written once in expert-sorted order, which TMA then reads as whole rows.
 
     X: Operand over [T, H] (fp32, bf16, fp16, any strides); rows: int32 [P] (the sort's token
-    of each row); Q: Operand over fp8 [P, H]; S: Operand over fp32 [P, ceil(H/128)].
+    of each row), or None (row r of X); Q: Operand over fp8 [P, H]; S: Operand over fp32
+    [P, ceil(H/128)]. SWIGLU: X is [P, 2H] (gate | up) and the row quantised is silu(gate) *
+    up, computed in fp32 and first rounded to ROUND ("bf16", "fp16" or "": kept fp32), the
+    value a 16-bit SwiGLU output would hold (the FP8 training forward's GEMM2 operand).
     offs: int32 [G] expert end offsets (contiguous), or None: only rows before offs[G - 1] are
     written (the later ones belong to experts on other ranks, which no GEMM tile reads).
     Grid: (cdiv(P, BLOCK_R), cdiv(ceil(H/128), col_blocks)): a program walks col_blocks of its
@@ -390,7 +394,10 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl
         end = tl.minimum(tl.load(offs + G - 1), P)
     if tl.program_id(0) * BLOCK_R < end:  # programs past the last live row leave at once
         live = r < end
-        src = tl.load(rows + r, mask=live, other=0).to(tl.int64)
+        if rows is None:
+            src = r.to(tl.int64)
+        else:
+            src = tl.load(rows + r, mask=live, other=0).to(tl.int64)
         r64 = r.to(tl.int64)
         dtype: tl.constexpr = Q.ptr.dtype.element_ty
         kb_lo = tl.program_id(1) * col_blocks
@@ -399,6 +406,13 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl
             mask = live[:, None] & (cols < H)[None, :]
             x = tl.load(X.ptr + src[:, None] * X.stride0 + cols[None, :] * X.stride1, mask=mask, other=0.0)
             x = x.to(tl.float32)
+            if SWIGLU:
+                u = tl.load(X.ptr + src[:, None] * X.stride0 + (cols + H)[None, :] * X.stride1, mask=mask, other=0.0)
+                x = x * tl.sigmoid(x) * u.to(tl.float32)
+                if ROUND == "bf16":
+                    x = x.to(tl.bfloat16).to(tl.float32)
+                elif ROUND == "fp16":
+                    x = x.to(tl.float16).to(tl.float32)
             scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype)
             q = fp8_grid(x, scale[:, None], dtype)
             tl.store(Q.ptr + r64[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q.to(dtype), mask=mask)

@@ -29,7 +29,7 @@ from ..core.runtime import cdiv, empty
 from ..core.scaling import BLOCKS, BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
 from . import moe  # (moe_ffn, which imports this module last, owns the shared MoE steps)
 from .kernels import grouped_scales
-from .ops import combine, gather_quantize, row_tiles, swiglu_backward
+from .ops import combine, gather_quantize, row_tiles, swiglu_backward, swiglu_quantize
 
 E4M3 = torch.float8_e4m3fn
 
@@ -124,8 +124,7 @@ def _train_record(x, w_gate_up, w_down, topk_weights, topk_ids):
             pair, token, offs = sort(topk_ids)
             xq, xs = gather_quantize(x, token, E4M3, offs)
             fp8_expert_gemm(xq, xs, w13, h_pre, offs)
-            g, u = h_pre.float().chunk(2, dim=1)
-            hq, hs = _quantize_rows((torch.nn.functional.silu(g) * u).to(x.dtype))
+            hq, hs = swiglu_quantize(h_pre)
             weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
             fp8_expert_gemm(hq, hs, w2, y_pairs, offs, scatter=pair, weight=weights)
             y = combine(y_pairs, topk_ids, E, x.dtype)
@@ -155,6 +154,7 @@ def _train_setup(ctx, inputs, output):
     x, w_gate_up, w_down, topk_weights, topk_ids = inputs
     ctx.save_for_backward(x, topk_weights, topk_ids, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero gradients of the fp8 copies (hundreds of MB)
     ctx.weight_dtypes = (w_gate_up.dtype, w_down.dtype)
 
 

@@ -48,11 +48,23 @@ def gather_quantize(x, rows, dtype=torch.float8_e4m3fn, offs=None):
     quantize_fp8's values and scales of the gathered rows, in one pass. The scales are a
     transposed view of [ceil(H/128), P], so a GEMM reads a K block's scales of its rows in one
     coalesced line. ``offs`` (int32 [G] group end offsets): rows past offs[-1] are left unwritten."""
-    P, H = rows.shape[0], x.shape[1]
+    return _gather_quantize(x, rows, rows.shape[0], x.shape[1], dtype, offs)
+
+
+def swiglu_quantize(h_pre, dtype=torch.float8_e4m3fn):
+    """(q [P, I] fp8, scales [P, ceil(I/128)]) of h = silu(gate) * up for h_pre [P, 2I] (gate |
+    up), h rounded to h_pre's dtype first: quantize_fp8(h) of a 16-bit SwiGLU output, in one
+    read of h_pre (gather_quantize_kernel's SWIGLU)."""
+    return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True)
+
+
+def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False):
     q = empty((P, H), dtype=dtype, device=x.device)
     s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t()
     key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
-    plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, x.get_device()), lambda: Request(key, {}, x.device))
+    round_to = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "") if swiglu else ""
+    plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, rows is None, swiglu, x.get_device()),
+                                lambda: Request(key, dict(SWIGLU=swiglu, ROUND=round_to), x.device))
     row_programs, col_blocks = cdiv(P, plan.meta["BLOCK_R"]), cdiv(H, SCALE_BLOCK)
     per = configs.gather_col_blocks(row_programs, col_blocks, 1 if INTERPRET else sm_count(plan.device_index))
     GATHER_QUANTIZE.launch(plan, (row_programs, cdiv(col_blocks, per)), (

@@ -14,10 +14,11 @@ from helpers import fp8_grouped_inputs, fp8_moe_inputs, offs_of
 from onegemm.core import configs, hopper_fp8
 from onegemm.core.launch import clear_plans, plans
 from onegemm.core.scaling import Granularity, Scaling
-from onegemm.grouped.ops import combine, gather_quantize, row_tiles
+from onegemm.grouped.ops import combine, gather_quantize, row_tiles, swiglu_quantize
 from onegemm.testing import (
     assert_close,
     calc_diff,
+    dequantize_ref,
     launched,
     grouped_mm_ref,
     moe_fp8_ref,
@@ -104,6 +105,23 @@ def test_gather_quantize_stops_at_the_last_offset(device):
     want_q, want_s = quantize_fp8_ref(x[rows.long()], (1, 128))
     assert torch.equal(q[:7].float(), want_q[:7].float()) and torch.equal(s[:7], want_s[:7])
     assert s[7:].isnan().all()  # runtime.empty poisons outputs in tests
+
+
+@pytest.mark.parametrize("P,I,dtype", [(17, 300, torch.float32), (5, 128, torch.bfloat16), (1, 64, torch.float16)],
+                         ids=["fp32", "bf16", "fp16"])
+def test_swiglu_quantize_is_quantize_fp8_of_the_swiglu(P, I, dtype, device):
+    """The FP8 training forward's GEMM2 operand: quantize_fp8(silu(gate) * up) with the
+    product rounded to h_pre's dtype first, in one pass (the fp32 SwiGLU of the kernel and of
+    torch may differ in the last bit, which can move an fp8 rounding: close, not equal)."""
+    h_pre = (torch.randn(P, 2 * I, device=device) * 3).to(dtype)
+    q, s = swiglu_quantize(h_pre)
+    g, u = h_pre.float().chunk(2, dim=1)
+    h = (torch.nn.functional.silu(g) * u).to(dtype)
+    want_q, want_s = quantize_fp8_ref(h, (1, 128))
+    assert q.dtype == E4M3 and s.shape == want_s.shape and s.stride(0) == 1
+    torch.testing.assert_close(s, want_s, rtol=1e-2, atol=0)
+    assert_close(dequantize_ref(q, s, 1, 128), h, 0.05, "dequantised h")
+    assert (q.float() == want_q.float()).float().mean() > 0.9  # (the interpreter truncates a bf16 cast)
 
 
 # (tokens, k, H, out dtype, ids): ids of other ranks (-1, E and past) are skipped
