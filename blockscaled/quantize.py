@@ -32,7 +32,6 @@ from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty
 from ..core.scaling import BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity
-from ..core.tiles import NO_OPERAND, Operand
 
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
 FLT_MIN = torch.finfo(torch.float32).tiny
@@ -51,7 +50,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 def quantize_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, cols_per_scale,
-    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk, qt, st,
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     POW2: tl.constexpr, ROWS_PER_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -59,10 +58,6 @@ def quantize_kernel(
 
     x_ptr [M, K] (fp32/bf16/fp16), q_ptr [M, K] (fp8): element [i, j] at ptr + i*stride_m + j*stride_k.
     s_ptr [ceil(M / ROWS_PER_SCALE), ceil(K / cols_per_scale)] fp32, any strides.
-    qt, st: Operands over x.t()'s quantisation q_t [K, M] and its scales [ceil(K/128),
-    ceil(M/128)] (128x128 blocks: the same blocks, so the same values, stored transposed),
-    or NO_OPERAND. Each tile is stored twice from registers; Triton's layout conversion
-    between the two stores goes through shared memory.
     ROWS_PER_SCALE: 1 (1x128 blocks, row-wise) or BLOCK_M (128x128 blocks).
     cols_per_scale: 128 for blocks, K for row-wise (the program then loops over the row).
     Grid: (cdiv(M, BLOCK_M), cdiv(K, cols_per_scale)); program (pm, pk) owns rows
@@ -91,8 +86,6 @@ def quantize_kernel(
     # One store per scale: the first row of each ROWS_PER_SCALE group writes it.
     s_mask = mask_m & (rows % ROWS_PER_SCALE == 0)
     tl.store(s_ptr + (rows // ROWS_PER_SCALE).to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=s_mask)
-    if st.ptr is not None:
-        tl.store(st.ptr + pk * st.stride0 + (rows // ROWS_PER_SCALE).to(tl.int64) * st.stride1, scale, mask=s_mask)
 
     for k0 in range(k_start, k_end, BLOCK_K):
         cols = k0 + offs_k
@@ -100,9 +93,6 @@ def quantize_kernel(
         x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         q = fp8_cast(x, scale[:, None], q_ptr.dtype.element_ty)
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
-        if qt.ptr is not None:
-            tl.store(qt.ptr + cols.to(tl.int64)[None, :] * qt.stride0 + rows.to(tl.int64)[:, None] * qt.stride1, q,
-                     mask=mask)
 
 
 @triton.jit
@@ -193,33 +183,35 @@ def _transposed_empty(K: int, M: int, dtype: torch.dtype, device, fake_like=None
 
 
 def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool,
-                      transposed: bool = False):
+                      transposed: bool = False, padded: bool = False):
     """``_quantize_triton`` as a callable x -> (q, scale[, q_t, scale_t]) for inputs of x's
     signature (the plan, grid and strides fixed): what a record keeps. ``transposed``: 1x128
-    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed, so
-    this kernel stores each tile a second time, transposed, into q_t (rows padded as
-    ``_transposed_empty``) and its scales into scale_t [ceil(K/128), ceil(M/128)]."""
-    if transposed and block == ROW_BLOCKS:
-        return _pair_quantizer(x, dtype, pow2_scale)
+    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed,
+    so x.t() gets a second pass of this kernel (torch's copy of the fp8 q.t() was slower than
+    a whole pass, docs/performance.md; one pass storing each tile a second time, transposed,
+    gave wrong values on sm_90 with Triton 3.6, though right under the interpreter: tried
+    twice, through tl.trans and through a second store's own layout). ``padded``: q's rows
+    padded as ``_transposed_empty``."""
+    if transposed:
+        if block == ROW_BLOCKS:
+            return _pair_quantizer(x, dtype, pow2_scale)
+        direct, of_t = _triton_quantizer(x, block, dtype, pow2_scale), _triton_quantizer(x.t(), block, dtype, pow2_scale,
+                                                                                          padded=True)
+        return lambda x: (*direct(x), *of_t(x.t()))
     M, K = x.shape
     device = x.device
     cols_per_scale = K if block == ROW else SCALE_BLOCK
     rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
 
     def outputs():
-        out = empty((M, K), dtype=dtype, device=device), _scale_storage(block, M, K, device)
-        if transposed:
-            out += _transposed_empty(K, M, dtype, device), _scale_storage(block, K, M, device)
-        return out
+        q = _transposed_empty(M, K, dtype, device) if padded else empty((M, K), dtype=dtype, device=device)
+        return q, _scale_storage(block, M, K, device)
 
     out0 = outputs()
     strides = (*x.stride(), *out0[0].stride(), *out0[1].stride())
 
-    def args(x, q, scale, q_t=None, scale_t=None):
-        if q_t is None:
-            return (x, q, scale, M, K, cols_per_scale, *strides, NO_OPERAND, NO_OPERAND)
-        return (x, q, scale, M, K, cols_per_scale, *strides, Operand(q_t, *q_t.stride()),
-                Operand(scale_t, *scale_t.stride()))
+    def args(x, q, scale):
+        return (x, q, scale, M, K, cols_per_scale, *strides)
 
     def grid(plan):
         return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
