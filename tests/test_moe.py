@@ -424,7 +424,8 @@ def _fp8_train_case(T, H, I, E, k, dtype, extra, device):
                               for c in FP8_TRAIN_CASES])
 def test_moe_ffn_fp8_training_gradients(T, H, I, E, k, dtype, extra, device):
     """Forward and every gradient against the recipe in float64 (the same operands quantised
-    alike). With fp32 x only the accumulation order differs; with bf16 x the intermediates
+    alike). With fp32 x only the accumulation order differs, which moves an fp8 rounding of
+    the few values that sit on a rounding boundary (up to ~2e-4 seen); with bf16 x the intermediates
     stored in bf16 round differently under the interpreter (it truncates), and fp8 roundings
     of their quantisation follow: about 2% on 8192 outputs (the FP8 error itself, against
     moe_ref, is about 6%), too noisy for a handful of outputs, so bf16 runs a larger case."""
@@ -434,7 +435,7 @@ def test_moe_ffn_fp8_training_gradients(T, H, I, E, k, dtype, extra, device):
     dy = torch.randn_like(y)
     y.backward(dy)
     want = moe_fp8_train_ref(*leaves, ids, dy)
-    tol = 3e-2 if dtype == BF16 else 1e-5
+    tol = 3e-2 if dtype == BF16 else 1e-3
     for got, like, ref, what in zip((y, *(t.grad for t in leaves)), (y, *leaves), want,
                                     ("y", "dx", "dw_gate_up", "dw_down", "dweights")):
         assert got.dtype == like.dtype, what
