@@ -380,8 +380,9 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl
 
     X: Operand over [T, H] (fp32, bf16, fp16, any strides); rows: int32 [P] (the sort's token
     of each row), or None (row r of X); Q: Operand over fp8 [P, H]; S: Operand over fp32
-    [P, ceil(H/128)]. SWIGLU: X is [P, 2H] (gate | up) and the row quantised is silu(gate) *
-    up, computed in fp32 and first rounded to ROUND ("bf16", "fp16" or "": kept fp32), the
+    [P, ceil(H/128)], or NO_OPERAND: Q is 16/32-bit and gets the rows as they are (no
+    quantisation). SWIGLU: X is [P, 2H] (gate | up) and the row is silu(gate) * up, computed
+    in fp32 and, before a quantisation, rounded to ROUND ("bf16", "fp16" or "": kept fp32), the
     value a 16-bit SwiGLU output would hold (the FP8 training forward's GEMM2 operand).
     offs: int32 [G] expert end offsets (contiguous), or None: only rows before offs[G - 1] are
     written (the later ones belong to experts on other ranks, which no GEMM tile reads).
@@ -413,10 +414,13 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl
                     x = x.to(tl.bfloat16).to(tl.float32)
                 elif ROUND == "fp16":
                     x = x.to(tl.float16).to(tl.float32)
-            scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype)
-            q = fp8_grid(x, scale[:, None], dtype)
-            tl.store(Q.ptr + r64[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q.to(dtype), mask=mask)
-            tl.store(S.ptr + r64 * S.stride0 + kb * S.stride1, scale, mask=live)
+            if S.ptr is None:
+                tl.store(Q.ptr + r64[:, None] * Q.stride0 + cols[None, :] * Q.stride1, x.to(dtype), mask=mask)
+            else:
+                scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype)
+                q = fp8_grid(x, scale[:, None], dtype)
+                tl.store(Q.ptr + r64[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q.to(dtype), mask=mask)
+                tl.store(S.ptr + r64 * S.stride0 + kb * S.stride1, scale, mask=live)
 
 
 @triton.jit

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..core import checks, configs
 from ..core.dispatch import Op, wants_grad
@@ -25,7 +24,8 @@ from ..core.runtime import cdiv, empty, next_pow2
 from ..core.scaling import BLOCKWISE, SCALE_BLOCK
 from ..core.tiles import Routing
 from .kernels import NO_GROUPED_SCALES, grouped_scales, sort_by_expert_kernel
-from .ops import combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles, swiglu_backward
+from .ops import (combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles, swiglu,
+                  swiglu_backward)
 
 
 def sort_by_expert(topk_ids, num_experts: int):
@@ -220,9 +220,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
 
     ``keep_pre`` (16/32-bit experts; moe_ffn's training forward): GEMM1 writes its
     pre-activation h_pre [P, 2I] (gate | up, sorted rows) in fp32 instead of fusing SwiGLU,
-    SwiGLU runs on those fp32 sums (what the fused epilogue computes), and the callable
-    returns (y, h_pre): the backward keeps h_pre rather than recomputing GEMM1, the largest
-    of the expert GEMMs.
+    SwiGLU runs on those fp32 sums (ops.swiglu, one pass; what the fused epilogue computes),
+    and the callable returns (y, h_pre): the backward keeps h_pre rather than recomputing
+    GEMM1, the largest of the expert GEMMs.
     """
     T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
     device, dtype = x.device, _out_dtype(x)
@@ -270,7 +270,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
             gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h_pre, x, w_gate_up, offs, token, None, None, s1))
-            h = (F.silu(h_pre[:, :I]) * h_pre[:, I:]).to(h_dtype)
+            h = swiglu(h_pre, h_dtype)
         else:
             gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h, x, w_gate_up, offs, token, None, None, s1))
         y_pairs = empty((T * k, H), dtype=dtype, device=device)

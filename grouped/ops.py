@@ -58,18 +58,26 @@ def swiglu_quantize(h_pre, dtype=torch.float8_e4m3fn):
     return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True)
 
 
+def swiglu(h_pre, dtype):
+    """h = silu(gate) * up [P, I] in ``dtype`` of h_pre [P, 2I] (gate | up), computed in fp32
+    from one read of h_pre (gather_quantize_kernel's SWIGLU without the quantisation)."""
+    return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True)[0]
+
+
 def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False):
+    """gather_quantize_kernel's launch: (q, scales) for an fp8 ``dtype``, (rows, None) else."""
+    quantize = dtype in checks.FP8_DTYPES
     q = empty((P, H), dtype=dtype, device=x.device)
-    s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t()
+    s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t() if quantize else None
     key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
-    round_to = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "") if swiglu else ""
+    round_to = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "") if swiglu and quantize else ""
     plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, rows is None, swiglu, x.get_device()),
                                 lambda: Request(key, dict(SWIGLU=swiglu, ROUND=round_to), x.device))
     row_programs, col_blocks = cdiv(P, plan.meta["BLOCK_R"]), cdiv(H, SCALE_BLOCK)
     per = configs.gather_col_blocks(row_programs, col_blocks, 1 if INTERPRET else sm_count(plan.device_index))
     GATHER_QUANTIZE.launch(plan, (row_programs, cdiv(col_blocks, per)), (
-        Operand(interpretable(x), *x.stride()), rows, Operand(q, *q.stride()), Operand(s, *s.stride()), P, H, offs,
-        0 if offs is None else offs.shape[0], per))
+        Operand(interpretable(x), *x.stride()), rows, Operand(q, *q.stride()),
+        NO_OPERAND if s is None else Operand(s, *s.stride()), P, H, offs, 0 if offs is None else offs.shape[0], per))
     return q, s
 
 

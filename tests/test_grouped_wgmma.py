@@ -14,7 +14,7 @@ from helpers import fp8_grouped_inputs, fp8_moe_inputs, offs_of
 from onegemm.core import configs, hopper_fp8
 from onegemm.core.launch import clear_plans, plans
 from onegemm.core.scaling import Granularity, Scaling
-from onegemm.grouped.ops import combine, gather_quantize, row_tiles, swiglu_quantize
+from onegemm.grouped.ops import combine, gather_quantize, row_tiles, swiglu, swiglu_quantize
 from onegemm.testing import (
     assert_close,
     calc_diff,
@@ -122,6 +122,18 @@ def test_swiglu_quantize_is_quantize_fp8_of_the_swiglu(P, I, dtype, device):
     torch.testing.assert_close(s, want_s, rtol=1e-2, atol=0)
     assert_close(dequantize_ref(q, s, 1, 128), h, 0.05, "dequantised h")
     assert (q.float() == want_q.float()).float().mean() > 0.9  # (the interpreter truncates a bf16 cast)
+
+
+@pytest.mark.parametrize("P,I,dtype", [(17, 300, torch.float32), (5, 128, torch.bfloat16), (1, 64, torch.float16)],
+                         ids=["fp32", "bf16", "fp16"])
+def test_swiglu_is_silu_gate_times_up(P, I, dtype, device):
+    """moe_ffn's training forward: silu(gate) * up of fp32 GEMM1 sums, stored in x's dtype (the
+    interpreter truncates a 16-bit store: up to one ulp)."""
+    h_pre = torch.randn(P, 2 * I, device=device) * 3
+    h = swiglu(h_pre, dtype)
+    g, u = h_pre.chunk(2, dim=1)
+    assert h.dtype == dtype and h.shape == (P, I)
+    assert_close(h, torch.nn.functional.silu(g.double()) * u.double(), 1e-6 if dtype == torch.float32 else 1e-2)
 
 
 # (tokens, k, H, out dtype, ids): ids of other ranks (-1, E and past) are skipped
