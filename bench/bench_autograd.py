@@ -149,15 +149,20 @@ def measure_fp8_training(d, steps, batch, device):
     """bf16 against onegemm.fp8_training over ``steps`` steps: final losses and step times."""
     torch.manual_seed(0)
     teacher = mlp(d, device)
-    bf16 = mlp(d, device)
+    return bf16_against_fp8(f"MLP {d}->{4 * d}->{d}, batch {batch}", teacher, mlp(d, device), steps, batch, d, device)
+
+
+def bf16_against_fp8(model_name, teacher, bf16, steps, batch, d, device, seed=1):
+    """``bf16`` and its onegemm.fp8_training copy trained to ``teacher`` on the same batches:
+    (row of final losses and step times, bf16 losses, fp8 losses)."""
     fp8 = onegemm.fp8_training(copy.deepcopy(bf16))
-    fp8_losses, fp8_ms = train(fp8, steps, batch, d, teacher, device, seed=1)
-    bf16_losses, bf16_ms = train(bf16, steps, batch, d, teacher, device, seed=1)
+    fp8_losses, fp8_ms = train(fp8, steps, batch, d, teacher, device, seed=seed)
+    bf16_losses, bf16_ms = train(bf16, steps, batch, d, teacher, device, seed=seed)
     tail = max(1, steps // 10)
     final_bf16, final_fp8 = sum(bf16_losses[-tail:]) / tail, sum(fp8_losses[-tail:]) / tail
-    row = dict(model=f"MLP {d}->{4 * d}->{d}, batch {batch}", steps=steps, bf16_final_loss=final_bf16,
-               fp8_final_loss=final_fp8, fp8_vs_bf16_loss=final_fp8 / final_bf16, bf16_step_ms=bf16_ms,
-               fp8_step_ms=fp8_ms, fp8_speedup=bf16_ms / fp8_ms)
+    row = dict(model=model_name, steps=steps, bf16_final_loss=final_bf16, fp8_final_loss=final_fp8,
+               fp8_vs_bf16_loss=final_fp8 / final_bf16, bf16_step_ms=bf16_ms, fp8_step_ms=fp8_ms,
+               fp8_speedup=bf16_ms / fp8_ms)
     print(row, flush=True)
     return row, bf16_losses, fp8_losses
 
@@ -193,18 +198,8 @@ def moe_layer(E, H, I, k, device, seed):
 
 def measure_moe_fp8_training(E, H, I, k, batch, steps, device):
     """An MoEFFN layer trained in bf16 and under onegemm.fp8_training: final losses, step times."""
-    teacher = moe_layer(E, H, I, k, device, seed=0)
-    bf16 = moe_layer(E, H, I, k, device, seed=1)
-    fp8 = onegemm.fp8_training(copy.deepcopy(bf16))
-    fp8_losses, fp8_ms = train(fp8, steps, batch, H, teacher, device, seed=2)
-    bf16_losses, bf16_ms = train(bf16, steps, batch, H, teacher, device, seed=2)
-    tail = max(1, steps // 10)
-    final_bf16, final_fp8 = sum(bf16_losses[-tail:]) / tail, sum(fp8_losses[-tail:]) / tail
-    row = dict(model=f"MoEFFN E={E} H={H} I={I} top-{k}, batch {batch}", steps=steps, bf16_final_loss=final_bf16,
-               fp8_final_loss=final_fp8, fp8_vs_bf16_loss=final_fp8 / final_bf16, bf16_step_ms=bf16_ms,
-               fp8_step_ms=fp8_ms, fp8_speedup=bf16_ms / fp8_ms)
-    print(row, flush=True)
-    return row, bf16_losses, fp8_losses
+    return bf16_against_fp8(f"MoEFFN E={E} H={H} I={I} top-{k}, batch {batch}", moe_layer(E, H, I, k, device, seed=0),
+                            moe_layer(E, H, I, k, device, seed=1), steps, batch, H, device, seed=2)
 
 
 def run_moe_fp8(quick, device, timer):
