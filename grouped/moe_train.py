@@ -3,10 +3,10 @@ the expert GEMMs of the forward and of the input gradient in FP8 with block scal
 
 The recipe is DeepSeek-V3's, on the grouped flavour of core's FP8 body: each GEMM's operands
 are quantised along its own reduction dim, activations and output gradients in 1x128 blocks,
-the experts in 128x128 blocks. Every step quantises each expert matrix once; its blocks serve
-W and W^T (the block grid is transpose-symmetric), and the same pass writes W^T's fp8 copy
-(quantize_fp8(..., transposed=True)), which the backward's GEMMs read K-major with the experts
-side by side along K. The router, the SwiGLU, the combine and the two weight gradients stay in
+the experts in 128x128 blocks. Every step quantises each expert stack once; its blocks serve
+W and W^T (the block grid is transpose-symmetric), and the same quantiser call writes W^T's
+fp8 copy (quantize_fp8(..., transposed=True)), which the backward's GEMMs read K-major with
+the experts side by side along K. The router, the SwiGLU, the combine and the two weight gradients stay in
 high precision (the grouped FP8 body has no ragged-K mode, which the weight gradients need).
 
 Rows r are the (token, slot) pairs sorted by expert e; g | u the gate and up halves of GEMM1:
