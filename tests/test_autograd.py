@@ -532,6 +532,22 @@ def test_compile_fullgraph_equals_eager(fn, args, backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_trains_moe_fp8_like_eager(backend, device):
+    """moe_ffn(fp8_training=True) traced whole (forward and its FP8 backward): the same bits."""
+    torch._dynamo.reset()
+    x, w13, w2, weights, ids = _moe_inputs(9, 128, 64, 4, 2, torch.float32, device)
+    tensors = [leaf(t) for t in (x, w13, w2, weights)]
+
+    def loss(x, w13, w2, weights):
+        return onegemm.moe_ffn(x, w13, w2, weights, ids, fp8_training=True).square().sum()
+
+    eager = torch.autograd.grad(loss(*tensors), tensors)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=backend)(*tensors), tensors)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(c, e)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_trains_like_eager(backend, device):
     """Gradients through the registered ops' backward equal the eager ones."""
     torch._dynamo.reset()
@@ -594,6 +610,18 @@ def _opcheck_fp8_backward(d):
     return _r(17, 9, d=d), q_wt, s_w, q_xt, s_xt, torch.float32
 
 
+def _opcheck_moe_fp8_train(d, grad=True):
+    x, w13, w2, weights, ids = _moe_inputs(5, 128, 64, 3, 2, torch.float32, d, bad_id=False)
+    return (*(leaf(t) if grad else t for t in (x, w13, w2, weights)), ids)
+
+
+def _opcheck_moe_fp8_train_backward(d):
+    """moe_ffn_fp8_train_backward's inputs as the training forward leaves them."""
+    x, w13, w2, weights, ids = _opcheck_moe_fp8_train(d, grad=False)
+    _, h_pre, q13_t, s13, q2_t, s2 = torch.ops.onegemm.moe_ffn_fp8_train(x, w13, w2, weights, ids)
+    return _r(5, 128, d=d), x, weights, ids, h_pre, q13_t, s13, q2_t, s2, torch.float32, torch.float32
+
+
 # (op, args(device)): each registered op on small inputs.
 OPCHECK_CASES = [
     pytest.param(torch.ops.onegemm.matmul.default,
@@ -614,6 +642,9 @@ OPCHECK_CASES = [
     pytest.param(torch.ops.onegemm.quantize_fp8_transposed.default,
                  lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False), id="quantize_fp8_transposed"),
     pytest.param(torch.ops.onegemm.moe_ffn_fp8.default, _opcheck_moe_fp8, id="moe_ffn_fp8"),
+    pytest.param(torch.ops.onegemm.moe_ffn_fp8_train.default, _opcheck_moe_fp8_train, id="moe_ffn_fp8_train"),
+    pytest.param(torch.ops.onegemm.moe_ffn_fp8_train_backward.default, _opcheck_moe_fp8_train_backward,
+                 id="moe_ffn_fp8_train_backward"),
 ]
 
 
@@ -625,12 +656,13 @@ def test_opcheck(op, args, device):
     args = args(device)
     utils = ALL_OPCHECKS
     if op in (torch.ops.onegemm.blockscaled_mm.default, torch.ops.onegemm.moe_ffn_fp8.default,
-              torch.ops.onegemm.fp8_linear_backward.default):
+              torch.ops.onegemm.fp8_linear_backward.default, torch.ops.onegemm.moe_ffn_fp8_train_backward.default):
         # test_schema multiplies the inputs to check they are not mutated, and torch has no
         # float8 multiply (CPU or CUDA): the fp8 op is checked on the other three.
         utils = ALL_OPCHECKS[1:]
-    if op is torch.ops.onegemm.fp8_linear_train.default:
+    if op in (torch.ops.onegemm.fp8_linear_train.default, torch.ops.onegemm.moe_ffn_fp8_train.default):
         # test_aot_dispatch_dynamic sums every output into its loss, fp8 ones included, and torch
-        # has no float8 sum; test_compile_trains_fp8_linear_like_eager traces its autograd instead.
+        # has no float8 sum; test_compile_trains_fp8_linear_like_eager and
+        # test_compile_trains_moe_fp8_like_eager trace their autograd instead.
         utils = ALL_OPCHECKS[:3]
     torch.library.opcheck(op, args, test_utils=utils)
