@@ -80,7 +80,7 @@ def fp8_expert_gemm(a, a_scale, experts: Experts, c, offs, scatter=None, weight=
                           N=N, key=key, scatter=scatter, weight=weight)
     else:
         moe._expert_gemm(a, experts.w, c, offs, c_rows=scatter, weight=weight,
-                     scales=grouped_scales(a=a_scale, b=experts.scale), scaling=BLOCKWISE)
+                         scales=grouped_scales(a=a_scale, b=experts.scale), scaling=BLOCKWISE)
 
 
 def _quantize_rows(t):
