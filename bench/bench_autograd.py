@@ -179,7 +179,8 @@ def measure_moe_fp8(shapes, device, timer):
         bf16()
         want = [t.grad.clone() for t in (x, w13, w2, weights)]
         fp8()
-        diffs = {f"diff_{what}": calc_diff(t.grad, g) for t, g, what in zip((x, w13, w2, weights), want, ("dx", "dw13", "dw2", "dweights"))}
+        diffs = {f"diff_{what}": calc_diff(t.grad, g)
+                 for t, g, what in zip((x, w13, w2, weights), want, ("dx", "dw13", "dw2", "dweights"))}
         t_bf16, t_fp8 = timer(bf16), timer(fp8)
         rows.append(dict(shape=f"{name} T={T}", bf16_ms=t_bf16, fp8_ms=t_fp8, fp8_vs_bf16=t_bf16 / t_fp8, **diffs))
         print(rows[-1], flush=True)

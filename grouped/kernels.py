@@ -151,8 +151,9 @@ def ragged_kernel(
     routing: tiles.Routing ("M" only: the MoE gather of x's rows, scatter of output rows and
         routing weight, indexed by the grouped row; all None otherwise).
     scales: an FP8 grouped GEMM's tiles.Scales, as ``grouped_scales`` builds them ("M" only;
-        NO_GROUPED_SCALES without scales), moved to each group here: ``a`` an Operand over A's per-K-block scales [rows of A,
-        ceil(K/128)] (1x128, SA_ROWS = 1; with a gather indexed by token row, like A), ``m``
+        NO_GROUPED_SCALES without scales), moved to each group here: ``a`` an Operand over
+        A's per-K-block scales [rows of A, ceil(K/128)] (1x128, SA_ROWS = 1; with a gather
+        indexed by token row, like A), ``m``
         a Vector over A's row scales [M] (not with a gather); ``b`` a Stacked over
         [G, ceil(K/128), ceil(N/128)] (128x128, SB_COLS = 128; with SWIGLU 2 * ceil(N/128)
         columns, the gate's blocks then the up's), ``n`` an Operand over [G, N] (element

@@ -24,8 +24,8 @@ from ..core.runtime import cdiv, empty, next_pow2
 from ..core.scaling import BLOCKWISE, SCALE_BLOCK
 from ..core.tiles import Routing
 from .kernels import NO_GROUPED_SCALES, grouped_scales, sort_by_expert_kernel
-from .ops import (combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles, swiglu,
-                  swiglu_backward)
+from .ops import (combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles,
+                  swiglu_backward, swiglu_forward)
 
 
 def sort_by_expert(topk_ids, num_experts: int):
@@ -147,11 +147,11 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     weight gradients and everything outside the expert GEMMs in x's dtype (grouped/moe_train.py).
     Differentiable as above, first order only.
     """
-    checks.check_bool("fp8_training", fp8_training)
     checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
                                   w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, x_scale=x_scale)
     fp8_weights = w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES
-    if fp8_training:
+    if fp8_training is not False:  # (checked only when given: moe_ffn's hot path)
+        checks.check_bool("fp8_training", fp8_training)
         if w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None or fp8_weights:
             raise checks.bad_value("fp8_training", "False with fp8 experts or scales (FP8 training quantises "
                                    "high-precision experts itself)", fp8_training)
@@ -220,7 +220,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
 
     ``keep_pre`` (16/32-bit experts; moe_ffn's training forward): GEMM1 writes its
     pre-activation h_pre [P, 2I] (gate | up, sorted rows) in fp32 instead of fusing SwiGLU,
-    SwiGLU runs on those fp32 sums (ops.swiglu, one pass; what the fused epilogue computes),
+    SwiGLU runs on those fp32 sums (ops.swiglu_forward, one pass; what the fused epilogue computes),
     and the callable returns (y, h_pre): the backward keeps h_pre rather than recomputing
     GEMM1, the largest of the expert GEMMs.
     """
@@ -270,7 +270,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
             gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h_pre, x, w_gate_up, offs, token, None, None, s1))
-            h = swiglu(h_pre, h_dtype)
+            h = swiglu_forward(h_pre, h_dtype)
         else:
             gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h, x, w_gate_up, offs, token, None, None, s1))
         y_pairs = empty((T * k, H), dtype=dtype, device=device)

@@ -58,7 +58,7 @@ def swiglu_quantize(h_pre, dtype=torch.float8_e4m3fn):
     return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True)
 
 
-def swiglu(h_pre, dtype):
+def swiglu_forward(h_pre, dtype):
     """h = silu(gate) * up [P, I] in ``dtype`` of h_pre [P, 2I] (gate | up), computed in fp32
     from one read of h_pre (gather_quantize_kernel's SWIGLU without the quantisation)."""
     return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True)[0]

@@ -14,7 +14,7 @@ from helpers import fp8_grouped_inputs, fp8_moe_inputs, offs_of
 from onegemm.core import configs, hopper_fp8
 from onegemm.core.launch import clear_plans, plans
 from onegemm.core.scaling import Granularity, Scaling
-from onegemm.grouped.ops import combine, gather_quantize, row_tiles, swiglu, swiglu_quantize
+from onegemm.grouped.ops import combine, gather_quantize, row_tiles, swiglu_forward, swiglu_quantize
 from onegemm.testing import (
     assert_close,
     calc_diff,
@@ -130,7 +130,7 @@ def test_swiglu_is_silu_gate_times_up(P, I, dtype, device):
     """moe_ffn's training forward: silu(gate) * up of fp32 GEMM1 sums, stored in x's dtype (the
     interpreter truncates a 16-bit store: up to one ulp)."""
     h_pre = torch.randn(P, 2 * I, device=device) * 3
-    h = swiglu(h_pre, dtype)
+    h = swiglu_forward(h_pre, dtype)
     g, u = h_pre.chunk(2, dim=1)
     assert h.dtype == dtype and h.shape == (P, I)
     assert_close(h, torch.nn.functional.silu(g.double()) * u.double(), 1e-6 if dtype == torch.float32 else 1e-2)
