@@ -685,7 +685,7 @@ def quant_candidates(key: QuantKey, sms: int) -> list[triton.Config]:
 
 def quant_heuristic(key: QuantKey, sms: int) -> triton.Config:
     if key.block == BLOCKS:
-        return _qcfg(SCALE_BLOCK, 4)
+        return _qcfg(SCALE_BLOCK, 8)  # one 128x128 block per program; 8 warps keep more loads in flight
     # Enough programs for every SM (one per BLOCK_M rows and 128 columns), tall tiles otherwise.
     columns = 1 if key.block == ROW else cdiv(key.k, SCALE_BLOCK)
     return _qcfg(32 if cdiv(key.m, 32) * columns >= 2 * sms else 16, 4)

@@ -18,6 +18,8 @@ FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # smallest normal 
 _ROUND: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it - it rounds |x| < 2^22 to an integer (RNE)
 # The quantiser's cast: the GPU's own (exact, RNE); the interpreter's needs fp8_grid's rounding.
 HW_CAST: tl.constexpr = tl.constexpr(not INTERPRET)
+_FAST_LO: tl.constexpr = tl.constexpr(2.0**-60)  # divide_rn's fast range of scales
+_FAST_HI: tl.constexpr = tl.constexpr(2.0**100)
 
 
 @triton.constexpr_function
@@ -79,12 +81,38 @@ def fp8_grid(x, scale, dtype: tl.constexpr):
 
 
 @triton.jit
+def divide_rn(x, scale):
+    """x / scale correctly rounded (the bits of torch's division), x fp32, scale fp32 of at
+    least one dim, broadcastable to x. On a GPU, when every scale lies in [2^-60, 2^100]: one
+    correctly rounded reciprocal per scale, then per element a product and two residual
+    corrections (the in-range sequence of the hardware's own div.rn, less its per-element
+    reciprocal and range check, which made the quantisers compute-bound). Range: a residual
+    can underflow only where |x / scale| < 2^-42, far below any fp8 value, so the cast is the
+    same. Other scales (an inf scale of a non-finite block, tiny ones) take div_rn."""
+    if HW_CAST:
+        fast = tl.min(((scale >= _FAST_LO) & (scale <= _FAST_HI)).to(tl.int32))
+        if fast == 1:
+            r = tl.math.div_rn(1.0, scale)
+            q0 = x * r
+            e0 = tl.fma(q0 * -1.0, scale, x)  # * -1.0, not -q0: Triton negates as 0 - q0 (-0 -> +0)
+            q1 = tl.fma(e0, r, q0)
+            e1 = tl.fma(q1 * -1.0, scale, x)
+            q = tl.where(e1 == 0.0, q1, tl.fma(e1, r, q1))  # exact quotients (zeros too) keep q1 and its sign
+        else:
+            q = tl.math.div_rn(x, scale)
+    else:
+        q = tl.math.div_rn(x, scale)
+    return q
+
+
+@triton.jit
 def fp8_cast(x, scale, dtype: tl.constexpr):
-    """fp8(x / scale) in ``dtype``: on a GPU the correctly rounded quotient, clamped, then the
-    hardware's cast (round to nearest even, as ``fp8_grid`` rounds, in one instruction per
-    pair); under the interpreter ``fp8_grid``'s explicit rounding, then an exact cast."""
+    """fp8(x / scale) in ``dtype``: on a GPU the correctly rounded quotient (``divide_rn``),
+    clamped, then the hardware's cast (round to nearest even, as ``fp8_grid`` rounds, in one
+    instruction per pair); under the interpreter ``fp8_grid``'s explicit rounding, then an
+    exact cast. ``scale``: at least one dim (``divide_rn``)."""
     if HW_CAST:
         FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
-        q = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.clamp(divide_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         return q.to(dtype)
     return fp8_grid(x, scale, dtype).to(dtype)

@@ -39,6 +39,7 @@ from . import triton_abi
 from .triton_abi import async_compile, compile_and_launch, compiled, direct, preparer
 
 _INTERPRET_LOCK = threading.Lock()
+_MAX_PREPARERS = 4  # argument nestings a plan keeps a generated preparer for; others take triton_abi.prepare
 
 
 # ---------------------------------------------------------------------------- plans
@@ -86,7 +87,7 @@ class Plan:
     what grids read. tail: their values in parameter order.
     """
 
-    __slots__ = ("config", "source", "meta", "tail", "options", "kernels", "device_index", "prepare")
+    __slots__ = ("config", "source", "meta", "tail", "options", "kernels", "device_index", "preparers")
 
     def __init__(self, params, config: triton.Config, constexprs: dict, device: torch.device, source: str):
         self.config = config
@@ -105,7 +106,9 @@ class Plan:
         self.options = {k: v for k, v in config.all_kwargs().items() if k not in config.kwargs}
         self.kernels = {}
         self.device_index = device.index if device.type == "cuda" else None
-        self.prepare = None
+        # One generated preparer per argument nesting met (triton_abi.preparer): a plan can serve
+        # calls with and without an optional tensor (matmul's bias), whose arguments nest apart.
+        self.preparers = ()
 
 
 class Launcher:
@@ -177,10 +180,13 @@ class Launcher:
         if not triton_abi.NATIVE:
             self._public_launch(plan, grid, args)
             return
-        prepare = plan.prepare
-        try:
-            spec, raw = prepare(args) if prepare is not None else triton_abi.prepare(args)
-        except (TypeError, ValueError, AttributeError):
+        for prepare in plan.preparers:
+            try:
+                spec, raw = prepare(args)
+                break
+            except (TypeError, ValueError, AttributeError):  # arguments of another nesting
+                pass
+        else:
             spec, raw = triton_abi.prepare(args)
         kernel = plan.kernels.get(spec)
         device = plan.device_index
@@ -216,8 +222,10 @@ class Launcher:
             return
         plan.kernels[spec] = compiled(compile_and_launch(self.fn, grid, args, constexprs))
         kinds = triton_abi.kinds(args)
-        if plan.prepare is None and kinds is not None:
-            plan.prepare = preparer(kinds)
+        if kinds is not None and len(plan.preparers) < _MAX_PREPARERS:
+            fn = preparer(kinds)
+            if fn not in plan.preparers:
+                plan.preparers += (fn,)
 
     # -- autotuning (opt-in) --
 

@@ -19,7 +19,7 @@ from onegemm.core import configs, hopper_fp8, launch
 from onegemm.core.configs import (BLOCKSCALED_CONFIGS, WGMMA_MIN_M, WgmmaKey, warp_specialized, wgmma_candidates,
                                   wgmma_cfg, wgmma_heuristic)
 from onegemm.core.launch import plans
-from onegemm.core.fp8 import fp8_cast
+from onegemm.core.fp8 import divide_rn, fp8_cast
 from onegemm.core.runtime import default_programs
 from onegemm.core.scaling import BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, Scaling
 from onegemm.testing import (
@@ -49,7 +49,8 @@ def bits(q):
 @triton.jit
 def _fp8_cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    tl.store(y_ptr + i, fp8_cast(tl.load(x_ptr + i, mask=i < n), 1.0, y_ptr.dtype.element_ty), mask=i < n)
+    one = tl.full((BLOCK,), 1.0, tl.float32)
+    tl.store(y_ptr + i, fp8_cast(tl.load(x_ptr + i, mask=i < n), one, y_ptr.dtype.element_ty), mask=i < n)
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -68,6 +69,34 @@ def test_fp8_cast_rounds_like_torch(dtype, device):
     _fp8_cast_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
     fmax = torch.finfo(dtype).max
     assert torch.equal(bits(y), bits(x.clamp(-fmax, fmax).to(dtype)))
+
+
+@triton.jit
+def _divide_kernel(x_ptr, s_ptr, y_ptr, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    offs = rows[:, None] * C + cols[None, :]
+    scale = tl.load(s_ptr + rows)[:, None]
+    tl.store(y_ptr + offs, divide_rn(tl.load(x_ptr + offs), scale))
+
+
+def test_divide_rn_is_torchs_division(device):
+    """core/fp8.py's divide_rn (every quantiser's x / scale) gives the bits of torch's x / s:
+    per-row scales of random mantissas from 2^-70 to 2^110, so that most 16-row tiles take
+    the reciprocal-and-corrections path and the tiles holding a scale outside [2^-60, 2^100]
+    (or an inf one) take div_rn; x of random mantissas and exponents, zeros of both signs."""
+    g = torch.Generator().manual_seed(7)
+    R, C = 2048, 256
+    x = torch.randn(R, C, generator=g) * torch.exp2(torch.randint(-40, 40, (R, C), generator=g).float())
+    x[:, :4] = torch.tensor([0.0, -0.0, 1e-38, -3e-39])
+    s = (torch.rand(R, generator=g) + 0.5) * torch.exp2(torch.randint(-50, 90, (R,), generator=g).float())
+    for j, tile in enumerate(range(0, R // 16, 9)):  # one scale outside the fast range in every 9th tile
+        s[16 * tile] = (2.0**-70, 2.0**110, float("inf"))[j % 3]
+    x, s = x.to(device), s.to(device)
+    y = torch.empty_like(x)
+    _divide_kernel[(R // 16,)](x, s, y, C, BLOCK_R=16, BLOCK_C=C)
+    want = x / s[:, None]
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
 
 
 def make_input(shape, device, layout="contig", dtype=torch.float32, spread=True):

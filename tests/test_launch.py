@@ -135,6 +135,25 @@ def test_plan_reused_for_the_same_call(fresh_plans, device):
     assert_close(out, matmul_ref(a2, b), TOL[torch.float32])
 
 
+@pytest.mark.skipif(not triton_abi.NATIVE, reason="generated preparers serve Triton 3.6's C launcher on a GPU; "
+                    "the interpreter launches through Triton's public path")
+def test_plan_keeps_a_preparer_per_argument_nesting(fresh_plans, device, monkeypatch):
+    """matmul with and without a bias shares one plan (the bias is not part of the config
+    choice) but nests its arguments apart (Vector(bias, 1) against NO_VECTOR): the plan keeps
+    a generated preparer for each, so neither call falls back to triton_abi.prepare's loop."""
+    a = torch.randn(40, 64, device=device)
+    b = torch.randn(64, 48, device=device)
+    bias = torch.randn(48, device=device)
+    plain, biased = onegemm.matmul(a, b), onegemm.matmul(a, b, bias=bias)
+    (plan,) = _plans().values()
+    assert len(plan.preparers) == 2
+    fallbacks = []
+    generic = triton_abi.prepare
+    monkeypatch.setattr(triton_abi, "prepare", lambda args: fallbacks.append(args) or generic(args))
+    assert torch.equal(onegemm.matmul(a, b), plain) and torch.equal(onegemm.matmul(a, b, bias=bias), biased)
+    assert fallbacks == []
+
+
 # Each case changes one thing a plan depends on; the call must get a plan of its own (and
 # the right answer), never the first call's.
 def _variants(device):
