@@ -62,7 +62,7 @@ def quantize_kernel(
     cols_per_scale: 128 for blocks, K for row-wise (the program then loops over the row).
     TRANSPOSED (128x128 blocks only): also q_t = x.t()'s quantisation into qt_ptr [K, M] fp8
     (row stride stride_qt, column stride 1): the same blocks and scales, so each tile is cast
-    once and stored twice (Triton converts the layout for the second store); x.t()'s scales
+    once and stored twice (the second time transposed in registers); x.t()'s scales
     are scale.t(), which the host takes as a view. None otherwise.
     Grid: (cdiv(M, BLOCK_M), cdiv(K, cols_per_scale)); program (pm, pk) owns rows
     [pm*BLOCK_M, +BLOCK_M) and the pk-th column group. Two passes over the group: amax, then
@@ -97,8 +97,8 @@ def quantize_kernel(
         x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         q = fp8_cast(x, scale[:, None], q_ptr.dtype.element_ty)
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
-        if TRANSPOSED:
-            tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q, mask=mask)
+        if TRANSPOSED:  # through tl.trans: a second store of q in its own layout wrote wrong values on sm_90
+            tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qt + rows[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
 @triton.jit
