@@ -50,9 +50,9 @@ def fp8_max(dtype: torch.dtype) -> float:
 def quantize_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, cols_per_scale,
-    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk, qt_ptr, stride_qt,
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     POW2: tl.constexpr, ROWS_PER_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSED: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """q = fp8(x / scale) with one fp32 scale per ROWS_PER_SCALE x cols_per_scale block.
 
@@ -60,10 +60,6 @@ def quantize_kernel(
     s_ptr [ceil(M / ROWS_PER_SCALE), ceil(K / cols_per_scale)] fp32, any strides.
     ROWS_PER_SCALE: 1 (1x128 blocks, row-wise) or BLOCK_M (128x128 blocks).
     cols_per_scale: 128 for blocks, K for row-wise (the program then loops over the row).
-    TRANSPOSED (128x128 blocks only): also q_t = x.t()'s quantisation into qt_ptr [K, M] fp8
-    (row stride stride_qt, column stride 1): the same blocks and scales, so each tile is cast
-    once and stored twice (the second time transposed in registers); x.t()'s scales
-    are scale.t(), which the host takes as a view. None otherwise.
     Grid: (cdiv(M, BLOCK_M), cdiv(K, cols_per_scale)); program (pm, pk) owns rows
     [pm*BLOCK_M, +BLOCK_M) and the pk-th column group. Two passes over the group: amax, then
     cast. The second pass re-reads x, which for a 128-column group is still in L1/L2.
@@ -97,8 +93,6 @@ def quantize_kernel(
         x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         q = fp8_cast(x, scale[:, None], q_ptr.dtype.element_ty)
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
-        if TRANSPOSED:  # through tl.trans: a second store of q in its own layout wrote wrong values on sm_90
-            tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qt + rows[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -189,44 +183,48 @@ def _transposed_empty(K: int, M: int, dtype: torch.dtype, device, fake_like=None
 
 
 def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool,
-                      transposed: bool = False):
+                      transposed: bool = False, padded: bool = False):
     """``_quantize_triton`` as a callable x -> (q, scale[, q_t, scale_t]) for inputs of x's
     signature (the plan, grid and strides fixed): what a record keeps. ``transposed``: 1x128
-    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed, so
-    quantize_kernel's TRANSPOSED option stores each cast tile a second time into q_t (rows
-    padded as ``_transposed_empty``), and scale_t is a row-major copy of scale.t()."""
-    if transposed and block == ROW_BLOCKS:
-        return _pair_quantizer(x, dtype, pow2_scale)
+    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed,
+    so x.t() gets a second pass of this kernel (torch's copy of the fp8 q.t() was slower than
+    a whole pass, docs/performance.md; one pass storing each tile a second time, transposed,
+    gave wrong values on sm_90 with Triton 3.6, though right under the interpreter: tried
+    twice, through tl.trans and through a second store's own layout). ``padded``: q's rows
+    padded as ``_transposed_empty``."""
+    if transposed:
+        if block == ROW_BLOCKS:
+            return _pair_quantizer(x, dtype, pow2_scale)
+        direct, of_t = _triton_quantizer(x, block, dtype, pow2_scale), _triton_quantizer(x.t(), block, dtype, pow2_scale,
+                                                                                          padded=True)
+        return lambda x: (*direct(x), *of_t(x.t()))
     M, K = x.shape
     device = x.device
     cols_per_scale = K if block == ROW else SCALE_BLOCK
     rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
 
     def outputs():
-        q = empty((M, K), dtype=dtype, device=device)
-        q_t = _transposed_empty(K, M, dtype, device) if transposed else None
-        return q, _scale_storage(block, M, K, device), q_t
+        q = _transposed_empty(M, K, dtype, device) if padded else empty((M, K), dtype=dtype, device=device)
+        return q, _scale_storage(block, M, K, device)
 
     out0 = outputs()
     strides = (*x.stride(), *out0[0].stride(), *out0[1].stride())
-    stride_qt = out0[2].stride(0) if transposed else 0
 
-    def args(x, q, scale, q_t):
-        return (x, q, scale, M, K, cols_per_scale, *strides, q_t, stride_qt)
+    def args(x, q, scale):
+        return (x, q, scale, M, K, cols_per_scale, *strides)
 
     def grid(plan):
         return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
 
     plan = QUANTIZE.plan_for(Request(
-        configs.QuantKey(configs.m_bucket(M), K, block),
-        dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale, TRANSPOSED=transposed),
+        configs.QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
         device, None, lambda plan: QUANTIZE.launch(plan, grid(plan), args(x, *out0))))
     g = grid(plan)
 
     def run(x):
-        q, scale, q_t = outputs()
-        QUANTIZE.launch(plan, g, args(x, q, scale, q_t))
-        return (q, scale, q_t, scale.t().contiguous()) if transposed else (q, scale)
+        out = outputs()
+        QUANTIZE.launch(plan, g, args(x, *out))
+        return out
 
     return run
 

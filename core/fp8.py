@@ -86,18 +86,20 @@ def divide_rn(x, scale):
     least one dim, broadcastable to x. On a GPU, when every scale lies in [2^-60, 2^100]: one
     correctly rounded reciprocal per scale, then per element a product and two residual
     corrections (the in-range sequence of the hardware's own div.rn, less its per-element
-    reciprocal and range check, which made the quantisers compute-bound). Range: a residual
-    can underflow only where |x / scale| < 2^-42, far below any fp8 value, so the cast is the
-    same. Other scales (an inf scale of a non-finite block, tiny ones) take div_rn."""
+    reciprocal and range check, which made the quantisers compute-bound). The fp32 bits are
+    torch's wherever |x / scale| >= 2^-42; below, a residual can underflow (subnormal x) and
+    the last bit differ, far under any fp8 value, so every fp8 cast of the quotient is
+    torch's. Other scales (an inf scale of a non-finite block, tiny ones) take div_rn."""
     if HW_CAST:
         fast = tl.min(((scale >= _FAST_LO) & (scale <= _FAST_HI)).to(tl.int32))
         if fast == 1:
             r = tl.math.div_rn(1.0, scale)
             q0 = x * r
             e0 = tl.fma(q0 * -1.0, scale, x)  # * -1.0, not -q0: Triton negates as 0 - q0 (-0 -> +0)
-            q1 = tl.fma(e0, r, q0)
+            # A zero residual means an exact quotient: keep it (an fma adding +0 would turn -0 into +0).
+            q1 = tl.where(e0 == 0.0, q0, tl.fma(e0, r, q0))
             e1 = tl.fma(q1 * -1.0, scale, x)
-            q = tl.where(e1 == 0.0, q1, tl.fma(e1, r, q1))  # exact quotients (zeros too) keep q1 and its sign
+            q = tl.where(e1 == 0.0, q1, tl.fma(e1, r, q1))
         else:
             q = tl.math.div_rn(x, scale)
     else:
