@@ -10,6 +10,7 @@ time over the call's (1.0: the call runs at the speed of reading and writing x o
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
@@ -41,6 +42,7 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU")
     main()
