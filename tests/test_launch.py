@@ -145,6 +145,7 @@ def test_plan_keeps_a_preparer_per_argument_nesting(fresh_plans, device, monkeyp
     b = torch.randn(64, 48, device=device)
     bias = torch.randn(48, device=device)
     plain, biased = onegemm.matmul(a, b), onegemm.matmul(a, b, bias=bias)
+    assert_close(biased, matmul_ref(a, b, bias), TOL[torch.float32])
     (plan,) = _plans().values()
     assert len(plan.preparers) == 2
     fallbacks = []
