@@ -142,8 +142,28 @@ def quantize_pair_kernel(
         tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_tk + rows[None, :], q_t, mask=tl.trans(mask))
 
 
+@triton.jit
+def transpose_kernel(src_ptr, dst_ptr, R, C, stride_sr, stride_sc, stride_dc, stride_dr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst = src.t(), element for element (any dtype; blockscaled/ passes fp8 as uint8).
+
+    src_ptr [R, C], element [r, c] at src_ptr + r*stride_sr + c*stride_sc; dst_ptr [C, R],
+    element [c, r] at dst_ptr + c*stride_dc + r*stride_dr.
+    Grid: (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)); program (pr, pc) moves the tile at rows
+    pr*BLOCK_R and columns pc*BLOCK_C (Triton converts the loaded tile's layout so that the
+    load and the store are both coalesced).
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    r64, c64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
+    tile = tl.load(src_ptr + r64 * stride_sr + c64 * stride_sc, mask=mask)
+    tl.store(dst_ptr + c64 * stride_dc + r64 * stride_dr, tile, mask=mask)
+
+
 QUANTIZE = Launcher(quantize_kernel, "quantize")
 QUANTIZE_PAIR = Launcher(quantize_pair_kernel, "quantize_pair")
+TRANSPOSE = Launcher(transpose_kernel, "transpose")
 
 
 def granularity(block) -> Granularity:
@@ -183,29 +203,30 @@ def _transposed_empty(K: int, M: int, dtype: torch.dtype, device, fake_like=None
 
 
 def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool,
-                      transposed: bool = False, padded: bool = False):
+                      transposed: bool = False):
     """``_quantize_triton`` as a callable x -> (q, scale[, q_t, scale_t]) for inputs of x's
     signature (the plan, grid and strides fixed): what a record keeps. ``transposed``: 1x128
-    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed,
-    so x.t() gets a second pass of this kernel (torch's copy of the fp8 q.t() was slower than
-    a whole pass, docs/performance.md; one pass storing each tile a second time, transposed,
-    gave wrong values on sm_90 with Triton 3.6, though right under the interpreter: tried
-    twice, through tl.trans and through a second store's own layout). ``padded``: q's rows
-    padded as ``_transposed_empty``."""
+    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed
+    (the same elements over the same scales), so q_t is q's fp8 transpose, copied by
+    transpose_kernel (one pass storing each tile a second time, transposed, gave wrong values
+    on sm_90 with Triton 3.6, though right under the interpreter: docs/performance.md)."""
     if transposed:
         if block == ROW_BLOCKS:
             return _pair_quantizer(x, dtype, pow2_scale)
-        direct, of_t = _triton_quantizer(x, block, dtype, pow2_scale), _triton_quantizer(x.t(), block, dtype, pow2_scale,
-                                                                                          padded=True)
-        return lambda x: (*direct(x), *of_t(x.t()))
+        direct, transpose = _triton_quantizer(x, block, dtype, pow2_scale), _transposer(*x.shape, dtype, x.device)
+
+        def both(x):
+            q, scale = direct(x)
+            return q, scale, transpose(q), scale.t().contiguous()
+
+        return both
     M, K = x.shape
     device = x.device
     cols_per_scale = K if block == ROW else SCALE_BLOCK
     rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
 
     def outputs():
-        q = _transposed_empty(M, K, dtype, device) if padded else empty((M, K), dtype=dtype, device=device)
-        return q, _scale_storage(block, M, K, device)
+        return empty((M, K), dtype=dtype, device=device), _scale_storage(block, M, K, device)
 
     out0 = outputs()
     strides = (*x.stride(), *out0[0].stride(), *out0[1].stride())
@@ -225,6 +246,28 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
         out = outputs()
         QUANTIZE.launch(plan, g, args(x, *out))
         return out
+
+    return run
+
+
+def _transposer(M: int, K: int, dtype: torch.dtype, device):
+    """transpose_kernel's call for a row-major fp8 q [M, K]: q -> q.t() as ``_transposed_empty``
+    (rows padded to 16 bytes), moved as bytes (the bits are the copy's, on every device)."""
+    def grid(plan):
+        return (cdiv(M, plan.meta["BLOCK_R"]), cdiv(K, plan.meta["BLOCK_C"]))
+
+    def args(q, q_t):
+        return (q.view(torch.uint8), q_t.view(torch.uint8), M, K, K, 1, q_t.stride(0), 1)
+
+    probe = empty((M, K), dtype=dtype, device=device), _transposed_empty(K, M, dtype, device)
+    plan = TRANSPOSE.plan_for(Request(configs.PrepKey("transpose", configs.m_bucket(M * K, 1 << 24)), {}, device, None,
+                                      lambda plan: TRANSPOSE.launch(plan, grid(plan), args(*probe))))
+    g = grid(plan)
+
+    def run(q):
+        q_t = _transposed_empty(K, M, dtype, device)
+        TRANSPOSE.launch(plan, g, args(q, q_t))
+        return q_t
 
     return run
 

@@ -740,9 +740,9 @@ def sort_heuristic(key: SortKey, sms: int) -> triton.Config:
 
 
 class PrepKey(NamedTuple):
-    what: str       # "row_tiles", "gather_quantize", "combine" or "swiglu_backward"
+    what: str       # "row_tiles", "gather_quantize", "combine", "swiglu_backward" or "transpose"
     size: int       # row_tiles: G_BLOCK; gather_quantize: the m bucket of its rows; combine: H;
-                    # swiglu_backward: I
+                    # swiglu_backward: I; transpose: its element count's bucket (to 2^24)
 
     def __str__(self):
         return f"{self.what} {self.size}"
@@ -755,7 +755,17 @@ def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
         return triton.Config({"BLOCK_H": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
     if key.what == "swiglu_backward":  # one pair's row per program, in chunks of up to 1024 columns
         return triton.Config({"BLOCK_I": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
+    if key.what == "transpose":  # an fp8 copy: 64 x 64 bytes a program, 16-byte vectors on both sides
+        return _transpose_cfg(64, 64, 4)
     return triton.Config({"BLOCK_R": 32 if key.size >= 4096 else 16}, num_warps=4, num_stages=1)
+
+
+def _transpose_cfg(br, bc, warps):
+    return triton.Config({"BLOCK_R": br, "BLOCK_C": bc}, num_warps=warps, num_stages=1)
+
+
+TRANSPOSE_CONFIGS = [_transpose_cfg(br, bc, w) for br, bc in ((32, 32), (64, 64), (64, 128), (128, 64), (128, 128))
+                     for w in (4, 8)]
 
 
 def gather_col_blocks(row_programs: int, col_blocks: int, sms: int) -> int:
@@ -822,5 +832,6 @@ FAMILIES = {f.name: f for f in (
     Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
     Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
     Family("swiglu_backward", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
+    Family("transpose", lambda key, sms: list(TRANSPOSE_CONFIGS), _prep_cfg, _prep_cfg),
     Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
 )}

@@ -280,7 +280,7 @@ def test_quantize_kernel_matches_torch_path(block, pow2_scale, device):
 
 
 TRANSPOSED_CASES = [((1, 128), (1, 1)), ((1, 128), (130, 300)), ((1, 128), (300, 129)), ((1, 128), (257, 17)),
-                    ((128, 128), (130, 300)), ((128, 128), (17, 129))]
+                    ((128, 128), (130, 300)), ((128, 128), (17, 129)), ((128, 128), (1, 1)), ((128, 128), (300, 1))]
 
 
 @pytest.mark.parametrize("block,shape", TRANSPOSED_CASES, ids=str)

@@ -352,7 +352,7 @@ KEY_TYPES = {
     "matmul": configs.MatmulKey, "blockscaled": configs.BlockscaledKey, "blockscaled_wgmma": configs.WgmmaKey,
     "ragged": configs.RaggedKey, "list": configs.ListKey, "quantize": configs.QuantKey, "quantize_pair": configs.QuantKey, "sort": configs.SortKey,
     "row_tiles": configs.PrepKey, "gather_quantize": configs.PrepKey, "combine": configs.PrepKey, "swiglu_backward": configs.PrepKey,
-    "route": configs.RouteKey,
+    "transpose": configs.PrepKey, "route": configs.RouteKey,
 }
 TUNED = Path(configs.__file__).parent / "tuned"  # shipped as package data (pyproject.toml)
 H200_SMS = 132
