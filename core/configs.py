@@ -755,8 +755,8 @@ def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
         return triton.Config({"BLOCK_H": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
     if key.what == "swiglu_backward":  # one pair's row per program, in chunks of up to 1024 columns
         return triton.Config({"BLOCK_I": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
-    if key.what == "transpose":  # an fp8 copy: 64 x 64 bytes a program, 16-byte vectors on both sides
-        return _transpose_cfg(64, 64, 4)
+    if key.what == "transpose":  # an fp8 copy: 128 x 128 bytes a program (64 x 64 ran at 0.7x the speed)
+        return _transpose_cfg(128, 128, 8)
     return triton.Config({"BLOCK_R": 32 if key.size >= 4096 else 16}, num_warps=4, num_stages=1)
 
 

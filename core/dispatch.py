@@ -59,6 +59,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _precision = torch._C._get_float32_matmul_precision  # torch.get_float32_matmul_precision without its wrapper
 _transforms_active = torch._C._are_functorch_transforms_active  # inside torch.func.vmap / grad
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # also a wrapper left from an exited transform
 
 
 def apply_activation(x: torch.Tensor, activation) -> torch.Tensor:
@@ -332,6 +333,10 @@ class Op:
                 "forward": staticmethod(forward_recorded),
                 "backward": staticmethod(backward_recorded),
             })
+            # Function.apply's C entry, without its Python wrapper (default-argument binding,
+            # which a Function without setup_context skips, and functorch's unwrapping of dead
+            # wrappers, which ``route`` leaves to the wrapper when an argument is one).
+            self.recorded_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, self.recorded)
         self.record = record
         self.tensors = tensors
         self.activation = activation
@@ -358,7 +363,8 @@ class Op:
         else:
             run = self.record(*args[:n], *rest)  # the checks, before any attribute of a wrong argument is read
             checks.check_differentiable(**dict(zip(self.differentiable, args)))
-            recorded = self.recorded.apply
+            wrapped = any(isinstance(t, _Tensor) and _functorch_wrapped(t) for t in args[:n])
+            recorded = self.recorded.apply if wrapped else self.recorded_apply
             if act is None:
                 return lambda *t: recorded(*t, run)
             return lambda *t: apply_activation(recorded(*t, run), act)

@@ -274,3 +274,24 @@ def test_func_grad_is_refused_by_torch(device):
     a, b = torch.randn(17, 24, device=device), torch.randn(24, 9, device=device)
     with pytest.raises(RuntimeError, match="functorch transforms"):
         torch.func.grad(lambda x: onegemm.matmul(x, b).sum())(a)
+
+
+def test_a_wrapper_left_by_an_exited_transform_is_unwrapped(device):
+    """A tensor that escaped a torch.func transform stays a functorch wrapper (no storage)
+    after the transform exits. Function.apply's Python wrapper unwraps it; the cached
+    gradient route, which calls Function.apply's C entry, leaves such calls to the wrapper."""
+    leaked = []
+
+    def keep(x):
+        leaked.append(x)
+        return (x * x).sum()
+
+    x = torch.randn(17, 24, device=device)
+    torch.func.grad(keep)(x)
+    a, b = leaked[0], torch.randn(24, 9, device=device, requires_grad=True)
+    assert torch._C._functorch.is_functorch_wrapped_tensor(a) and a.requires_grad
+    out = onegemm.matmul(a, b)
+    assert_close(out, matmul_ref(x, b.detach()), TOL[torch.float32])
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert_close(b.grad, (x.double().t() @ g.double()).float(), TOL[torch.float32])
