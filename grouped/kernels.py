@@ -447,12 +447,12 @@ def combine_kernel(Y, ids, Out, E, H, k: tl.constexpr, BLOCK_H: tl.constexpr):
 def swiglu_backward_kernel(Hpre, dHu, w, dHpre, Hout, dw, I, BLOCK_I: tl.constexpr):
     """MoE GEMM1's SwiGLU backward for one (token, slot) row r per program, all in fp32:
     g, u = Hpre[r, :I], Hpre[r, I:]; h = silu(g) * u; dw[r] = <dHu[r], h> (summed in a fixed
-    order); dh = w[r] * dHu[r]; dHpre[r] = [dh * u * silu'(g), dh * silu(g)]; Hout[r] = h.
+    order); dh = w[r] * dHu[r]; dHpre[r] = [dh * u * silu'(g), dh * silu(g)]; Hout[r] = w[r] * h.
 
     Hpre: Operand over [P, 2I] (GEMM1's pre-activation, recomputed); dHu: Operand over [P, I]
     fp32 (dy @ W2_e: h's gradient before the routing weight); w: fp32 [P] contiguous (each
     row's routing weight); dHpre: Operand over [P, 2I]; Hout: Operand over [P, I] (dW2's
-    operand); dw: fp32 [P] (the routing weights' gradient). Grid: (P,).
+    operand, weighted as dy's rows are not); dw: fp32 [P] (the routing weights' gradient). Grid: (P,).
     """
     r = tl.program_id(0).to(tl.int64)
     wr = tl.load(w + r)
@@ -471,7 +471,7 @@ def swiglu_backward_kernel(Hpre, dHu, w, dHpre, Hout, dw, I, BLOCK_I: tl.constex
         out = dHpre.ptr + r * dHpre.stride0
         tl.store(out + cols * dHpre.stride1, (dh * u * sig * (1 + g * (1 - sig))).to(dHpre.ptr.dtype.element_ty), mask=mask)
         tl.store(out + (cols + I) * dHpre.stride1, (dh * silu).to(dHpre.ptr.dtype.element_ty), mask=mask)
-        tl.store(Hout.ptr + r * Hout.stride0 + cols * Hout.stride1, h.to(Hout.ptr.dtype.element_ty), mask=mask)
+        tl.store(Hout.ptr + r * Hout.stride0 + cols * Hout.stride1, (h * wr).to(Hout.ptr.dtype.element_ty), mask=mask)
     tl.store(dw + r, tl.sum(acc, axis=0))
 
 

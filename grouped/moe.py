@@ -486,7 +486,7 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
     Rows r are (token, slot) pairs sorted by expert e, g/u the gate/up halves of GEMM1:
       dh_u = dy[token] @ W2_e;  dw[pair] = <dh_u, h>;  dh = w * dh_u
       dg = dh * u * silu'(g);  du = dh * silu(g);  dx[token] += [dg, du] @ W13_e
-      dW13_e = [dg, du]_e^T @ x[token]_e;  dW2_e = (w * dy[token])_e^T @ h_e
+      dW13_e = [dg, du]_e^T @ x[token]_e;  dW2_e = dy[token]_e^T @ (w * h)_e
     ``differentiable`` (double backward): GEMM1 runs as grouped_matmul on the gathered rows
     x[token] (one [P, H] copy) instead of the gathering kernel, which autograd cannot see
     into; every other step is already a differentiable op.
@@ -509,7 +509,7 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
         dweights[pair] = (dh_u * h).sum(1)
         dh = dh_u * w_s[:, None]
         dh_pre = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], dim=1).to(x.dtype)
-        h = h.to(x.dtype)
+        h_w = (h * w_s[:, None]).to(x.dtype)
         dx_pairs = torch.empty(P, H, device=x.device, dtype=torch.float32)
         dx_pairs[pair] = grouped_matmul(dh_pre, w_gate_up, offs, out_dtype=torch.float32)  # [P, H]: b = W13_e
         dx = dx_pairs.view(T, k, H).sum(1).to(x.dtype)
@@ -519,21 +519,22 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
             _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
         dh_u = empty((P, I), dtype=torch.float32, device=x.device)
         _expert_gemm(dy_x, w_down.transpose(1, 2), dh_u, offs, a_rows=token)
-        dh_pre, h, dw_s = swiglu_backward(h_pre, dh_u, w_s.contiguous(), x.dtype)
+        dh_pre, h_w, dw_s = swiglu_backward(h_pre, dh_u, w_s.contiguous(), x.dtype)
         dweights = torch.empty(P, device=x.device, dtype=torch.float32)
         dweights[pair] = dw_s
         dx_pairs = empty((P, H), dtype=torch.float32, device=x.device)
         _expert_gemm(dh_pre, w_gate_up.transpose(1, 2), dx_pairs, offs, c_rows=pair)
         dx = combine(dx_pairs, topk_ids, E, x.dtype)
-    dw13, dw2 = expert_weight_grads(dh_pre, dy_x, x, h, token, w_s, offs, w_gate_up.dtype, w_down.dtype)
+    dw13, dw2 = expert_weight_grads(dh_pre, dy_x, x, h_w, token, offs, w_gate_up.dtype, w_down.dtype)
     return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
 
 
-def expert_weight_grads(dh_pre, dy, x, h, token, w_s, offs, w13_dtype, w2_dtype):
+def expert_weight_grads(dh_pre, dy, x, h_w, token, offs, w13_dtype, w2_dtype):
     """The experts' weight gradients over the sorted rows (2D x 2D grouped GEMMs, ragged K):
-    dW13_e = dh_pre_e^T @ x[token]_e and dW2_e = (w * dy[token])_e^T @ h_e."""
+    dW13_e = dh_pre_e^T @ x[token]_e and dW2_e = dy[token]_e^T @ h_w_e, where h_w = w * h (the
+    routing weight on h's rows, as swiglu_backward writes it: no weighted copy of dy's rows)."""
     dw13 = grouped_matmul(dh_pre.t(), x[token], offs, out_dtype=w13_dtype)
-    dw2 = grouped_matmul((dy[token].float() * w_s[:, None]).to(x.dtype).t(), h, offs, out_dtype=w2_dtype)
+    dw2 = grouped_matmul(dy[token].t(), h_w, offs, out_dtype=w2_dtype)
     return dw13, dw2
 
 

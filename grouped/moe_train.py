@@ -12,7 +12,7 @@ high precision (the grouped FP8 body has no ragged-K mode, which the weight grad
 Rows r are the (token, slot) pairs sorted by expert e; g | u the gate and up halves of GEMM1:
     forward   h_pre = q(x[token]) @ q(W13_e)^T;   h = silu(g) * u;   y_pairs[pair] = w * q(h) @ q(W2_e)^T
     backward  dh_u = q(dy[token]) @ q(W2_e);      dh_pre, dw = SwiGLU backward
-              dx_pairs[pair] = q(dh_pre) @ q(W13_e);  dW13_e = dh_pre_e^T @ x[token]_e;  dW2_e = (w dy[token])_e^T @ h_e
+              dx_pairs[pair] = q(dh_pre) @ q(W13_e);  dW13_e = dh_pre_e^T @ x[token]_e;  dW2_e = dy[token]_e^T @ (w h)_e
 """
 
 from __future__ import annotations
@@ -185,14 +185,14 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor
     dyq, dys = gather_quantize(dy_x, token, E4M3, offs)
     dh_u = empty((P, I), dtype=torch.float32, device=x.device)
     fp8_expert_gemm(dyq, dys, w2_t, dh_u, offs)
-    dh_pre, h, dw_s = swiglu_backward(h_pre, dh_u, w_s, x.dtype)
+    dh_pre, h_w, dw_s = swiglu_backward(h_pre, dh_u, w_s, x.dtype)
     dweights = torch.empty(P, device=x.device, dtype=torch.float32)
     dweights[pair] = dw_s
     dhq, dhs = _quantize_rows(dh_pre)
     dx_pairs = empty((P, H), dtype=torch.float32, device=x.device)
     fp8_expert_gemm(dhq, dhs, w13_t, dx_pairs, offs, scatter=pair)
     dx = combine(dx_pairs, topk_ids, E, x.dtype)
-    dw13, dw2 = moe.expert_weight_grads(dh_pre, dy_x, x, h, token, w_s, offs, w13_dtype, w2_dtype)
+    dw13, dw2 = moe.expert_weight_grads(dh_pre, dy_x, x, h_w, token, offs, w13_dtype, w2_dtype)
     return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
 
 

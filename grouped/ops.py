@@ -98,8 +98,8 @@ def combine(y_pairs, topk_ids, E: int, dtype):
 
 def swiglu_backward(h_pre, dh_u, weight, dtype):
     """The expert FFN's SwiGLU backward (swiglu_backward_kernel): h_pre [P, 2I] (gate | up),
-    dh_u fp32 [P, I], weight fp32 [P] -> (dh_pre [P, 2I], h [P, I], both in ``dtype``, and
-    dweight fp32 [P])."""
+    dh_u fp32 [P, I], weight fp32 [P] -> (dh_pre [P, 2I], weight * h [P, I] (dW2's operand),
+    both in ``dtype``, and dweight fp32 [P])."""
     P, I = dh_u.shape
     dh_pre, h = empty((P, 2 * I), dtype=dtype, device=h_pre.device), empty((P, I), dtype=dtype, device=h_pre.device)
     dweight = empty((P,), dtype=torch.float32, device=h_pre.device)

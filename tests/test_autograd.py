@@ -215,12 +215,12 @@ def test_swiglu_backward_kernel(P, I, device):
     from onegemm.grouped.ops import swiglu_backward
 
     h_pre, dh_u, w = torch.randn(P, 2 * I, device=device), torch.randn(P, I, device=device), torch.rand(P, device=device)
-    dh_pre, h, dw = swiglu_backward(h_pre, dh_u, w, torch.float32)
+    dh_pre, h_w, dw = swiglu_backward(h_pre, dh_u, w, torch.float32)
     leaf64 = h_pre.double().requires_grad_()
     wl = w.double().requires_grad_()
     h64 = torch.nn.functional.silu(leaf64[:, :I]) * leaf64[:, I:]
     (h64 * wl[:, None] * dh_u.double()).sum().backward()
-    assert_close(h, h64, 1e-6, "h")
+    assert_close(h_w, h64 * wl[:, None], 1e-6, "w * h (dW2's operand)")
     assert_close(dh_pre, leaf64.grad, 1e-6, "dh_pre")
     assert_close(dw, wl.grad, 1e-6, "dweight")
 
