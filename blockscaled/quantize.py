@@ -99,7 +99,7 @@ def quantize_kernel(
 def quantize_pair_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
     stride_xm, stride_xk, stride_qm, stride_sm, stride_sk, stride_tk, stride_stk, stride_stm,
-    POW2: tl.constexpr, BLOCK_M: tl.constexpr, STORE_T: tl.constexpr = True,
+    POW2: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """x's 1x128 quantisation and x.t()'s, from one read of x (quantize_fp8(x, transposed=True)).
 
@@ -111,8 +111,6 @@ def quantize_pair_kernel(
     walks it BLOCK_M rows at a time (the whole block in registers spills). Pass 1: each
     column's amax over the block (x.t()'s scales). Pass 2, per BLOCK_M rows (again from
     L1/L2): their own amax and scale, both casts and both stores.
-    STORE_T False: qt_ptr is [M, K] instead (x.t()'s fp8 values in x's layout, row stride
-    stride_tk, column stride 1), for a transpose copy after the kernel.
     """
     SCALE: tl.constexpr = _SCALE_BLOCK
     pm = tl.program_id(0)
@@ -140,12 +138,8 @@ def quantize_pair_kernel(
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=mask_m)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], fp8_cast(x, scale[:, None], dtype),
                  mask=mask)
-        if STORE_T:
-            q_t = tl.trans(fp8_cast(x, col_scale[None, :], dtype))  # [128 columns of x, BLOCK_M rows]
-            tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_tk + rows[None, :], q_t, mask=tl.trans(mask))
-        else:
-            tl.store(qt_ptr + rows.to(tl.int64)[:, None] * stride_tk + cols[None, :], fp8_cast(x, col_scale[None, :], dtype),
-                     mask=mask)
+        q_t = tl.trans(fp8_cast(x, col_scale[None, :], dtype))  # [128 columns of x, BLOCK_M rows]
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_tk + rows[None, :], q_t, mask=tl.trans(mask))
 
 
 @triton.jit
@@ -170,7 +164,6 @@ def transpose_kernel(src_ptr, dst_ptr, R, C, stride_sr, stride_sc, stride_dc, st
 QUANTIZE = Launcher(quantize_kernel, "quantize")
 QUANTIZE_PAIR = Launcher(quantize_pair_kernel, "quantize_pair")
 TRANSPOSE = Launcher(transpose_kernel, "transpose")
-PAIR_STORE_T = True  # quantize_pair_kernel stores x.t()'s block transposed (False: a transpose copy after it)
 
 
 def granularity(block) -> Granularity:
@@ -224,7 +217,7 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
 
         def both(x):
             q, scale = direct(x)
-            return q, scale, transpose(q), scale.t().contiguous()
+            return q, scale, transpose(q), scale.t().clone(memory_format=torch.contiguous_format)  # never a view of scale
 
         return both
     M, K = x.shape
@@ -279,18 +272,14 @@ def _transposer(M: int, K: int, dtype: torch.dtype, device):
     return run
 
 
-def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool, store_t: bool = PAIR_STORE_T):
-    """quantize_pair_kernel's call for x's signature: x -> (q, scale, q_t, scale_t), 1x128.
-    ``store_t`` False: the kernel writes x.t()'s fp8 values in x's layout and transpose_kernel
-    copies them to q_t."""
+def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
+    """quantize_pair_kernel's call for x's signature: x -> (q, scale, q_t, scale_t), 1x128."""
     M, K = x.shape
     device = x.device
-    transpose = None if store_t else _transposer(M, K, dtype, device)
 
     def outputs():
-        q_t = _transposed_empty(K, M, dtype, device) if store_t else empty((M, K), dtype=dtype, device=device)
         return (empty((M, K), dtype=dtype, device=device), _scale_storage(ROW_BLOCKS, M, K, device),
-                q_t, _scale_storage(ROW_BLOCKS, K, M, device))
+                _transposed_empty(K, M, dtype, device), _scale_storage(ROW_BLOCKS, K, M, device))
 
     out0 = outputs()
     strides = (*x.stride(), K, *out0[1].stride(), out0[2].stride(0), *out0[3].stride())
@@ -300,16 +289,13 @@ def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool, store
         return (x, q, scale, q_t, scale_t, M, K, *strides)
 
     plan = QUANTIZE_PAIR.plan_for(Request(
-        configs.QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale, STORE_T=store_t), device, None,
+        configs.QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale), device, None,
         lambda plan: QUANTIZE_PAIR.launch(plan, grid, args(x, *out0))))
 
     def run(x):
         out = outputs()
         QUANTIZE_PAIR.launch(plan, grid, args(x, *out))
-        if transpose is None:
-            return out
-        q, scale, q_c, scale_t = out
-        return q, scale, transpose(q_c), scale_t
+        return out
 
     return run
 

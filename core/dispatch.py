@@ -59,7 +59,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _precision = torch._C._get_float32_matmul_precision  # torch.get_float32_matmul_precision without its wrapper
 _transforms_active = torch._C._are_functorch_transforms_active  # inside torch.func.vmap / grad
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # also a wrapper left from an exited transform
+_unwrap_dead = torch._functorch.utils.unwrap_dead_wrappers  # what Function.apply does to its arguments
 
 
 def apply_activation(x: torch.Tensor, activation) -> torch.Tensor:
@@ -172,8 +172,10 @@ class Cached:
         if not torch.compiler.is_compiling():
             try:
                 sig = signature(args, n)
-            except RuntimeError:  # a torch.func wrapper (vmap's batched tensor) has no data_ptr
-                sig = None
+            except RuntimeError:  # a tensor without storage: a torch.func wrapper, or no strided tensor
+                if not _transforms_active():  # a wrapper left by an exited transform stands for its tensor
+                    args = _unwrap_dead(args)
+                    sig = _signature_or_none(args, n)
             if sig is not None:
                 try:
                     run = self.records.get(sig)
@@ -185,6 +187,13 @@ class Cached:
         if sig is not None:
             self.records.put(sig, run)
         return run(*args[:n])
+
+
+def _signature_or_none(args: tuple, tensors: int):
+    try:
+        return signature(args, tensors)
+    except RuntimeError:  # still no storage (a sparse tensor, ...): the full path's checks name it
+        return None
 
 
 # ---------------------------------------------------------------------------- records
@@ -335,7 +344,7 @@ class Op:
             })
             # Function.apply's C entry, without its Python wrapper (default-argument binding,
             # which a Function without setup_context skips, and functorch's unwrapping of dead
-            # wrappers, which ``route`` leaves to the wrapper when an argument is one).
+            # wrappers, which ``Cached`` has done before any record is built).
             self.recorded_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, self.recorded)
         self.record = record
         self.tensors = tensors
@@ -363,8 +372,7 @@ class Op:
         else:
             run = self.record(*args[:n], *rest)  # the checks, before any attribute of a wrong argument is read
             checks.check_differentiable(**dict(zip(self.differentiable, args)))
-            wrapped = any(isinstance(t, _Tensor) and _functorch_wrapped(t) for t in args[:n])
-            recorded = self.recorded.apply if wrapped else self.recorded_apply
+            recorded = self.recorded_apply
             if act is None:
                 return lambda *t: recorded(*t, run)
             return lambda *t: apply_activation(recorded(*t, run), act)

@@ -294,6 +294,7 @@ def test_quantize_transposed_is_the_quantisation_of_the_transpose(block, shape, 
     x[0, 0] = 0.0
     gran = granularity(block)
     q, s, q_t, s_t = _quantize_triton(x, gran, E4M3, False, transposed=True)
+    assert s_t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()  # two outputs, never one aliased
     for got, want in [((q, s), _quantize_torch(x, gran, E4M3, False)), ((q_t, s_t), _quantize_torch(x.t(), gran, E4M3, False))]:
         assert got[0].shape == want[0].shape and torch.equal(bits(got[0]), bits(want[0]))
         assert torch.equal(got[1], want[1]) and layout_of(got[1]) == layout_of(want[1])

@@ -278,8 +278,8 @@ def test_func_grad_is_refused_by_torch(device):
 
 def test_a_wrapper_left_by_an_exited_transform_is_unwrapped(device):
     """A tensor that escaped a torch.func transform stays a functorch wrapper (no storage)
-    after the transform exits. Function.apply's Python wrapper unwraps it; the cached
-    gradient route, which calls Function.apply's C entry, leaves such calls to the wrapper."""
+    after the transform exits. The call unwraps it, as Function.apply's Python wrapper would,
+    before anything reads its data pointer (the TMA checks, the gradient route's C entry)."""
     leaked = []
 
     def keep(x):
