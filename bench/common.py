@@ -62,6 +62,7 @@ def header(title: str) -> str:
         f"- torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}\n"
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
         f"- command: `python {cmd}`\n"
+        f"- commit: {commit()}\n"
         f"- timing: GPU time, median of triton.testing.do_bench over CUDA-graph replays of one call (L2 flushed "
         f"between runs; the first call, which compiles, kept out). Host time per eager call: bench/results/overhead.md\n\n"
     )
