@@ -26,7 +26,7 @@ import time
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
 import torch.nn.functional as F
-from common import header, markdown_table, require_gpu, update_summary, write_results
+from common import header, kept_sections, markdown_table, require_gpu, update_summary, write_results
 from onegemm import testing
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -269,6 +269,12 @@ def run_quick():
 
 
 SECTIONS = ("host", "ratios", "buckets", "first")
+SECTION_HEADINGS = {
+    "host": "## Host time per eager call (tiny shapes; 2000 calls, one sync, best of 5)",
+    "ratios": "## Eager (do_bench of Python calls) and GPU time (CUDA-graph replay), ratio = torch time / onegemm time",
+    "first": "## First call at a new shape, fresh process",
+    "buckets": "## First call at each new M bucket, warm process (4096 x 4096 bf16 weight)",
+}
 
 
 def run_full(sections=SECTIONS, name="overhead"):
@@ -276,13 +282,13 @@ def run_full(sections=SECTIONS, name="overhead"):
     text = header("What an eager PyTorch user sees: host time per call, eager and GPU ratios, first calls")
     summary = []
     if "host" in sections:
-        text += "## Host time per eager call (tiny shapes; 2000 calls, one sync, best of 5)\n\n"
+        text += f"{SECTION_HEADINGS['host']}\n\n"
         rows = host_table()
         text += markdown_table(rows) + "\n"
         by_op = {r["op"]: r for r in rows}
         summary += [dict(name=n, value=by_op[op]["torch_us"] / by_op[op]["onegemm_us"], peer=peer) for n, op, peer in HOST_SUMMARY]
     if "ratios" in sections:
-        text += ("## Eager (do_bench of Python calls) and GPU time (CUDA-graph replay), ratio = torch time / onegemm time\n\n"
+        text += (f"{SECTION_HEADINGS['ratios']}\n\n"
                  "config: what onegemm ran and where it came from (table: the shipped tuned table; heuristic: chosen from "
                  "the shape, no timing).\n\n")
         rows = ratio_table()
@@ -290,14 +296,15 @@ def run_full(sections=SECTIONS, name="overhead"):
         by_case = {r["case"]: r for r in rows}
         summary += [dict(name=n, value=by_case[case][col], peer=peer) for n, case, col, peer in RATIO_SUMMARY]
     if "first" in sections:
-        text += ("## First call at a new shape, fresh process\n\n"
+        text += (f"{SECTION_HEADINGS['first']}\n\n"
                  "first_call_s: from the call to its synced result. startup_s: import torch + onegemm and CUDA's "
                  "initialisation, before it. cold: Triton's on-disk cache empty (a new machine); warm: filled by the "
                  "process before (the same machine, a second process).\n\n")
         text += markdown_table(first_call_table()) + "\n"
     if "buckets" in sections:
-        text += "## First call at each new M bucket, warm process (4096 x 4096 bf16 weight)\n\n"
+        text += f"{SECTION_HEADINGS['buckets']}\n\n"
         text += markdown_table(new_bucket_table()) + "\n"
+    text += kept_sections(name, [SECTION_HEADINGS[s] for s in SECTIONS if s not in sections])
     write_results(name, text)
     if summary:
         update_summary(summary)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -87,6 +88,28 @@ def write_results(name: str, text: str) -> Path:
     print(text)
     print(f"wrote {path}")
     return path
+
+
+def kept_sections(name: str, headings: list[str]) -> str:
+    """The sections of bench/results/NAME.md whose heading starts with one of ``headings``
+    (a run that re-measures only some sections keeps the others), each followed by where it
+    came from: its own provenance line if it has one, else the old file's commit and date."""
+    path = RESULTS / f"{name}.md"
+    if not path.exists():
+        return ""
+    old = path.read_text()
+    field = lambda key: next((line.split(":", 1)[1].strip() for line in old.splitlines()  # noqa: E731
+                              if line.startswith(f"- {key}:")), "unknown")
+    origin = f"_Kept from the run at {field('commit')} ({field('date')}): not re-measured by the run above._"
+    out = ""
+    for block in re.split(r"(?m)^(?=## )", old):
+        heading, _, body = block.partition("\n")
+        if any(heading.startswith(h) for h in headings):
+            body = body.lstrip("\n")
+            if not body.startswith("_Kept from"):
+                body = origin + "\n\n" + body
+            out += f"{heading}\n\n{body.rstrip()}\n\n"
+    return out
 
 
 def commit() -> str:

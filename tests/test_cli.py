@@ -57,3 +57,19 @@ def test_main_job_deepseek_layer_matches_transformers(device, capsys):
     assert ok, out
     assert "100.00% of tokens pick the float64 router's experts (transformers: 100.00%)" in out
     assert "32 experts, hidden 64" in out and "top-8 within the best 4 of 8 expert groups" in out
+
+
+def test_a_partial_benchmark_run_keeps_the_sections_it_did_not_measure(tmp_path):
+    """bench/common.py kept_sections: a run of some sections (bench_overhead.py --sections host)
+    keeps the others from the previous file, each with the run it came from, and never drops a
+    provenance line a kept section already has."""
+    old = ("# T\n\n- date: D0\n- commit: abc1234\n- timing: t\n\n## A one\n\nold a\n\n"
+           "## B two\n\n_Kept from the run at e1 (d1): not re-measured by the run above._\n\nold b\n\n## C three\n\nold c\n")
+    script = (f"import onegemm, common, pathlib\ncommon.RESULTS = pathlib.Path({str(tmp_path)!r})\n"
+              f"(common.RESULTS / 'x.md').write_text({old!r})\n"
+              "print(common.kept_sections('x', ['## A', '## B']), end='')\n"
+              "print(repr(common.kept_sections('missing', ['## A'])), end='')\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO / "bench", capture_output=True, text=True,
+                         check=True).stdout
+    assert out == ("## A one\n\n_Kept from the run at abc1234 (D0): not re-measured by the run above._\n\nold a\n\n"
+                   "## B two\n\n_Kept from the run at e1 (d1): not re-measured by the run above._\n\nold b\n\n''")
