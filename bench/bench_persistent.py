@@ -3,6 +3,8 @@
     python bench/bench_persistent.py                # on the H200: table + bench/results/persistent.{md,png}
     python bench/bench_persistent.py --dtype fp16   # the same sweep in fp16 (persistent_fp16.{md,png})
     python bench/bench_persistent.py --quick        # CPU interpreter: the same code path on tiny shapes
+    python bench/bench_persistent.py --default-configs   # what a call picks (table / heuristic), no
+                                                         # autotuning: minutes, not an hour (persistent_default.md)
 
 Five GEMMs on the same inputs (A [M, K] row-major, B = W.t() of an nn.Linear weight [N, K]):
     lpt_ptr   onegemm.matmul, one program per tile, pointer loads   (tma=False, persistent=False)
@@ -12,7 +14,9 @@ Five GEMMs on the same inputs (A [M, K] row-major, B = W.t() of an nn.Linear wei
     cuBLAS    torch.matmul
 Both schedules are autotuned (onegemm.autotune: every candidate timed in GPU time, the winner
 kept in the user's tuning cache) over the same tiles and run the same tile body, so
-pers_x / lpt_x is the scheduling effect alone (the chosen tile shapes are printed).
+pers_x / lpt_x is the scheduling effect alone (the chosen tile shapes are printed). With
+--default-configs each call runs the config it gets without autotuning (the shipped table's
+or the heuristic's): what a user sees by default.
 
 Sweep: square 512..8192; small-M LLM linears (M 16..256, (N, K) of bench_matmul.py); K in
 {512, 1024, 8192} at 4096 x 4096 (4096 is in the square set); and "wave tail" shapes whose
@@ -86,14 +90,14 @@ def ratio_name(num: str, den: str) -> str:
     return f"{num}/{den}"
 
 
-def measure(kind, M, N, K, dtype, device, timer) -> dict:
+def measure(kind, M, N, K, dtype, device, timer, autotuned=True) -> dict:
     """One shape: every variant checked against the reference, then timed by ``timer``."""
     a, b = operands(M, N, K, dtype, device)
     ref = torch.matmul(a, b) if device == "cuda" else matmul_ref(a, b)
     ms, chosen, err = {}, {}, 0.0
     for name, fn in VARIANTS.items():
-        with onegemm.autotune(device == "cuda"):
-            (ran,) = testing.launched(lambda: fn(a, b))  # the first call autotunes
+        with onegemm.autotune(device == "cuda" and autotuned):
+            (ran,) = testing.launched(lambda: fn(a, b))  # the first call autotunes (if it may)
         out = fn(a, b)
         # Same inputs, fp32 accumulation everywhere: outputs differ from cuBLAS by rounding only.
         assert_close(out, ref, TOL[dtype], f"{name} {M}x{N}x{K}")
@@ -131,14 +135,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def report(dname: str, rows: list[dict]) -> str:
+def report(dname: str, rows: list[dict], autotuned: bool = True) -> str:
     summary = summarize(rows)
+    configs_said = ("both schedules are autotuned over the same tiles (persistent also at two per SM)" if autotuned else
+                    "each call runs the config it gets without autotuning (the shipped table's or the heuristic's)")
     text = header(f"Persistent vs launch-per-tile GEMM ({dname}), pointer and TMA loads, vs cuBLAS")
     text += (
         "Each ratio column X/Y is Y's time / X's time: above 1, X is faster. lpt = launch-per-tile "
         "(onegemm.matmul with persistent=False), pers = onegemm.persistent_matmul (one program per "
-        "SM, or two for a '2/SM' config), _ptr / _tma = pointer / tensor-descriptor loads; both "
-        "schedules are autotuned over the same tiles (persistent also at two per SM) and run the same "
+        f"SM, or two for a '2/SM' config), _ptr / _tma = pointer / tensor-descriptor loads; {configs_said}; "
+        "both run the same "
         "kernel, core's matmul_kernel, with its PERSISTENT switch off or on. tiles and waves "
         "(tiles / SMs) are for pers_tma's chosen tile shape. "
         "B = W.t() of an nn.Linear weight.\n\n"
@@ -155,7 +161,7 @@ def report(dname: str, rows: list[dict]) -> str:
     return text
 
 
-def run(quick: bool, dname: str):
+def run(quick: bool, dname: str, autotuned: bool = True):
     dtype = DTYPES[dname]
     device = "cpu" if quick else "cuda"
 
@@ -167,9 +173,9 @@ def run(quick: bool, dname: str):
 
     rows = []
     for kind, M, N, K in QUICK_SHAPES if quick else SHAPES:
-        rows.append(measure(kind, M, N, K, dtype, device, timer))
+        rows.append(measure(kind, M, N, K, dtype, device, timer, autotuned))
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
-    text = report(dname, rows)
+    text = report(dname, rows, autotuned)
     labels = [f"{r['kind']} {r['M']}x{r['N']}x{r['K']}" for r in rows]
     plotted = ("pers_ptr/lpt_ptr", "pers_tma/lpt_tma", "lpt_tma/cuBLAS", "pers_tma/cuBLAS")
     series = {k: [r[k] for r in rows] for k in plotted}
@@ -179,21 +185,25 @@ def run(quick: bool, dname: str):
         assert "## Every shape" in text and len(labels) == len(series["pers_tma/cuBLAS"])
         print(f"quick: every variant ran and matched the reference ({len(rows)} shapes); no files written")
         return
-    name = "persistent" if dname == "bf16" else f"persistent_{dname}"
+    name = ("persistent" if dname == "bf16" else f"persistent_{dname}") + ("" if autotuned else "_default")
     write_results(name, text)
     path = plot_ratios(name, labels, series, "speed ratio X/Y (Y time / X time)",
                        f"persistent vs launch-per-tile ({dname}) on {torch.cuda.get_device_name()}")
     print(f"wrote {path}")
     if dname == "bf16":
+        how = "both autotuned" if autotuned else "each with the config a call gets (table / heuristic)"
         update_summary([dict(name="persistent_vs_launch_per_tile", value=summarize(rows)[0]["pers_tma/lpt_tma"],
-                             peer="onegemm.matmul launch-per-tile (TMA), GPU time, geomean over bench_persistent's shapes")])
+                             peer=f"onegemm.matmul launch-per-tile (TMA), GPU time, geomean over bench_persistent's "
+                                  f"shapes, {how}")])
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes under the CPU interpreter, no timing, no files")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--default-configs", action="store_true",
+                   help="no autotuning: each call runs the shipped table's or the heuristic's config")
     args = p.parse_args()
     if not args.quick and not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU; use --quick for the CPU code-path check")
-    run(args.quick, args.dtype)
+    run(args.quick, args.dtype, not args.default_configs)
