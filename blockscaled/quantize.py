@@ -259,9 +259,12 @@ def _transposer(M: int, K: int, dtype: torch.dtype, device):
     def args(q, q_t):
         return (q.view(torch.uint8), q_t.view(torch.uint8), M, K, K, 1, q_t.stride(0), 1)
 
-    probe = empty((M, K), dtype=dtype, device=device), _transposed_empty(K, M, dtype, device)
+    def trial(plan):  # autotuning's launch, on buffers of its own (allocated only if it runs)
+        TRANSPOSE.launch(plan, grid(plan), args(empty((M, K), dtype=dtype, device=device),
+                                                _transposed_empty(K, M, dtype, device)))
+
     plan = TRANSPOSE.plan_for(Request(configs.PrepKey("transpose", configs.m_bucket(M * K, 1 << 24)), {}, device, None,
-                                      lambda plan: TRANSPOSE.launch(plan, grid(plan), args(*probe))))
+                                      trial))
     g = grid(plan)
 
     def run(q):
