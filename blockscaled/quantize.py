@@ -217,7 +217,8 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
 
         def both(x):
             q, scale = direct(x)
-            return q, scale, transpose(q), scale.t().clone(memory_format=torch.contiguous_format)  # never a view of scale
+            # scale_t is a copy: where scale.t() is contiguous, .contiguous() would hand back scale itself
+            return q, scale, transpose(q), scale.t().clone(memory_format=torch.contiguous_format)
 
         return both
     M, K = x.shape

@@ -64,7 +64,8 @@ def test_a_partial_benchmark_run_keeps_the_sections_it_did_not_measure(tmp_path)
     keeps the others from the previous file, each with the run it came from, and never drops a
     provenance line a kept section already has."""
     old = ("# T\n\n- date: D0\n- commit: abc1234\n- timing: t\n\n## A one\n\nold a\n\n"
-           "## B two\n\n_Kept from the run at e1 (d1): not re-measured by the run above._\n\nold b\n\n## C three\n\nold c\n")
+           "## B two\n\n_Kept from the run at e1 (d1): not re-measured by the run above._\n\nold b\n\n"
+           "## C three\n\nold c\n")
     script = (f"import onegemm, common, pathlib\ncommon.RESULTS = pathlib.Path({str(tmp_path)!r})\n"
               f"(common.RESULTS / 'x.md').write_text({old!r})\n"
               "print(common.kept_sections('x', ['## A', '## B']), end='')\n"
