@@ -142,6 +142,13 @@ def training_cases():
             offs = (torch.arange(1, E + 1, device="cuda") * (P // E)).to(torch.int32)
             onegemm.grouped_matmul(leaf(P, H), leaf(E, 2 * I, H).transpose(1, 2), offs).sum().backward()
         yield f"training moe_ffn {name} T={T}", run
+
+        def run_fp8(E=E, H=H, I=I, k=k, T=T):  # the FP8 expert GEMMs (Gluon body), quantisers and transposes
+            weights, ids = onegemm.route(torch.randn(T, E, device="cuda"), k)
+            y = onegemm.moe_ffn(leaf(T, H), leaf(E, 2 * I, H, scale=H**-0.5), leaf(E, H, I, scale=I**-0.5),
+                                weights.requires_grad_(), ids, fp8_training=True)
+            y.float().sum().backward()
+        yield f"training moe_ffn fp8 {name} T={T}", run_fp8
     for d_in, d_out in ((4096, 16384), (16384, 4096)):
         def run(d_in=d_in, d_out=d_out):
             layer = onegemm.Fp8Linear(d_in, d_out, device="cuda", dtype=BF16, trainable=True)
