@@ -149,11 +149,12 @@ def training_cases():
                                 weights.requires_grad_(), ids, fp8_training=True)
             y.float().sum().backward()
         yield f"training moe_ffn fp8 {name} T={T}", run_fp8
-    for d_in, d_out in ((4096, 16384), (16384, 4096)):
-        def run(d_in=d_in, d_out=d_out):
-            layer = onegemm.Fp8Linear(d_in, d_out, device="cuda", dtype=BF16, trainable=True)
-            layer(leaf(8192, d_in)).float().sum().backward()
-        yield f"training Fp8Linear 8192x{d_out}x{d_in}", run
+    for tokens in (8192, 16384):  # the FP8 MLP benchmark's two token counts
+        for d_in, d_out in ((4096, 16384), (16384, 4096)):
+            def run(d_in=d_in, d_out=d_out, tokens=tokens):
+                layer = onegemm.Fp8Linear(d_in, d_out, device="cuda", dtype=BF16, trainable=True)
+                layer(leaf(tokens, d_in)).float().sum().backward()
+            yield f"training Fp8Linear {tokens}x{d_out}x{d_in}", run
 
 
 FAMILIES = {"matmul": matmul_cases, "blockscaled": blockscaled_cases, "ragged": ragged_cases, "training": training_cases}
