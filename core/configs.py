@@ -76,7 +76,7 @@ def label(c: triton.Config) -> str:
     if "K_GROUP" in k:  # the Gluon body's (core/hopper_fp8.py): its ring depth and K unroll
         return f"{tile}s{k['STAGES']} kg{k['K_GROUP']} gluon"
     text = f"{tile}w{c.num_warps} s{c.num_stages}"
-    for flag, name in (("WARP_SPECIALIZE", "WS"), ("PERSISTENT", "pers")):
+    for flag, name in (("WARP_SPECIALIZE", "WS"), ("PERSISTENT", "pers"), ("STREAM_K", "streamK")):
         if k.get(flag):
             text += f" {name}"
     if k.get("SPLIT_K", 1) > 1:
@@ -245,12 +245,35 @@ def two_per_sm(configs):
     return as_persistent(small, PROGRAMS_PER_SM=2)
 
 
-PERSISTENT_CONFIGS = as_persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
+def stream_k(configs):
+    """``configs`` on the stream-K schedule (core/tiles.py ``stream_k``)."""
+    return as_persistent(configs, STREAM_K=True)
+
+
+def stream_k_tiles(tiles: int, programs: int, k_blocks: int) -> int:
+    """How many of a stream-K launch's tiles its programs share out by K blocks: none when
+    the last wave of whole tiles fills at least half the programs (its idle half costs less
+    than the shared tiles' partial sums) or a tile has fewer than two K blocks; else that
+    partial wave and the full one before it (all tiles when there are fewer than programs),
+    so each program's run spans about one whole tile or more, instead of a sliver of the last.
+    Every program must get at least one K block (tiles.stream_k counts a shared tile's parts
+    by consecutive programs), so fewer blocks than programs is none too."""
+    tail = tiles % programs
+    if k_blocks < 2 or tail == 0 or 2 * tail >= programs:
+        return 0
+    shared = tail + programs if tiles > programs else tiles
+    return shared if shared * k_blocks >= programs else 0
+
+
+BIG_TILES = [c for c in MATMUL_CONFIGS if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] == 128 * 256]
+PERSISTENT_CONFIGS = (as_persistent(MATMUL_CONFIGS + SPLIT_K_CONFIGS) + two_per_sm(MATMUL_CONFIGS + SPLIT_K_CONFIGS)
+                      + stream_k(BIG_TILES + [c for c in MATMUL_CONFIGS if c.kwargs["BLOCK_M"] == c.kwargs["BLOCK_N"] == 128]))
 
 
 def big_persistent(c: triton.Config) -> bool:
-    """The persistent 128x256 / 256x128 tiles, one program per SM, unsplit: the only persistent
-    configs matmul's automatic schedule tries (the smaller ones tie with launch-per-tile)."""
+    """The persistent 128x256 / 256x128 tiles, one program per SM, unsplit (either walk: whole
+    tiles, or stream-K): the only persistent configs matmul's automatic schedule tries (the
+    smaller ones tie with launch-per-tile)."""
     k = c.kwargs
     return (k.get("PERSISTENT", False) and k["BLOCK_M"] * k["BLOCK_N"] == 128 * 256
             and split_of(c) == 1 and k.get("PROGRAMS_PER_SM", 1) == 1)
@@ -291,7 +314,7 @@ def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
     big = tile_count(M, N, 128, 256)
     if key.dtype != "fp32" and M >= 1024 and big >= sms // 2:
         if key.schedule != PER_TILE and (big >= sms or key.schedule == PERSISTENT_ONLY):
-            return with_meta(cfg(128, 256, bk, 8, 3), PERSISTENT=True, USE_TMA=tma)
+            return with_meta(cfg(128, 256, bk, 8, 3), PERSISTENT=True, STREAM_K=True, USE_TMA=tma)
         if tma and bk == 64:
             wide = (128, 256) if N >= M else (256, 128)
             return warp_specialized(cfg(*wide, bk, 4, 3), USE_TMA=True)

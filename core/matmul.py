@@ -12,20 +12,21 @@ import triton.language as tl
 from . import checks, configs, splitk
 from .dispatch import Cached, Launch, Op, Record, begin
 from .launch import Launcher, Request
-from .runtime import INTERPRET, empty, interpretable, product_like, tile_grid
-from .tiles import NO_SCALES, NO_VECTOR, Operand, Routing, SplitK, TileSpec, Vector, gemm_tile, make_operands, program_units, swizzle_tile
+from .runtime import INTERPRET, cdiv, empty, interpretable, product_like, tile_grid
+from .tiles import (NO_SCALES, NO_VECTOR, Operand, Routing, SplitK, TileSpec, Vector, gemm_tile, make_operands, program_units,
+                    stream_k, swizzle_tile)
 from .tma import choose_tma, forced_flavour, layout_meta
 
 
 @triton.jit
 def matmul_kernel(
-    A, B, C, bias, scales, M, N, K, ws_ptr, lock_ptr,
+    A, B, C, bias, scales, M, N, K, ws_ptr, lock_ptr, sk_tiles,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, A_K_CONTIG: tl.constexpr, B_K_CONTIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
     PERSISTENT: tl.constexpr = False, PROGRAMS_PER_SM: tl.constexpr = 1,
-    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1,
+    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1, STREAM_K: tl.constexpr = False,
 ):
     """C = act(A @ B + bias), with optional dequantisation scales: every dense GEMM in onegemm
     (matmul, linear, persistent_matmul, blockscaled_matmul). One program per work unit, or
@@ -47,6 +48,10 @@ def matmul_kernel(
         consecutive units, so under PERSISTENT they run on neighbouring programs of one pass;
         the last to finish sums the partials, and no program ever waits for another.
     PERSISTENT: the persistent schedule (tiles.program_units; persistent/matmul.py says why).
+    STREAM_K (with PERSISTENT): tiles.stream_k, the first ``sk_tiles`` tiles shared out by K
+        blocks, the rest walked whole; ws_ptr fp32 [2 * P, BLOCK_M * BLOCK_N] and lock_ptr
+        int32 [sk_tiles] hold the shared tiles' partials and counters (core/splitk.py).
+        sk_tiles: None unless STREAM_K.
     PROGRAMS_PER_SM: read by the host only (runtime.tile_grid): the default persistent grid is
         the SM count times this, so two programs of a small tile can share an SM.
     Grid: runtime.tile_grid: units = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K programs,
@@ -56,12 +61,17 @@ def matmul_kernel(
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
                     WARP_SPECIALIZE, SPLIT_K, SA_ROWS, SB_COLS)
     a, b, c = make_operands(A, B, C, M, N, K, spec)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for i in tl.range(0, program_units(num_pid_m * num_pid_n * SPLIT_K, PERSISTENT)):
-        unit = tl.program_id(0) + i * tl.num_programs(0)
-        pid_m, pid_n = swizzle_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
-        gemm_tile(pid_m, pid_n, a, b, c, M, N, K, spec, scales, Routing(), bias, SplitK(unit % SPLIT_K, ws_ptr, lock_ptr))
+    if STREAM_K:
+        tl.static_assert(PERSISTENT and SPLIT_K == 1)
+        stream_k(a, b, c, M, N, K, spec, scales, bias, ws_ptr, lock_ptr, sk_tiles, GROUP_M)
+    else:
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        for i in tl.range(0, program_units(num_pid_m * num_pid_n * SPLIT_K, PERSISTENT)):
+            unit = tl.program_id(0) + i * tl.num_programs(0)
+            pid_m, pid_n = swizzle_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
+            gemm_tile(pid_m, pid_n, a, b, c, M, N, K, spec, scales, Routing(), bias,
+                      SplitK(unit % SPLIT_K, ws_ptr, lock_ptr))
 
 
 MATMUL = Launcher(matmul_kernel, "matmul")
@@ -114,6 +124,10 @@ def dense_record(a, b, bias, activation, out_dtype, tma, persistent, programs, c
     layout = choose_tma(tma, a, b, c)
     if config is not None and persistent is not None:
         config = configs.with_meta(config, PERSISTENT=persistent)
+    if config is not None and config.kwargs.get("STREAM_K") and (
+            not config.kwargs.get("PERSISTENT") or config.kwargs.get("SPLIT_K", 1) != 1):
+        raise checks.bad_value("config", "persistent and unsplit with STREAM_K (stream-K is a persistent schedule of "
+                               "whole K ranges; persistent=False or SPLIT_K asks for another)", configs.label(config))
     plan = MATMUL.plan_for(Request(
         configs.MatmulKey(configs.dtype_name(a.dtype), configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
                           configs.flavour_mode(tma, layout is not None), schedule, programs or 0),
@@ -133,22 +147,27 @@ def dense_launch(launcher, plan, a, b, c, programs=None, scales=None) -> Launch:
     M, K = a.shape
     N = b.shape[1]
     (sa0, sa1), (sb0, sb1), (sc0, sc1) = a.stride(), b.stride(), c.stride()
-    split = plan.meta.get("SPLIT_K", 1) != 1
-    fp8 = INTERPRET and a.dtype in checks.FP8_DTYPES
     meta = plan.meta
+    grid = tile_grid(M, N, meta, plan.device_index, programs)
+    split = meta.get("SPLIT_K", 1) != 1 or meta.get("STREAM_K", False)
+    sk_tiles = None
+    if meta.get("STREAM_K"):
+        sk_tiles = configs.stream_k_tiles(cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), grid[0],
+                                          cdiv(K, meta["BLOCK_K"]))
+    fp8 = INTERPRET and a.dtype in checks.FP8_DTYPES
 
     def args(c, a, b, bias, scales):
-        ws, locks = splitk.for_plan(meta, c.device, M, N) if split else (None, None)
+        ws, locks = splitk.for_plan(meta, c.device, M, N, grid[0]) if split else (None, None)
         if fp8:
             a, b = interpretable(a), interpretable(b)
         return (Operand(a, sa0, sa1), Operand(b, sb0, sb1), Operand(c, sc0, sc1),
-                NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), scales, M, N, K, ws, locks)
+                NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), scales, M, N, K, ws, locks, sk_tiles)
 
     if scales is None:
         build = lambda c, a, b, bias: args(c, a, b, bias, NO_SCALES)  # noqa: E731
     else:
         build = lambda c, a, b, sa, sb, bias: args(c, a, b, bias, scales(sa, sb))  # noqa: E731
-    return Launch(launcher, plan, tile_grid(M, N, meta, plan.device_index, programs), build)
+    return Launch(launcher, plan, grid, build)
 
 
 def _dense_impl(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],

@@ -141,4 +141,6 @@ def tile_grid(M: int, N: int, meta: dict, device_index: int | None, programs: in
     if not meta.get("PERSISTENT"):
         return (units,)
     p = programs or default_programs(device_index) * meta.get("PROGRAMS_PER_SM", 1)
+    if meta.get("STREAM_K"):  # its programs share K blocks too: all P start
+        return (p,)
     return (min(p, units),)

@@ -25,9 +25,13 @@ def buffers(device: torch.device, workspace: int, counters: int):
             scratch.get(device, "split_k_counters", counters, torch.int32, zeroed=True))
 
 
-def for_plan(meta: dict, device: torch.device, M: int, N: int):
-    """(workspace, counters) for a launch of an [M, N] output with a plan's constexprs ``meta``,
-    or (None, None) when its config does not split."""
+def for_plan(meta: dict, device: torch.device, M: int, N: int, programs: int):
+    """(workspace, counters) for a launch of an [M, N] output with a plan's constexprs ``meta``
+    on ``programs`` programs, or (None, None) when its config does not split. Stream-K
+    (STREAM_K): two tile-sized partial slots per program, a counter per shared tile (at most
+    2 * programs of them, configs.stream_k_tiles)."""
+    if meta.get("STREAM_K"):
+        return buffers(device, 2 * programs * meta["BLOCK_M"] * meta["BLOCK_N"], 2 * programs)
     split = meta.get("SPLIT_K", 1)
     if split == 1:
         return None, None

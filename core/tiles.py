@@ -8,7 +8,8 @@ the tile body:
 2. ``mma_k_loop``: the K loop over broadcast 2-D pointer blocks, the ``k_remaining`` mask and
    fp32 accumulation, with per-K-block dequantisation scales (blockscaled/) and arbitrary row
    index vectors, which give the MoE row gather for free (grouped/).
-3. ``split_k_combine`` (SPLIT_K > 1): the last of a tile's K splits sums their partials.
+3. ``split_k_combine`` (SPLIT_K > 1): the last of a tile's K splits sums their partials;
+   ``stream_k_combine`` likewise for the stream-K schedule's shared tiles (``stream_k``).
 4. ``epilogue`` + ``store_tile``: dequant scales, bias, activation, routing weight, an fp8
    output's own 1x128 quantisation (``quantize_tile``), cast,
    masked (or TMA) store.
@@ -100,6 +101,27 @@ class SplitK(NamedTuple):
     index: Any
     ws: Any
     locks: Any
+
+
+class Segment(NamedTuple):
+    """A stream-K program's part of one output tile (``stream_k``): K blocks [lo, hi) of it.
+
+    parts: how many programs share the tile (1: this one computes it whole, no workspace).
+    slot: where this part's fp32 partial goes in ``ws`` (two slots per program: its first
+       and its last part). first_prog, first_slot: the tile's first program and that
+       program's slot for it; part c > 0 is program first_prog + c's first part (slot
+       2 * (first_prog + c)). ws: fp32 [2 * programs, BLOCK_M * BLOCK_N]; lock: the tile's
+       int32 counter, zero before the launch, left zero after it.
+    """
+
+    lo: Any
+    hi: Any
+    parts: Any = 1
+    slot: Any = 0
+    first_prog: Any = 0
+    first_slot: Any = 0
+    ws: Any = None
+    lock: Any = None
 
 
 class Routing(NamedTuple):
@@ -500,7 +522,71 @@ def split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, S
 
 
 @triton.jit
-def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None):
+def stream_k_combine(acc, seg):
+    """Stream-K's reduction of a tile shared by ``seg.parts`` programs: returns (the sum of
+    all parts, is_last). As ``split_k_combine``: each part stores its partial, takes a ticket
+    on the tile's counter, and the last to arrive sums the partials in part order
+    (deterministic) and resets the counter; nobody waits. The workspace slot is tile-local,
+    [BLOCK_M, BLOCK_N] dense, so it needs no masks."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    BLOCK_N: tl.constexpr = acc.shape[1]
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(seg.ws + seg.slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, acc)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(seg.lock, 1, sem="acq_rel", scope="gpu")
+    is_last = ticket == seg.parts - 1
+    if is_last:
+        acc = tl.zeros_like(acc)
+        for c in range(seg.parts):
+            slot = tl.where(c == 0, seg.first_slot, 2 * (seg.first_prog + c))
+            acc += tl.load(seg.ws + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
+        tl.store(seg.lock, 0)
+    return acc, is_last
+
+
+@triton.jit
+def holder_of(x, iters, P):
+    """The stream-K program whose iteration range [p * iters // P, (p+1) * iters // P) holds
+    iteration ``x``."""
+    return ((x + 1) * P + iters - 1) // iters - 1
+
+
+@triton.jit
+def stream_k(A, B, C, M, N, K, spec, scales, bias, ws, locks, sk_tiles, GROUP_M: tl.constexpr):
+    """The stream-K schedule of the dense kernel (Stream-K, Osama et al. 2023): the first
+    ``sk_tiles`` tiles (in GROUP_M order) are cut into their K blocks, and the programs share
+    those sk_tiles * ceil(K / BLOCK_K) iterations evenly, each a contiguous run that may
+    start and end inside a tile (``Segment``; shared tiles meet in ``stream_k_combine``);
+    then each program walks the remaining tiles whole, persistent-style. core/configs.py
+    ``stream_k_tiles`` picks sk_tiles (0: the plain persistent walk)."""
+    num_pid_m = tl.cdiv(M, spec.BLOCK_M)
+    num_pid_n = tl.cdiv(N, spec.BLOCK_N)
+    tiles = num_pid_m * num_pid_n
+    P = tl.num_programs(0)
+    pid = tl.program_id(0)
+    kb = tl.cdiv(K, spec.BLOCK_K).to(tl.int64)
+    iters = sk_tiles * kb
+    start = pid.to(tl.int64) * iters // P
+    end = (pid + 1).to(tl.int64) * iters // P
+    it = start
+    while it < end:
+        t = it // kb
+        first, last = holder_of(t * kb, iters, P), holder_of((t + 1) * kb - 1, iters, P)
+        first_slot = 2 * first + (first * iters // P < t * kb).to(tl.int64)
+        hi = tl.minimum(kb, end - t * kb)
+        seg = Segment((it - t * kb).to(tl.int32), hi.to(tl.int32), (last - first + 1).to(tl.int32),
+                      2 * pid + (it != start).to(tl.int32), first.to(tl.int32), first_slot.to(tl.int32), ws, locks + t)
+        pid_m, pid_n = swizzle_tile(t.to(tl.int32), num_pid_m, num_pid_n, GROUP_M)
+        gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, Routing(), bias, segment=seg)
+        it = t * kb + hi
+    for i in tl.range(0, tl.cdiv(tiles - sk_tiles - pid, P)):  # the plain persistent loop's form
+        pid_m, pid_n = swizzle_tile(sk_tiles + pid + i * P, num_pid_m, num_pid_n, GROUP_M)
+        gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, Routing(), bias)
+
+
+@triton.jit
+def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None,
+              segment=None):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
 
     A [M, K], B [K, N], C [M, N]: Operands, or ``make_operands``' descriptors (spec.USE_TMA).
@@ -519,6 +605,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         splits into [BLOCK_M, BLOCK_N/2] gate and up halves and the tile writes silu(gate) *
         up, BLOCK_N/2 columns of C. The [rows, 2N] product is never stored.
     fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
+    segment: a stream-K Segment (``stream_k``): only its K blocks, and when other programs
+        share the tile, the last of them to finish sums the parts and alone stores.
     scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``).
     """
     BLOCK_M: tl.constexpr = spec.BLOCK_M
@@ -546,6 +634,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     kb_hi = None
     if spec.SPLIT_K > 1:
         kb_lo, kb_hi = split_k_range(split.index, K, spec.BLOCK_K, spec.SPLIT_K)
+    if segment is not None:
+        kb_lo, kb_hi = segment.lo, segment.hi
     # Without a Fill, ``filled`` is a constant false and the compiler drops the branch.
     filled = False
     fill_value = 0.0
@@ -564,6 +654,9 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         if spec.SPLIT_K > 1:
             tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
             acc, finish = split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, spec.SPLIT_K)
+        if segment is not None:
+            if segment.parts > 1:
+                acc, finish = stream_k_combine(acc, segment)
         if finish:
             acc = epilogue(acc, offs_m, offs_n, mask_m, mask_n, spec.ACTIVATION, scales, bias, routing.weight, out_rows)
     if finish:

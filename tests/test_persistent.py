@@ -166,7 +166,8 @@ def _pruned(dtype, M, schedule):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 def test_schedule_pruning(dtype):
     """Launch-per-tile keeps no persistent config, persistent keeps only those (two per SM
-    included), and automatic scheduling adds just the big persistent tiles to launch-per-tile,
+    included), and automatic scheduling adds just the big persistent tiles (whole-tile and
+    stream-K walks) to launch-per-tile,
     and none at decode sizes, where 64-row tiles are all that is tuned."""
     def persistent(configs):
         return [c for c in configs if c.kwargs.get("PERSISTENT")]
@@ -178,8 +179,10 @@ def test_schedule_pruning(dtype):
     assert only == persistent(only) and any(c.kwargs.get("PROGRAMS_PER_SM") == 2 for c in only)
     auto = _pruned(dtype, 4096, ANY_SCHEDULE)
     assert [c for c in auto if not c.kwargs.get("PERSISTENT")] == per_tile
-    tiles = sorted((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["USE_TMA"]) for c in persistent(auto))
-    assert tiles == sorted((m, n, bk, tma) for m, n in ((128, 256), (256, 128)) for tma in (False, True))
+    tiles = sorted((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["USE_TMA"],
+                    c.kwargs.get("STREAM_K", False)) for c in persistent(auto))
+    assert tiles == sorted((m, n, bk, tma, sk) for m, n in ((128, 256), (256, 128)) for tma in (False, True)
+                           for sk in (False, True))
     assert not persistent(_pruned(dtype, 16, ANY_SCHEDULE))
 
 
@@ -206,6 +209,56 @@ def test_persistent_bad_options(kwargs, exc, match, device):
     a, b = torch.randn(8, 16, device=device), torch.randn(16, 8, device=device)
     with pytest.raises(exc, match=match):
         onegemm.persistent_matmul(a, b, **kwargs)
+
+
+# (M, N, K, num_programs, a transposed): 32 x 32 interpreter tiles, so 96 x 128 is 12 tiles.
+STREAM_K_CASES = [
+    (96, 128, 160, 5, False),   # 12 tiles on 5: 7 shared (the partial wave and one full), 5 whole
+    (96, 128, 160, 30, True),   # fewer tiles than programs: all shared, 2 K blocks per program
+    (33, 70, 300, 13, False),   # partial tiles on both edges, 6 tiles shared by 13
+    (300, 17, 127, 7, True),    # 10 tiles, every one shared; K not a multiple of BLOCK_K
+    (1, 17, 127, 3, False),     # one tile cut in three
+]
+
+
+@pytest.mark.parametrize("M,N,K,programs,a_t", STREAM_K_CASES)
+def test_stream_k(M, N, K, programs, a_t, launched, device):
+    """The stream-K walk (STREAM_K): tiles shared out by K blocks, some parts starting and
+    ending inside a tile, against float64 with the epilogue; twice, so the tile counters
+    must come back to zero; a transposed a view."""
+    cfg = with_meta(INTERPRET_CONFIG if onegemm.INTERPRET else _cfg(32, 32, 32, 4, 2), PERSISTENT=True, STREAM_K=True)
+    tiles = triton.cdiv(M, 32) * triton.cdiv(N, 32)
+    assert configs.stream_k_tiles(tiles, programs, triton.cdiv(K, 32)) > 0  # the case shares tiles
+    a = make((K, M), torch.float32, device).t() if a_t else make((M, K), torch.float32, device)
+    b = make((N, K), torch.float32, device).t()
+    bias = torch.randn(N, device=device)
+    for _ in range(2):
+        out = onegemm.persistent_matmul(a, b, bias=bias, activation="gelu", num_programs=programs, config=cfg)
+        assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.float32])
+    assert [g for g, _ in launched] == [(programs,)] * 2
+
+
+@pytest.mark.parametrize("tiles,programs,k_blocks,want", [
+    (133, 132, 64, 133),   # one tile past a wave: it and the wave before it
+    (265, 132, 64, 133),   # two waves and one tile: the last full wave and the tile
+    (200, 132, 64, 0),     # the last wave over half full: whole tiles only
+    (264, 132, 64, 0),     # exact waves
+    (40, 132, 64, 40),     # fewer tiles than programs: all shared
+    (40, 132, 3, 0),       # ... but fewer K blocks than programs: none
+    (133, 132, 1, 0),      # one K block per tile: nothing to share
+])
+def test_stream_k_tiles_policy(tiles, programs, k_blocks, want):
+    assert configs.stream_k_tiles(tiles, programs, k_blocks) == want
+
+
+@pytest.mark.parametrize("kwargs", [dict(persistent=False), dict(split=2)])
+def test_stream_k_bad_config(kwargs, device):
+    cfg = with_meta(INTERPRET_CONFIG, PERSISTENT=True, STREAM_K=True)
+    if kwargs.pop("split", None):
+        cfg = with_meta(cfg, SPLIT_K=2)
+    a = make((64, 64), torch.float32, device)
+    with pytest.raises(ValueError, match="config must be persistent and unsplit with STREAM_K"):
+        onegemm.matmul(a, a, config=cfg, **kwargs)
 
 
 # ---- GPU only ----
@@ -250,9 +303,26 @@ def test_gpu_every_config(cfg, tma, device):
     bias = torch.randn(560, device=device, dtype=torch.bfloat16)
     out = onegemm.persistent_matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma)
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
-    if "PROGRAMS_PER_SM" not in cfg.kwargs:
+    if "PROGRAMS_PER_SM" not in cfg.kwargs and "STREAM_K" not in cfg.kwargs:
         out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma, persistent=False)
         assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("M,N,K", [(896, 4864, 4096), (640, 13568, 4096), (1000, 1000, 3000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_gpu_stream_k(M, N, K, dtype, tma, device):
+    """The stream-K configs on shapes one tile past a wave of 128 x 256 tiles (133 and 265
+    tiles; 1000^2 is 32 tiles, all shared), where they share tiles out by K blocks."""
+    a = make((M, K), dtype, device)
+    b = make((N, K), dtype, device).t()
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+    for c in PERSISTENT_CONFIGS:
+        if c.kwargs.get("STREAM_K") and c.kwargs["BLOCK_K"] == (128 if dtype.itemsize == 1 else 64):
+            tiles = triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(N, c.kwargs["BLOCK_N"])
+            out = onegemm.persistent_matmul(a, b, bias=bias, activation="gelu", config=c, tma=tma)
+            assert_close(out, matmul_ref(a, b, bias, "gelu"), tol_for(dtype), f"{configs.label(c)} {tiles} tiles")
 
 
 @pytest.mark.gpu
