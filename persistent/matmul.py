@@ -11,7 +11,9 @@ once per tile, and there is no block-scheduling gap between tiles. Both schedule
 kernel, core's matmul_kernel, whose PERSISTENT constexpr turns the unit loop on
 (core/tiles.py ``program_units``; the grid is core/runtime.py ``tile_grid``). The tile body is
 the same code either way, so comparing the two (bench/bench_persistent.py) measures
-scheduling alone. onegemm.matmul takes the persistent schedule itself where its config says so
+scheduling alone. A config with STREAM_K walks the same tiles stream-K style (core/tiles.py
+``stream_k``): where the last wave would leave SMs idle, the tail tiles are shared out by
+K blocks. onegemm.matmul takes the persistent schedule itself where its config says so
 (``persistent=None``: the tuned table and core/configs.py ``matmul_heuristic`` choose it for
 large outputs); this op runs only the persistent schedule, with a grid the caller may size.
 """
