@@ -200,11 +200,13 @@ def grouped_mm_ref(a, b, offs=None, bias=None, activation=None):
 
 
 def route_ref(logits, top_k, renormalize=True, *, scoring="softmax", correction_bias=None, n_group=1,
-              topk_group=None, routed_scaling_factor=1.0):
+              topk_group=None, routed_scaling_factor=1.0, ids=None):
     """onegemm.route in float64, row by row (ties: value descending, the lower index first).
 
-    Returns (weights float64 [T, k], ids int64 [T, k]).
+    Returns (weights float64 [T, k], ids int64 [T, k]). ``ids`` [T, k]: take these experts
+    instead of choosing (their weights, for ``assert_route_close``).
     """
+    given = None if ids is None else ids.detach().long().cpu()
     L = logits.detach().double().cpu()
     T, E = L.shape
     bias = None if correction_bias is None else correction_bias.detach().double().cpu()
@@ -227,16 +229,48 @@ def route_ref(logits, top_k, renormalize=True, *, scoring="softmax", correction_
                 gscore = [g[0] if bias is None else g[0] + g[1] for g in groups]
                 kept = best(gscore, topk_group)
                 candidates = [e for e in range(E) if e // size in kept]
-            chosen = best(choice, top_k, candidates)
+            chosen = best(choice, top_k, candidates) if given is None else given[t].tolist()
             w = s[chosen]
         else:
-            chosen = best(row.tolist(), top_k)
+            chosen = best(row.tolist(), top_k) if given is None else given[t].tolist()
             w = torch.softmax(row[chosen], 0) if scoring == "topk_softmax" else torch.sigmoid(row[chosen])
         if renormalize:
             w = w / (w.sum() + 1e-20)
         ids[t] = torch.tensor(chosen)
         weights[t] = w * routed_scaling_factor
     return weights.to(logits.device), ids.to(logits.device)
+
+
+def route_choice_ref(logits, *, scoring="softmax", correction_bias=None):
+    """The float64 score route_ref chooses experts by, [T, E]: softmax or sigmoid (plus the
+    correction bias), or the logits themselves for the top-k-first scorings."""
+    L = logits.detach().double()
+    if scoring == "softmax":
+        s = torch.softmax(L, -1)
+    elif scoring == "sigmoid":
+        s = torch.sigmoid(L)
+    else:
+        return L
+    return s if correction_bias is None else s + correction_bias.detach().double()
+
+
+def assert_route_close(weights, ids, logits, top_k, renormalize=True, tol=1e-6, **options):
+    """onegemm.route's (weights, ids) against route_ref: the same ids, except in a row whose
+    float64 scores nearly tie (within ``tol``) where the two choices differ, which fp32
+    arithmetic may order either way; and the weights of the ids chosen within ``tol``."""
+    _, ids_ref = route_ref(logits, top_k, renormalize, **options)
+    ids = ids.long()
+    rows = (ids != ids_ref).any(1).nonzero().flatten()
+    if rows.numel():
+        choice = route_choice_ref(logits[rows], scoring=options.get("scoring", "softmax"),
+                                  correction_bias=options.get("correction_bias"))
+        got, want = choice.gather(1, ids[rows]), choice.gather(1, ids_ref[rows])
+        worst = (got - want).abs().max().item()
+        if worst > tol:
+            raise AssertionError(f"route: rows {rows.tolist()[:8]} chose other experts than route_ref, with scores "
+                                 f"up to {worst:.3g} apart (more than a near tie of {tol})")
+    w_ref, _ = route_ref(logits, top_k, renormalize, ids=ids, **options)
+    assert_close(weights, w_ref, tol, "route weights")
 
 
 def moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids):

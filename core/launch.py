@@ -158,6 +158,21 @@ class Launcher:
                     self._plans[key] = plan
         return plan
 
+    def variant(self, plan: Plan, **kwargs) -> Plan:
+        """``plan`` with these config kwargs changed (same constexprs, device and source), made
+        once per plan and change: a launch whose shape makes an option pointless runs without
+        it (core/matmul.py: stream-K with no tile to share)."""
+        key = ("variant", plan, tuple(sorted(kwargs.items())))
+        found = self._plans.get(key)
+        if found is None:
+            with self._lock:
+                found = self._plans.get(key)
+                if found is None:
+                    device = torch.device("cpu") if plan.device_index is None else torch.device("cuda", plan.device_index)
+                    found = Plan(self.params, configs.with_meta(plan.config, **kwargs), plan.meta, device, plan.source)
+                    self._plans[key] = found
+        return found
+
     def _make_plan(self, req: Request) -> Plan:
         if req.forced is not None:
             return Plan(self.params, req.forced, req.constexprs, req.device, "forced")

@@ -536,10 +536,14 @@ def stream_k_combine(acc, seg):
     ticket = tl.atomic_add(seg.lock, 1, sem="acq_rel", scope="gpu")
     is_last = ticket == seg.parts - 1
     if is_last:
+        own = acc
         acc = tl.zeros_like(acc)
         for c in range(seg.parts):
             slot = tl.where(c == 0, seg.first_slot, 2 * (seg.first_prog + c))
-            acc += tl.load(seg.ws + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
+            if slot == seg.slot:  # its own part is still in registers: the same bits, one read less
+                acc += own
+            else:
+                acc += tl.load(seg.ws + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
         tl.store(seg.lock, 0)
     return acc, is_last
 

@@ -238,6 +238,17 @@ def test_stream_k(M, N, K, programs, a_t, launched, device):
     assert [g for g, _ in launched] == [(programs,)] * 2
 
 
+def test_stream_k_without_shared_tiles_runs_the_plain_walk(launched, device):
+    """A stream-K config on a shape with no tile to share (12 tiles on 7 programs: the last
+    wave is over half full) launches the plain persistent walk of the same config."""
+    cfg = with_meta(INTERPRET_CONFIG if onegemm.INTERPRET else _cfg(32, 32, 32, 4, 2), PERSISTENT=True, STREAM_K=True)
+    a = make((96, 160), torch.float32, device)
+    b = make((128, 160), torch.float32, device).t()
+    out = onegemm.persistent_matmul(a, b, num_programs=7, config=cfg)
+    assert_close(out, matmul_ref(a, b), TOL[torch.float32])
+    assert [(g, p.meta["STREAM_K"], p.meta["PERSISTENT"], p.source) for g, p in launched] == [((7,), False, True, "forced")]
+
+
 @pytest.mark.parametrize("tiles,programs,k_blocks,want", [
     (133, 132, 64, 133),   # one tile past a wave: it and the wave before it
     (265, 132, 64, 133),   # two waves and one tile: the last full wave and the tile
@@ -310,11 +321,11 @@ def test_gpu_every_config(cfg, tma, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("M,N,K", [(896, 4864, 4096), (640, 13568, 4096), (1000, 1000, 3000)])
+@pytest.mark.parametrize("M,N,K", [(896, 4864, 4096), (640, 13568, 4096), (1000, 1000, 3072)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 def test_gpu_stream_k(M, N, K, dtype, tma, device):
     """The stream-K configs on shapes one tile past a wave of 128 x 256 tiles (133 and 265
-    tiles; 1000^2 is 32 tiles, all shared), where they share tiles out by K blocks."""
+    tiles; 1000^2 is 32 tiles, all shared; K = 3072 keeps fp8 rows 16-byte aligned for TMA), where they share tiles out by K blocks."""
     a = make((M, K), dtype, device)
     b = make((N, K), dtype, device).t()
     bias = torch.randn(N, device=device, dtype=torch.bfloat16)
