@@ -536,14 +536,12 @@ def stream_k_combine(acc, seg):
     ticket = tl.atomic_add(seg.lock, 1, sem="acq_rel", scope="gpu")
     is_last = ticket == seg.parts - 1
     if is_last:
-        own = acc
+        # Its own part is read back too: keeping it in registers next to the sum spilled the
+        # 128x256 tile (896 x 4864 x 4096: 476 -> 404 TFLOP/s).
         acc = tl.zeros_like(acc)
         for c in range(seg.parts):
             slot = tl.where(c == 0, seg.first_slot, 2 * (seg.first_prog + c))
-            if slot == seg.slot:  # its own part is still in registers: the same bits, one read less
-                acc += own
-            else:
-                acc += tl.load(seg.ws + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
+            acc += tl.load(seg.ws + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
         tl.store(seg.lock, 0)
     return acc, is_last
 
