@@ -536,8 +536,8 @@ def stream_k_combine(acc, seg):
     ticket = tl.atomic_add(seg.lock, 1, sem="acq_rel", scope="gpu")
     is_last = ticket == seg.parts - 1
     if is_last:
-        # Its own part is read back too: keeping it in registers next to the sum spilled the
-        # 128x256 tile (896 x 4864 x 4096: 476 -> 404 TFLOP/s).
+        # Its own part is read back too: kept in registers next to the sum, it spilled the
+        # 128x256 tile (bench/results/persistent_default.md).
         acc = tl.zeros_like(acc)
         for c in range(seg.parts):
             slot = tl.where(c == 0, seg.first_slot, 2 * (seg.first_prog + c))
