@@ -3,6 +3,8 @@
 * float64 torch references of every op, their gradients (``ref_grads``) and the error
   measures (``rel_err``, ``calc_diff``, ``sqnr_db``) with the tolerances the tests hold
   onegemm to;
+* ``assert_route_close``: onegemm.route's choice against ``route_ref``'s, exact but for rows
+  whose float64 scores nearly tie (which fp32 may order either way);
 * ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
 * ``moe_layer_ref``: a whole MoEFFN (router, routing, experts, shared experts) in float64;
 * transformers' MoE blocks, MoEFFN's peer: ``hf_moe_config``, ``hf_moe_block`` (a block
