@@ -55,8 +55,8 @@ def matmul_kernel(
     PROGRAMS_PER_SM: read by the host only (runtime.tile_grid): the default persistent grid is
         the SM count times this, so two programs of a small tile can share an SM.
     Grid: runtime.tile_grid: units = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K programs,
-        or min(P, units) with PERSISTENT; the loop stride is the launched grid size, so it can
-        never disagree with the grid. Tiles in grouped (GROUP_M) order either way.
+        or min(P, units) with PERSISTENT (P with STREAM_K); the loop stride is the launched grid
+        size, so it can never disagree with the grid. Tiles in grouped (GROUP_M) order either way.
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
                     WARP_SPECIALIZE, SPLIT_K, SA_ROWS, SB_COLS)

@@ -135,7 +135,8 @@ def tile_grid(M: int, N: int, meta: dict, device_index: int | None, programs: in
     ``meta``: the plan's constexprs. Work units are output tiles, times SPLIT_K.
     Launch-per-tile: one program per unit. PERSISTENT: min(P, units) programs, where P is
     ``programs`` when given, else ``default_programs`` times PROGRAMS_PER_SM. A program past
-    the last unit would only build its descriptors and exit, so it is not started.
+    the last unit would only build its descriptors and exit, so it is not started. STREAM_K:
+    all P programs, which share the shared tiles' K blocks (tiles.stream_k).
     """
     units = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]) * meta.get("SPLIT_K", 1)
     if not meta.get("PERSISTENT"):
