@@ -35,10 +35,12 @@ def persistent_matmul(
     num_programs: the grid size asked for; default, the GPU's SM count times the config's
         PROGRAMS_PER_SM (2 for the tuner's small-tile configs, else 1). The grid launched is
         min(num_programs, work units: tiles, times SPLIT_K for a split-K config): a program
-        past the last unit would only build its descriptors and exit, so it is not started.
-        Any value >= 1 gives the same result.
+        past the last unit would only build its descriptors and exit, so it is not started;
+        a stream-K launch that shares tiles starts all num_programs. Any value >= 1 gives
+        the same result.
     config: force one triton.Config instead of the chosen one (benchmarks and tests); its kwargs
-        may add SPLIT_K (core/splitk.py) and PROGRAMS_PER_SM, which the tuner also tries.
+        may add SPLIT_K (core/splitk.py), PROGRAMS_PER_SM and STREAM_K (not with SPLIT_K),
+        which the tuner also tries.
     tma: as onegemm.matmul: None lets the tuner choose pointer or tensor-descriptor (TMA)
         loads on a Hopper GPU when a, b and the output allow TMA; False forces pointer loads;
         True forces TMA or raises ValueError.
