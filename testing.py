@@ -219,10 +219,11 @@ def route_ref(logits, top_k, renormalize=True, *, scoring="softmax", correction_
 
     ids = torch.empty(T, top_k, dtype=torch.long)
     weights = torch.empty(T, top_k, dtype=torch.float64)
+    scores = _route_scores(L, scoring)
     for t in range(T):
         row = L[t]
         if scoring in ("softmax", "sigmoid"):
-            s = torch.softmax(row, 0) if scoring == "softmax" else torch.sigmoid(row)
+            s = scores[t]
             choice = (s if bias is None else s + bias).tolist()
             candidates = range(E)
             if n_group > 1:
@@ -243,17 +244,21 @@ def route_ref(logits, top_k, renormalize=True, *, scoring="softmax", correction_
     return weights.to(logits.device), ids.to(logits.device)
 
 
-def route_choice_ref(logits, *, scoring="softmax", correction_bias=None):
-    """The float64 score route_ref chooses experts by, [T, E]: softmax or sigmoid (plus the
-    correction bias), or the logits themselves for the top-k-first scorings."""
-    L = logits.detach().double()
+def _route_scores(L, scoring):
+    """float64 [T, E] scores of ``scoring`` (softmax or sigmoid); the logits themselves for the
+    top-k-first scorings, which choose by logit."""
     if scoring == "softmax":
-        s = torch.softmax(L, -1)
-    elif scoring == "sigmoid":
-        s = torch.sigmoid(L)
-    else:
-        return L
-    return s if correction_bias is None else s + correction_bias.detach().double()
+        return torch.softmax(L, -1)
+    return torch.sigmoid(L) if scoring == "sigmoid" else L
+
+
+def route_choice_ref(logits, *, scoring="softmax", correction_bias=None):
+    """The float64 score route_ref chooses experts by, [T, E]: ``_route_scores`` plus the
+    correction bias where the scoring takes one."""
+    s = _route_scores(logits.detach().double(), scoring)
+    if correction_bias is None or scoring not in ("softmax", "sigmoid"):
+        return s
+    return s + correction_bias.detach().double()
 
 
 def assert_route_close(weights, ids, logits, top_k, renormalize=True, tol=1e-6, **options):

@@ -50,7 +50,8 @@ def matmul_kernel(
     PERSISTENT: the persistent schedule (tiles.program_units; persistent/matmul.py says why).
     STREAM_K (with PERSISTENT): tiles.stream_k, the first ``sk_tiles`` tiles shared out by K
         blocks, the rest walked whole; ws_ptr fp32 [2 * P, BLOCK_M * BLOCK_N] and lock_ptr
-        int32 [sk_tiles] hold the shared tiles' partials and counters (core/splitk.py).
+        int32 [2 * P] (one counter per shared tile) hold their partials and tickets
+        (core/splitk.py).
         sk_tiles: None unless STREAM_K.
     PROGRAMS_PER_SM: read by the host only (runtime.tile_grid): the default persistent grid is
         the SM count times this, so two programs of a small tile can share an SM.
@@ -152,7 +153,8 @@ def dense_launch(launcher, plan, a, b, c, programs=None, scales=None) -> Launch:
     if plan.meta.get("STREAM_K"):
         sk_tiles = configs.stream_k_tiles(cdiv(M, plan.meta["BLOCK_M"]) * cdiv(N, plan.meta["BLOCK_N"]), grid[0],
                                           cdiv(K, plan.meta["BLOCK_K"]))
-        if not sk_tiles:  # no tile to share: the plain persistent walk, which ran 2-5% faster
+        if not sk_tiles:  # no tile to share: the plain persistent walk, which runs faster
+            # (bench/results/persistent_default.md)
             plan, sk_tiles = launcher.variant(plan, STREAM_K=False), None
             grid = tile_grid(M, N, plan.meta, plan.device_index, programs)
     meta = plan.meta
