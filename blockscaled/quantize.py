@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..core import checks, configs
-from ..core.dispatch import Cached, Op
+from ..core.dispatch import Cached, Launch, Op
 from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty
@@ -241,11 +241,11 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
     plan = QUANTIZE.plan_for(Request(
         configs.QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
         device, None, lambda plan: QUANTIZE.launch(plan, grid(plan), args(x, *out0))))
-    g = grid(plan)
+    launch = Launch(QUANTIZE, plan, grid(plan), args)
 
     def run(x):
         out = outputs()
-        QUANTIZE.launch(plan, g, args(x, *out))
+        launch(x, *out)
         return out
 
     return run
@@ -257,20 +257,20 @@ def _transposer(M: int, K: int, dtype: torch.dtype, device):
     def grid(plan):
         return (cdiv(M, plan.meta["BLOCK_R"]), cdiv(K, plan.meta["BLOCK_C"]))
 
-    def args(q, q_t):
-        return (q.view(torch.uint8), q_t.view(torch.uint8), M, K, K, 1, q_t.stride(0), 1)
+    def args(q, q_t):  # both viewed as uint8
+        return (q, q_t, M, K, K, 1, q_t.stride(0), 1)
 
     def trial(plan):  # autotuning's launch, on buffers of its own (allocated only if it runs)
-        TRANSPOSE.launch(plan, grid(plan), args(empty((M, K), dtype=dtype, device=device),
-                                                _transposed_empty(K, M, dtype, device)))
+        TRANSPOSE.launch(plan, grid(plan), args(empty((M, K), dtype=torch.uint8, device=device),
+                                                _transposed_empty(K, M, dtype, device).view(torch.uint8)))
 
     plan = TRANSPOSE.plan_for(Request(configs.PrepKey("transpose", configs.m_bucket(M * K, 1 << 24)), {}, device, None,
                                       trial))
-    g = grid(plan)
+    launch = Launch(TRANSPOSE, plan, grid(plan), args)
 
     def run(q):
         q_t = _transposed_empty(K, M, dtype, device)
-        TRANSPOSE.launch(plan, g, args(q, q_t))
+        launch(q.view(torch.uint8), q_t.view(torch.uint8))
         return q_t
 
     return run
@@ -296,9 +296,11 @@ def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
         configs.QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale), device, None,
         lambda plan: QUANTIZE_PAIR.launch(plan, grid, args(x, *out0))))
 
+    launch = Launch(QUANTIZE_PAIR, plan, grid, args)
+
     def run(x):
         out = outputs()
-        QUANTIZE_PAIR.launch(plan, grid, args(x, *out))
+        launch(x, *out)
         return out
 
     return run

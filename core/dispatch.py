@@ -38,7 +38,7 @@ not go through the registered op.
 from __future__ import annotations
 
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -199,16 +199,45 @@ def _signature_or_none(args: tuple, tensors: int):
 # ---------------------------------------------------------------------------- records
 
 
-class Launch(NamedTuple):
-    """One kernel launch of a record: ``launcher.launch(plan, grid, build(out, *tensors))``."""
+# A record Launch's generated launcher before its first and second calls, and where none can
+# be made: each declines, so the full launch runs.
+_first, _second, _never = (lambda *t: False), (lambda *t: False), (lambda *t: False)  # noqa: E731
 
-    launcher: object
-    plan: object
-    grid: tuple
-    build: Callable
 
-    def run(self, out, *tensors) -> None:
-        self.launcher.launch(self.plan, self.grid, self.build(out, *tensors))
+class Launch:
+    """One kernel launch of a record: ``launcher.launch(plan, grid, build(*tensors))``, where
+    ``tensors`` are the output(s) and inputs (a Record passes ``(out, *its tensors)``).
+
+    Called as a record's launch (``launch(*tensors)``), from its third call on it starts
+    the kernel through a launcher generated from its second call's arguments
+    (triton_abi.fast_launcher: the arguments' ints, Nones and the kernel's specialisation are
+    fixed by the record's signature, so only the tensors' addresses are read), falling back to
+    the full launch whenever that launcher declines. A one-off launch (a forced config, an
+    autotuning trial) never pays for generating one. ``run`` is the full launch alone.
+    """
+
+    __slots__ = ("launcher", "plan", "grid", "build", "_fast")
+
+    def __init__(self, launcher, plan, grid: tuple, build: Callable):
+        self.launcher = launcher
+        self.plan = plan
+        self.grid = grid
+        self.build = build
+        self._fast = _first
+
+    def run(self, *tensors) -> None:
+        self.launcher.launch(self.plan, self.grid, self.build(*tensors))
+
+    def __call__(self, *tensors) -> None:
+        fast = self._fast
+        if fast(*tensors):
+            return
+        args = self.build(*tensors)
+        self.launcher.launch(self.plan, self.grid, args)
+        if fast is _first:
+            self._fast = _second
+        elif fast is _second:
+            self._fast = self.launcher.fast(self.plan, self.grid, args, tensors) or _never
 
 
 class Record:
@@ -231,8 +260,8 @@ class Record:
         if self.check is not None:
             self.check(*tensors)
         out = runtime.empty(self.shape, dtype=self.dtype, device=self.device)
-        for launcher, plan, grid, build in self.launches:
-            launcher.launch(plan, grid, build(out, *tensors))
+        for launch in self.launches:
+            launch(out, *tensors)
         return out if self.finish is None else self.finish(out)
 
 

@@ -128,6 +128,7 @@ class Launcher:
             raise TypeError(f"{family.name}: the kernel's constexpr parameters must come after the runtime ones")
         self.num_args = flags.count(False)
         self._plans: dict = {}
+        self._variants: dict = {}  # (plan, changed kwargs) -> Plan (``variant``)
         self._lock = threading.RLock()
         _LAUNCHERS[family.name] = self
 
@@ -162,15 +163,15 @@ class Launcher:
         """``plan`` with these config kwargs changed (same constexprs, device and source), made
         once per plan and change: a launch whose shape makes an option pointless runs without
         it (core/matmul.py: stream-K with no tile to share)."""
-        key = ("variant", plan, tuple(sorted(kwargs.items())))
-        found = self._plans.get(key)
+        key = (plan, tuple(sorted(kwargs.items())))
+        found = self._variants.get(key)
         if found is None:
             with self._lock:
-                found = self._plans.get(key)
+                found = self._variants.get(key)
                 if found is None:
                     device = torch.device("cpu") if plan.device_index is None else torch.device("cuda", plan.device_index)
                     found = Plan(self.params, configs.with_meta(plan.config, **kwargs), plan.meta, device, plan.source)
-                    self._plans[key] = found
+                    self._variants[key] = found
         return found
 
     def _make_plan(self, req: Request) -> Plan:
@@ -213,6 +214,17 @@ class Launcher:
                     direct(kernel, grid, raw, plan.tail, device)
             return
         direct(kernel, grid, raw, plan.tail, device)
+
+    def fast(self, plan: Plan, grid: tuple, args: tuple, sources: tuple):
+        """A generated launcher of ``plan``'s kernel for arguments built like ``args`` from
+        ``sources`` (triton_abi.fast_launcher), or None: off the direct path, before the kernel
+        is compiled, or for arguments it cannot take."""
+        if not triton_abi.NATIVE or _WARMUP.on:
+            return None
+        kernel = plan.kernels.get(triton_abi.spec(args))
+        if kernel is None:
+            return None
+        return triton_abi.fast_launcher(kernel, grid, args, sources, plan.tail, plan.device_index)
 
     def _public_launch(self, plan: Plan, grid: tuple, args: tuple) -> None:
         """Triton's public ``kernel[grid](...)`` launch: under the interpreter (one launch at a
@@ -306,6 +318,7 @@ def clear_plans() -> None:
     for launcher in _LAUNCHERS.values():
         with launcher._lock:
             launcher._plans.clear()
+            launcher._variants.clear()
     for hook in _ON_CLEAR:
         hook()
 
@@ -348,9 +361,11 @@ def recording():
 
         wrapped.append((launcher, launcher.__dict__.get("launch")))
         launcher.launch = launch
+    triton_abi.PAUSED += 1  # records' generated launchers bypass Launcher.launch: off meanwhile
     try:
         yield seen
     finally:
+        triton_abi.PAUSED -= 1
         for launcher, previous in wrapped:
             if previous is None:
                 del launcher.launch  # the class's method again

@@ -157,6 +157,10 @@ def dense_launch(launcher, plan, a, b, c, programs=None, scales=None) -> Launch:
             # (bench/results/persistent_default.md)
             plan, sk_tiles = launcher.variant(plan, STREAM_K=False), None
             grid = tile_grid(M, N, plan.meta, plan.device_index, programs)
+    elif plan.meta.get("PERSISTENT") and grid[0] == tile_grid(M, N, {**plan.meta, "PERSISTENT": False}, None)[0]:
+        # One unit per program: launch-per-tile's kernel runs the same schedule without the
+        # unit loop, which ran slower (bench/results/persistent_default.md).
+        plan = launcher.variant(plan, PERSISTENT=False)
     meta = plan.meta
     split = meta.get("SPLIT_K", 1) != 1 or meta.get("STREAM_K", False)
     fp8 = INTERPRET and a.dtype in checks.FP8_DTYPES

@@ -19,6 +19,7 @@ relies on pieces of Triton 3.6 that are not its public API:
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -233,6 +234,88 @@ def direct(c: Compiled, grid, args, tail, device) -> None:
         global_scratch = scratch.get(_DEVICES[device], "tma_descriptors", grid[0] * g1 * g2 * c.scratch, torch.int8).data_ptr()
     c.raw(grid[0], g1, g2, stream, c.function, c.run.launch_cooperative_grid, c.run.launch_pdl, global_scratch, None,
           c.packed, None, None, None, *full)
+
+
+# ---------------------------------------------------------------------------- generated launchers
+
+# recording() blocks in progress (core/launch.py): while above 0, generated launchers step
+# aside so that every launch goes through Launcher.launch, where recording sees it.
+PAUSED = 0
+
+
+class _NotConstant(Exception):
+    pass
+
+
+def _raw_src(x, sources: tuple, used: dict, consts: dict) -> str:
+    """The expression of one argument of ``prepare``'s raw tuple for a generated launcher: a
+    source tensor's data pointer (``p<i>``), a constant, or a tuple of these."""
+    if isinstance(x, torch.Tensor):
+        for i, s in enumerate(sources):
+            if x is s:
+                used[i] = f"p{i}"
+                return used[i]
+        raise _NotConstant  # a tensor made for this launch (split-K scratch, a copy)
+    if isinstance(x, tuple):
+        return _tuple_src([_raw_src(y, sources, used, consts) for y in x])
+    if x is None or x.__class__ in (int, bool):
+        return repr(x)
+    if x.__class__ is float:
+        name = f"k{len(consts)}"
+        consts[name] = x
+        return name
+    raise _NotConstant
+
+
+def fast_launcher(c: Compiled, grid: tuple, args: tuple, sources: tuple, tail: tuple, device: int):
+    """A generated ``launch(*sources) -> bool`` that starts ``c`` on ``grid`` with the
+    arguments ``args`` was built from, each tensor in them read from the source in its place:
+    what a record (core/dispatch.py) launches again for a call of the same signature, without
+    building the arguments, preparing them or looking the kernel up.
+
+    That is the same launch because everything but the tensors' addresses is fixed by the
+    signature: ``args``' ints and Nones come from shapes, strides and options, and the kernel's
+    specialisation (``prepare``'s spec) from them, the dtypes and each pointer's 16-byte
+    alignment. A call whose pointer is not 16-byte aligned, on another current device, with a
+    launch hook registered, while ``PAUSED`` or with NATIVE off returns False and launches
+    nothing: the caller takes the full launch. None when ``args`` hold a tensor that is not a
+    source (made per launch, its address is not fixed), a value of another kind, or an
+    unaligned pointer, and when ``c`` needs profiler scratch (no C entry of its own)."""
+    if c.raw is None:
+        return None
+    used, consts = {}, {}
+    try:
+        raw = [_raw_src(x, sources, used, consts) for x in args]
+    except _NotConstant:
+        return None
+    if any(sources[i].data_ptr() & 15 for i in used):
+        return None
+    names = [f"s{i}" for i in range(len(sources))]
+    ptrs = [f"    p{i} = s{i}.data_ptr()" for i in sorted(used)]
+    aligned = f"({' | '.join(used[i] for i in sorted(used))}) & 15 or " if used else ""
+    g = (tuple(grid) + (1, 1))[:3]
+    scratch_src = "_scratch()" if c.scratch else "None"
+    src = "\n".join([
+        f"def launch({', '.join(names)}):",
+        *ptrs,
+        f"    if {aligned}_current() != DEVICE or _abi.PAUSED or not _abi.NATIVE or _hooked():",
+        "        return False",
+        f"    _raw({g[0]}, {g[1]}, {g[2]}, _stream(DEVICE), FUNCTION, COOP, PDL, {scratch_src}, None, PACKED, None, None, None, "
+        f"{', '.join(raw)}{', ' if raw else ''}*TAIL)",
+        "    return True",
+    ]) + "\n"
+    size = g[0] * g[1] * g[2] * c.scratch
+    namespace = dict(
+        consts, _abi=sys.modules[__name__], _current=torch._C._cuda_getDevice, _stream=torch._C._cuda_getCurrentRawStream,
+        _hooked=_hooks_registered, _raw=c.raw, DEVICE=device, FUNCTION=c.function, COOP=c.run.launch_cooperative_grid,
+        PDL=c.run.launch_pdl, PACKED=c.packed, TAIL=tuple(tail),
+        _scratch=lambda: scratch.get(_DEVICES[device], "tma_descriptors", size, torch.int8).data_ptr())
+    exec(src, namespace)  # noqa: S102 - code generated from the arguments' structure above, nothing else
+    return namespace["launch"]
+
+
+def _hooks_registered() -> bool:
+    return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
 
 
 class _DeviceCache(dict):

@@ -36,8 +36,9 @@ def persistent_matmul(
         PROGRAMS_PER_SM (2 for the tuner's small-tile configs, else 1). The grid launched is
         min(num_programs, work units: tiles, times SPLIT_K for a split-K config): a program
         past the last unit would only build its descriptors and exit, so it is not started;
-        a stream-K launch that shares tiles starts all num_programs. Any value >= 1 gives
-        the same result.
+        a stream-K launch that shares tiles starts all num_programs. With no more units than
+        programs, each program's walk is one unit: that launch runs launch-per-tile's kernel,
+        the same schedule without the unit loop. Any value >= 1 gives the same result.
     config: force one triton.Config instead of the chosen one (benchmarks and tests); its kwargs
         may add SPLIT_K (core/splitk.py), PROGRAMS_PER_SM and STREAM_K (not with SPLIT_K),
         which the tuner also tries.

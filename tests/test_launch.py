@@ -95,6 +95,158 @@ def test_prepare_gives_the_spec_and_pointers():
     assert raw[-1] == (3, args[-1][1].data_ptr())
 
 
+# ---- generated launchers (triton_abi.fast_launcher) ----
+
+
+class _FakeRun:
+    launch_cooperative_grid, launch_pdl = False, True
+
+
+def _fake_compiled(calls, scratch=0):
+    """A Compiled whose C entry records its arguments instead of launching."""
+    return triton_abi.Compiled(kernel=None, run=_FakeRun(), function=1234, packed="packed",
+                               raw=lambda *a: calls.append(a), scratch=scratch)
+
+
+def _fast_case(a, b, c, bias):
+    """Arguments built as a record's builder builds them: tile tuples of the sources, ints,
+    Nones, a float and a bool."""
+    return (Operand(a, a.stride(0), a.stride(1)), Operand(b, *b.stride()), Operand(c, *c.stride()),
+            Vector(bias, 1), Scales(), 17, 2**31 + 5, 0.5, True, None)
+
+
+@pytest.fixture
+def cuda_stubs(monkeypatch):
+    """The two torch CUDA queries a generated launcher makes, on a machine without CUDA."""
+    state = dict(device=0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: state["device"], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 777 + device, raising=False)
+    monkeypatch.setattr(triton_abi, "NATIVE", True)
+    return state
+
+
+def _fresh(bias=True):
+    a, b = torch.randn(6, 8), torch.randn(5, 8).t()
+    return a, b, torch.empty(6, 5), torch.randn(5) if bias else None
+
+
+def test_fast_launcher_passes_what_the_full_launch_would(cuda_stubs):
+    """Made from one call's arguments, the generated launcher started with other tensors of
+    the same signature passes the C entry exactly what the full launch would pass for them:
+    the grid, the current stream, the kernel's handles, prepare's raw arguments and the
+    constexprs."""
+    calls = []
+    first = _fresh()
+    tail = (64, "gelu", None, True)
+    fast = triton_abi.fast_launcher(_fake_compiled(calls), (3, 2), _fast_case(*first), first, tail, 0)
+    again = _fresh()
+    assert fast(*again) is True
+    (got,) = calls
+    raw = triton_abi.prepare(_fast_case(*again))[1]
+    assert got == (3, 2, 1, 777, 1234, False, True, None, None, "packed", None, None, None, *raw, *tail)
+    assert got[13][0] == again[0].data_ptr() != first[0].data_ptr()
+
+
+def test_fast_launcher_declines_and_refuses(cuda_stubs, monkeypatch):
+    """It launches nothing and returns False where the full launch must run (an unaligned
+    pointer, another current device, a launch hook, a recording block, the public path), and
+    is not made (None) for arguments whose values it cannot fix."""
+    calls = []
+    first = _fresh()
+    fast = triton_abi.fast_launcher(_fake_compiled(calls), (4,), _fast_case(*first), first, (), 0)
+    a, b, c, bias = _fresh()
+    unaligned = torch.randn(6 * 8 + 1)[1:].view(6, 8)
+    assert fast(unaligned, b, c, bias) is False
+    cuda_stubs["device"] = 1
+    assert fast(a, b, c, bias) is False
+    cuda_stubs["device"] = 0
+    monkeypatch.setattr(triton_abi, "PAUSED", 1)
+    assert fast(a, b, c, bias) is False
+    monkeypatch.setattr(triton_abi, "PAUSED", 0)
+    monkeypatch.setattr(triton_abi, "NATIVE", False)
+    assert fast(a, b, c, bias) is False
+    monkeypatch.setattr(triton_abi, "NATIVE", True)
+    from triton import knobs
+
+    hook = lambda metadata: None  # noqa: E731 - a profiler's launch hook
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert fast(a, b, c, bias) is False
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls == []
+    assert fast(a, b, c, bias) is True and len(calls) == 1
+    made = triton_abi.fast_launcher(_fake_compiled(calls), (4,), _fast_case(*first), first, (), 0)
+    assert made is not None
+    scratch_tensor = torch.empty(4)  # a tensor made for the launch, not a source
+    assert triton_abi.fast_launcher(_fake_compiled(calls), (4,), (*_fast_case(*first), scratch_tensor), first, (), 0) is None
+    assert triton_abi.fast_launcher(_fake_compiled(calls), (4,), (*_fast_case(*first), "text"), first, (), 0) is None
+    odd = (unaligned, b, c, bias)
+    assert triton_abi.fast_launcher(_fake_compiled(calls), (4,), _fast_case(*odd), odd, (), 0) is None
+    no_entry = _fake_compiled(calls)._replace(raw=None)
+    assert triton_abi.fast_launcher(no_entry, (4,), _fast_case(*first), first, (), 0) is None
+
+
+def test_fast_launcher_gets_tma_scratch_per_launch(cuda_stubs, monkeypatch):
+    """A kernel that builds TMA descriptors gets its global scratch from core/scratch.py on
+    every launch (per stream, fresh under graph capture), sized for the grid."""
+    calls, asked = [], []
+    monkeypatch.setattr(scratch, "get", lambda device, kind, numel, dtype: asked.append((kind, numel)) or torch.empty(numel))
+    first = _fresh(bias=False)
+    fast = triton_abi.fast_launcher(_fake_compiled(calls, scratch=128), (5, 2), _fast_case(*first[:3], torch.empty(5)),
+                                    (*first[:3], None), (), 0)
+    assert fast is None  # the bias tensor is not a source
+    args = (Operand(first[0], 8, 1), None, 3)
+    fast = triton_abi.fast_launcher(_fake_compiled(calls, scratch=128), (5, 2), args, first, (), 0)
+    assert fast(*first) and fast(*first)
+    assert asked == [("tma_descriptors", 5 * 2 * 128)] * 2
+    assert calls[0][7] is not None
+
+
+def test_record_launch_generates_its_launcher_on_the_second_call():
+    """A record's Launch runs the full launch on its first two calls, makes its generated
+    launcher from the second call's arguments, and from then on uses it while it launches,
+    falling back to the full launch whenever it declines; a Launch that cannot have one keeps
+    the full launch without asking again."""
+    from onegemm.core.dispatch import Launch
+
+    events = []
+
+    class Launcher:
+        def launch(self, plan, grid, args):
+            events.append(("full", args))
+
+        def fast(self, plan, grid, args, sources):
+            events.append(("make", sources))
+            return lambda *t: events.append(("fast", t)) or t[1] != "decline"
+
+    one = Launch(Launcher(), None, (1,), lambda out, x: (out, x))
+    for x in ("x1", "x2", "x3", "decline", "x5"):
+        one("out", x)
+    assert events == [("full", ("out", "x1")), ("full", ("out", "x2")), ("make", ("out", "x2")), ("fast", ("out", "x3")),
+                      ("fast", ("out", "decline")), ("full", ("out", "decline")), ("fast", ("out", "x5"))]
+
+    class Never(Launcher):
+        def fast(self, plan, grid, args, sources):
+            events.append(("make", sources))
+            return None
+
+    events.clear()
+    never = Launch(Never(), None, (1,), lambda out, x: (out, x))
+    for x in ("x1", "x2", "x3", "x4"):
+        never("out", x)
+    assert [e[0] for e in events] == ["full", "full", "make", "full", "full"]
+
+
+def test_recording_pauses_generated_launchers(device):
+    assert triton_abi.PAUSED == 0
+    with launch.recording():
+        assert triton_abi.PAUSED == 1
+        with launch.recording():
+            assert triton_abi.PAUSED == 2
+    assert triton_abi.PAUSED == 0
+
+
 # ---- the plan cache ----
 
 

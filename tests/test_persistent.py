@@ -61,6 +61,22 @@ def test_grid_is_min_of_programs_and_tiles(num_programs, want, launched_grids, d
     assert_close(out, matmul_ref(a, b), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("num_programs,loops", [(5, True), (11, True), (12, False), (40, False)])
+def test_one_unit_per_program_runs_the_per_tile_kernel(num_programs, loops, launched, device):
+    """With no more units than programs each program has one unit: the launch runs
+    launch-per-tile's kernel (the same schedule without the unit loop) on one program per
+    unit; with more, the persistent walk. 96 x 128 in 32 x 32 tiles is 12 units."""
+    cfg = _cfg(32, 32, 32, 4, 2, group_m=2)
+    a = make((96, 64), torch.float32, device)
+    b = make((64, 128), torch.float32, device)
+    for _ in range(3):  # the record's later calls (core/dispatch.py Launch) launch the same plan
+        out = onegemm.persistent_matmul(a, b, num_programs=num_programs, config=cfg)
+        assert_close(out, matmul_ref(a, b), TOL[torch.float32])
+    got = onegemm.matmul(a, b, persistent=True, config=cfg)
+    assert_close(got, matmul_ref(a, b), TOL[torch.float32])
+    assert [(g, p.meta["PERSISTENT"]) for g, p in launched][:1] == [((min(num_programs, 12),), loops)]
+
+
 @pytest.mark.parametrize("M", [7 * 32, 5 * 32 + 3])
 @pytest.mark.parametrize("num_programs", [3, 5])
 def test_persistent_short_last_group(M, num_programs, device):
@@ -153,8 +169,11 @@ def test_matmul_schedule_knob_unforced(persistent, launched, launched_grids, dev
         tiles = triton.cdiv(200, bm) * triton.cdiv(72, bn)
         assert launched_grids == [(min(default_programs(a.device.index), tiles) if persistent else tiles,)]
     elif persistent is not None:
-        (_, plan), = launched
-        assert plan.meta["PERSISTENT"] == persistent
+        (grid, plan), = launched
+        units = (triton.cdiv(200, plan.meta["BLOCK_M"]) * triton.cdiv(72, plan.meta["BLOCK_N"])
+                 * plan.meta.get("SPLIT_K", 1))
+        # persistent=True with one unit per program runs launch-per-tile's kernel (same schedule)
+        assert plan.meta["PERSISTENT"] == (persistent and grid[0] < units)
 
 
 def _pruned(dtype, M, schedule):
