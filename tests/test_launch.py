@@ -605,6 +605,75 @@ def test_gpu_plan_keeps_one_kernel_per_alignment(fresh_plans, device):
     assert len(plan.kernels) == 2
 
 
+def _generated_cases(device):
+    """(name, make inputs, onegemm call, float64 reference) of ops whose records launch
+    through generated launchers; each call gets fresh inputs of one signature."""
+    bf16 = torch.bfloat16
+
+    def dense():
+        return torch.randn(37, 256, device=device, dtype=bf16), torch.randn(300, 256, device=device, dtype=bf16).t()
+
+    def linear():
+        return (torch.randn(2, 17, 256, device=device, dtype=bf16), torch.randn(127, 256, device=device, dtype=bf16),
+                torch.randn(127, device=device, dtype=bf16))
+
+    def grouped():
+        return (torch.randn(90, 64, device=device, dtype=bf16), torch.randn(3, 64, 48, device=device, dtype=bf16),
+                torch.tensor([17, 17, 90], dtype=torch.int32, device=device))
+
+    def scaled():
+        qa, sa = quantize_fp8_ref(torch.randn(24, 256, device=device), (1, 128))
+        qb, sb = quantize_fp8_ref(torch.randn(40, 256, device=device), (128, 128))
+        return qa, qb.t(), sa, sb.t()
+
+    return [
+        ("matmul", dense, lambda a, b: onegemm.matmul(a, b, activation="gelu"), lambda a, b: matmul_ref(a, b, None, "gelu")),
+        ("persistent_matmul", dense, lambda a, b: onegemm.persistent_matmul(a, b), matmul_ref),
+        ("linear", linear, onegemm.linear, lambda x, w, bias: matmul_ref(x.reshape(-1, 256), w.t(), bias).reshape(2, 17, 127)),
+        ("grouped_matmul", grouped, onegemm.grouped_matmul, grouped_mm_ref),
+        ("blockscaled_matmul", scaled, onegemm.blockscaled_matmul,
+         lambda qa, qb, sa, sb: blockscaled_matmul_ref(qa, qb, sa, sb, (1, 128), (128, 128))),
+        ("quantize_fp8", lambda: (torch.randn(33, 384, device=device, dtype=bf16),), lambda x: onegemm.quantize_fp8(x)[0],
+         lambda x: quantize_fp8_ref(x, (1, 128))[0]),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(6), ids=["matmul", "persistent_matmul", "linear", "grouped_matmul",
+                                                 "blockscaled_matmul", "quantize_fp8"])
+def test_gpu_records_launch_through_generated_launchers(case, fresh_plans, device):
+    """Five calls of one signature on fresh inputs: from the third on the record's launches go
+    through their generated launchers, and every result matches the float64 reference (a
+    launcher that kept the second call's pointers would return that call's values). Inside
+    launch.recording() the same call is seen launching."""
+    from onegemm.core.dispatch import Launch, _first, _never, _second
+
+    name, make, call, ref = _generated_cases(device)[case]
+    made = []
+    original = Launch.__call__
+
+    def watched(self, *tensors):
+        original(self, *tensors)
+        made.append(self._fast)
+
+    Launch.__call__ = watched
+    try:
+        for _ in range(5):
+            inputs = make()
+            out = call(*inputs)
+            want = ref(*inputs)
+            if out.dtype == torch.float8_e4m3fn:
+                assert torch.equal(out.float(), want.float()), name
+            else:
+                assert_close(out, want, 2e-2, name)
+    finally:
+        Launch.__call__ = original
+    assert made and all(f not in (_first, _second, _never) for f in made[-2:]), name
+    with launch.recording() as seen:
+        call(*make())
+    assert seen, name
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_with_split_k_and_quantize(device):
     """Capture a split-K matmul, quantize_fp8 and Fp8Linear in one CUDA graph; replays on new
