@@ -251,11 +251,9 @@ def _raw_src(x, sources: tuple, used: dict, consts: dict) -> str:
     """The expression of one argument of ``prepare``'s raw tuple for a generated launcher: a
     source tensor's data pointer (``p<i>``), a constant, or a tuple of these."""
     if isinstance(x, torch.Tensor):
-        for i, s in enumerate(sources):
-            if x is s:
-                used[i] = f"p{i}"
-                return used[i]
-        raise _NotConstant  # a tensor made for this launch (split-K scratch, a copy)
+        i = _source_of(x, sources)
+        used[i] = f"p{i}"
+        return used[i]
     if isinstance(x, tuple):
         return _tuple_src([_raw_src(y, sources, used, consts) for y in x])
     if x is None or x.__class__ in (int, bool):
@@ -265,6 +263,22 @@ def _raw_src(x, sources: tuple, used: dict, consts: dict) -> str:
         consts[name] = x
         return name
     raise _NotConstant
+
+
+def _source_of(t: torch.Tensor, sources: tuple) -> int:
+    """The source ``t`` is, or the one source it views at offset 0 (a transpose of it: the
+    same storage and the same data pointer, so the same pointer whatever the call's tensor).
+    A tensor made for this launch (split-K's scratch, a copy), or a view two sources could
+    account for, raises _NotConstant."""
+    for i, s in enumerate(sources):
+        if t is s:
+            return i
+    p, storage = t.data_ptr(), t.untyped_storage().data_ptr()
+    hits = [i for i, s in enumerate(sources) if isinstance(s, torch.Tensor) and s.data_ptr() == p
+            and s.untyped_storage().data_ptr() == storage]
+    if len(hits) != 1:
+        raise _NotConstant
+    return hits[0]
 
 
 def fast_launcher(c: Compiled, grid: tuple, args: tuple, sources: tuple, tail: tuple, device: int):
@@ -278,9 +292,11 @@ def fast_launcher(c: Compiled, grid: tuple, args: tuple, sources: tuple, tail: t
     specialisation (``prepare``'s spec) from them, the dtypes and each pointer's 16-byte
     alignment. A call whose pointer is not 16-byte aligned, on another current device, with a
     launch hook registered, while ``PAUSED`` or with NATIVE off returns False and launches
-    nothing: the caller takes the full launch. None when ``args`` hold a tensor that is not a
-    source (made per launch, its address is not fixed), a value of another kind, or an
-    unaligned pointer, and when ``c`` needs profiler scratch (no C entry of its own)."""
+    nothing: the caller takes the full launch; so does one whose source that is not a tensor
+    (None, a tuple of constants) is not the same object as before. None when ``args`` hold a
+    tensor that is neither a source nor an offset-0 view of one (made per launch, its address
+    is not fixed), a value of another kind, or an unaligned pointer, and when ``c`` needs
+    profiler scratch (no C entry of its own)."""
     if c.raw is None:
         return None
     used, consts = {}, {}
@@ -292,7 +308,10 @@ def fast_launcher(c: Compiled, grid: tuple, args: tuple, sources: tuple, tail: t
         return None
     names = [f"s{i}" for i in range(len(sources))]
     ptrs = [f"    p{i} = s{i}.data_ptr()" for i in sorted(used)]
+    others = [i for i, x in enumerate(sources) if not isinstance(x, torch.Tensor)]
+    consts.update({f"S{i}": sources[i] for i in others})
     aligned = f"({' | '.join(used[i] for i in sorted(used))}) & 15 or " if used else ""
+    aligned += "".join(f"s{i} is not S{i} or " for i in others)
     g = (tuple(grid) + (1, 1))[:3]
     scratch_src = "_scratch()" if c.scratch else "None"
     src = "\n".join([

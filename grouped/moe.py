@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..core import checks, configs
-from ..core.dispatch import Op, wants_grad
+from ..core.dispatch import Launch, Op, wants_grad
 from ..core.launch import Launcher, Request
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8
 from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
@@ -66,11 +66,14 @@ def _small_sorter(P: int, E: int, k: int, device):
     plan = SORT.plan_for(Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))),
                                  device))
 
+    launch = Launch(SORT, plan, (1,), lambda flat, pair, token, offs: (flat, pair, token, offs, P, E, k))
+    part = cdiv(P, 4) * 4  # int32 elements: each output starts 16-byte aligned
+
     def sort(flat):
-        pair = torch.empty(P, dtype=torch.int32, device=device)
-        token = torch.empty(P, dtype=torch.int32, device=device)
-        offs = torch.empty(E, dtype=torch.int32, device=device)
-        SORT.launch(plan, (1,), (flat, pair, token, offs, P, E, k))
+        # one allocation for the three outputs: each torch.empty costs the host more than a slice
+        out = torch.empty(2 * part + E, dtype=torch.int32, device=device)
+        pair, token, offs = out[:P], out[part:part + P], out[2 * part:]
+        launch(flat, pair, token, offs)
         return pair, token, offs
 
     return sort
@@ -269,13 +272,13 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
-            gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h_pre, x, w_gate_up, offs, token, None, None, s1))
+            gemm1(h_pre, x, w_gate_up, offs, token, None, None, s1)
             h = swiglu_forward(h_pre, h_dtype)
         else:
-            gemm1.launcher.launch(gemm1.plan, gemm1.grid, gemm1.build(h, x, w_gate_up, offs, token, None, None, s1))
+            gemm1(h, x, w_gate_up, offs, token, None, None, s1)
         y_pairs = empty((T * k, H), dtype=dtype, device=device)
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        gemm2.launcher.launch(gemm2.plan, gemm2.grid, gemm2.build(y_pairs, h, w_down, offs, None, pair, weights, s2))
+        gemm2(y_pairs, h, w_down, offs, None, pair, weights, s2)
         y = y_pairs.view(T, k, H).sum(dim=1)
         return (y, h_pre) if keep_pre else y
 

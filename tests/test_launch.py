@@ -14,7 +14,8 @@ from onegemm.core.configs import cfg
 from onegemm.core.scaling import BLOCKWISE, Granularity, Scaling
 from onegemm.core.matmul import MATMUL
 from onegemm.core.tiles import Operand, Scales, Vector
-from onegemm.testing import TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, quantize_fp8_ref
+from onegemm.testing import (TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, moe_ref,
+                             quantize_fp8_ref)
 
 # ---- specialisation: a compiled kernel is reused only where Triton would reuse it ----
 
@@ -185,6 +186,28 @@ def test_fast_launcher_declines_and_refuses(cuda_stubs, monkeypatch):
     assert triton_abi.fast_launcher(_fake_compiled(calls), (4,), _fast_case(*odd), odd, (), 0) is None
     no_entry = _fake_compiled(calls)._replace(raw=None)
     assert triton_abi.fast_launcher(no_entry, (4,), _fast_case(*first), first, (), 0) is None
+
+
+def test_fast_launcher_reads_offset_zero_views_from_their_source(cuda_stubs):
+    """A transpose the builder makes of a source (grouped experts read as w.transpose(1, 2)) is
+    read from that source's pointer, so a later call gets its own tensor's; a view two sources
+    could account for, or one at another offset, gets no launcher. A source that is not a
+    tensor must be the same object again."""
+    calls = []
+    w0, c0, scales = torch.randn(3, 8, 4), torch.empty(5), (None, None)
+
+    def build(c, w, scales):
+        return (Operand(w.transpose(1, 2), 4, 1), c, 7, scales)
+
+    fast = triton_abi.fast_launcher(_fake_compiled(calls), (1,), build(c0, w0, scales), (c0, w0, scales), (), 0)
+    w1, c1 = torch.randn(3, 8, 4), torch.empty(5)
+    assert fast(c1, w1, scales) is True
+    assert calls[-1][13:] == triton_abi.prepare(build(c1, w1, scales))[1] and calls[-1][13][0] == w1.data_ptr()
+    assert fast(c1, w1, tuple([None, None])) is False  # an equal tuple, not the same object
+    twin = w0.view(3, 32)
+    assert triton_abi.fast_launcher(_fake_compiled(calls), (1,), build(c0, w0, scales), (c0, w0, twin), (), 0) is None
+    shifted = (Operand(w0[1:], 4, 1), c0)
+    assert triton_abi.fast_launcher(_fake_compiled(calls), (1,), shifted, (c0, w0), (), 0) is None
 
 
 def test_fast_launcher_gets_tma_scratch_per_launch(cuda_stubs, monkeypatch):
@@ -626,6 +649,12 @@ def _generated_cases(device):
         qb, sb = quantize_fp8_ref(torch.randn(40, 256, device=device), (128, 128))
         return qa, qb.t(), sa, sb.t()
 
+    def moe():
+        E, T, H, I, k = 6, 17, 64, 96, 2
+        weights, ids = torch.randn(T, E, device=device).softmax(-1).topk(k)
+        return (torch.randn(T, H, device=device, dtype=bf16), torch.randn(E, 2 * I, H, device=device, dtype=bf16) / 8,
+                torch.randn(E, H, I, device=device, dtype=bf16) / 8, weights, ids)
+
     return [
         ("matmul", dense, lambda a, b: onegemm.matmul(a, b, activation="gelu"), lambda a, b: matmul_ref(a, b, None, "gelu")),
         ("persistent_matmul", dense, lambda a, b: onegemm.persistent_matmul(a, b), matmul_ref),
@@ -635,12 +664,13 @@ def _generated_cases(device):
          lambda qa, qb, sa, sb: blockscaled_matmul_ref(qa, qb, sa, sb, (1, 128), (128, 128))),
         ("quantize_fp8", lambda: (torch.randn(33, 384, device=device, dtype=bf16),), lambda x: onegemm.quantize_fp8(x)[0],
          lambda x: quantize_fp8_ref(x, (1, 128))[0]),
+        ("moe_ffn", moe, onegemm.moe_ffn, moe_ref),
     ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(6), ids=["matmul", "persistent_matmul", "linear", "grouped_matmul",
-                                                 "blockscaled_matmul", "quantize_fp8"])
+@pytest.mark.parametrize("case", range(7), ids=["matmul", "persistent_matmul", "linear", "grouped_matmul",
+                                                 "blockscaled_matmul", "quantize_fp8", "moe_ffn"])
 def test_gpu_records_launch_through_generated_launchers(case, fresh_plans, device):
     """Five calls of one signature on fresh inputs: from the third on the record's launches go
     through their generated launchers, and every result matches the float64 reference (a
