@@ -118,7 +118,8 @@ def signature(args: tuple, tensors: int) -> tuple | None:
     rest plain values. None when a tensor position holds anything but a plain torch.Tensor,
     an nn.Parameter or None (a subclass takes the registered op; another type gets the
     checks' TypeError)."""
-    key = [_grad_enabled(), _precision()]
+    rest = args[tensors:]
+    key = [_grad_enabled(), _precision(), rest]
     for t in args[:tensors]:
         if t is None:
             key.append(None)
@@ -126,9 +127,8 @@ def signature(args: tuple, tensors: int) -> tuple | None:
             key += (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15 == 0)
         else:
             return None
-    rest = args[tensors:]
-    key.append(rest)
-    key.append(tuple(map(type, rest)))
+    for x in rest:  # the types too: tma=1 is not tma=True (a loop: cheaper than tuple(map(type, rest)))
+        key.append(x.__class__)
     return tuple(key)
 
 
