@@ -203,6 +203,7 @@ MATMUL_CONFIGS = [
     cfg(128, 128, 64, 4, 4),
     cfg(64, 256, 64, 4, 4),
     cfg(64, 128, 64, 4, 4),
+    cfg(128, 64, 64, 4, 5),
     cfg(64, 64, 64, 4, 5),
     cfg(128, 256, 128, 8, 3),
     cfg(256, 128, 128, 8, 3),
@@ -231,6 +232,12 @@ SPLIT_K_CONFIGS = with_splits([
     cfg(64, 64, 32, 4, 4),
     cfg(128, 128, 64, 4, 4),
 ])
+
+
+# 16-bit tiles for small M with BLOCK_K = 128 and a deep ring (192 KB of shared memory): half
+# the K steps of the 64-wide K block, each with twice the loads in flight.
+DEEP_K_CONFIGS = [cfg(64, 64, 128, 4, 6), cfg(64, 64, 128, 4, 5)]
+DEEP_K_CONFIGS += with_splits(DEEP_K_CONFIGS, (2, 4))
 
 
 def as_persistent(configs, **extra):
@@ -301,6 +308,8 @@ def matmul_candidates(key: MatmulKey, sms: int) -> list[triton.Config]:
     kept = flavoured(kept, key.tma)
     if key.schedule != PERSISTENT_ONLY and bk == 64:
         kept += flavoured(WS_CONFIGS, key.tma)
+        if key.m <= 128:
+            kept += flavoured([c for c in DEEP_K_CONFIGS if split_allowed(c, key.m) or few_tiles(c)], key.tma)
     return _with_pick(kept, matmul_heuristic(key, sms))
 
 

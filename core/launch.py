@@ -196,14 +196,7 @@ class Launcher:
         if not triton_abi.NATIVE:
             self._public_launch(plan, grid, args)
             return
-        for prepare in plan.preparers:
-            try:
-                spec, raw = prepare(args)
-                break
-            except (TypeError, ValueError, AttributeError):  # arguments of another nesting
-                pass
-        else:
-            spec, raw = triton_abi.prepare(args)
+        spec, raw = _prepared(plan, args)
         kernel = plan.kernels.get(spec)
         device = plan.device_index
         if kernel is None or torch._C._cuda_getDevice() != device:
@@ -221,7 +214,7 @@ class Launcher:
         is compiled, or for arguments it cannot take."""
         if not triton_abi.NATIVE or _WARMUP.on:
             return None
-        kernel = plan.kernels.get(triton_abi.spec(args))
+        kernel = plan.kernels.get(_prepared(plan, args)[0])
         if kernel is None:
             return None
         return triton_abi.fast_launcher(kernel, grid, args, sources, plan.tail, plan.device_index)
@@ -288,6 +281,16 @@ class Launcher:
                                                                 rep=4 * _TUNE_REP_MS, return_mode="median"))
         tables.record(self.family.name, req.key, req.device, best.config)
         return best
+
+
+def _prepared(plan: Plan, args: tuple) -> tuple:
+    """(spec, raw) of ``args``: by one of the plan's generated preparers, else prepare's loop."""
+    for prepare in plan.preparers:
+        try:
+            return prepare(args)
+        except (TypeError, ValueError, AttributeError):  # arguments of another nesting
+            pass
+    return triton_abi.prepare(args)
 
 
 class _Warmup(threading.local):

@@ -16,7 +16,7 @@ import triton.language as tl
 import onegemm
 from onegemm.core import configs, launch, scratch, splitk
 from onegemm.core.checks import ACTIVATIONS
-from onegemm.core.configs import MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS
+from onegemm.core.configs import DEEP_K_CONFIGS, MATMUL_CONFIGS, SPLIT_K_CONFIGS, WS_CONFIGS
 from onegemm.core.configs import MATMUL_INTERPRET as INTERPRET_CONFIG
 from onegemm.core.configs import cfg as _cfg
 from onegemm.core.tiles import swizzle_tile
@@ -367,6 +367,21 @@ def test_gpu_every_config(cfg, device):
     bias = torch.randn(555, device=device, dtype=torch.bfloat16)
     out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg)
     assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", DEEP_K_CONFIGS, ids=lambda c: str(c).replace(" ", ""))
+def test_gpu_deep_k_configs(cfg, dtype, tma, device):
+    """The 16-bit small-M tiles with BLOCK_K = 128, forced, on M = 17 and 127 with partial
+    tiles on every edge and a K that is no multiple of 128 (TMA: row lengths it can take)."""
+    for M in (17, 127):
+        a = make((M, 1000), dtype, device)
+        b = make((304, 1000), dtype, device).t()
+        bias = torch.randn(304, device=device, dtype=dtype)
+        out = onegemm.matmul(a, b, bias=bias, activation="gelu", config=cfg, tma=tma)
+        assert_close(out, matmul_ref(a, b, bias, "gelu"), TOL[dtype])
 
 
 @pytest.mark.gpu
