@@ -388,8 +388,11 @@ def _quantize_fp8_route(args):
     op = QUANTIZE_T_OP if transposed else QUANTIZE_OP
     inner = op.route((x, str(gran), dtype, pow2_scale, check_finite))
 
+    if gran != ROW_BLOCKS:
+        return inner
+
     def run(x):
-        return tuple(_scale_view(t, gran) if i % 2 else t for i, t in enumerate(inner(x)))
+        return _flip_row_scales(*inner(x))  # the [M, kb] view of the [kb, M] storage
 
     return run
 
@@ -440,6 +443,12 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, transposed=
             return (*out, _transposed_empty(K, M, dtype, x.device).copy_(q_t), scale_t)
     else:
         quantize = _triton_quantizer(x, block, dtype, pow2_scale, transposed)
+        if not check_finite:
+            # The kernels' scales are their storage already (1x128: the transpose of a [kb, rows]
+            # tensor, whose .t() is that tensor; the others contiguous): nothing to copy.
+            if block != ROW_BLOCKS:
+                return quantize
+            return lambda x: _flip_row_scales(*quantize(x))
 
     def run(x):
         out = quantize(x)
@@ -448,6 +457,15 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, transposed=
         return tuple(_scale_view(t, block).contiguous() if i % 2 else t for i, t in enumerate(out))
 
     return run
+
+
+def _flip_row_scales(q, scale, *transposed):
+    """(q, scale.t()[, q_t, scale_t.t()]): 1x128 scales between their [rows, kb] view and its
+    [kb, rows] storage, either way."""
+    if not transposed:
+        return q, scale.t()
+    q_t, scale_t = transposed
+    return q, scale.t(), q_t, scale_t.t()
 
 
 def _quantize_fake(x, block, dtype, pow2_scale, check_finite, transposed=False):
