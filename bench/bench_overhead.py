@@ -69,6 +69,7 @@ def tiny_ops(device, quick=False):
     w_dn = torch.randn(E, H, I, device=device, dtype=BF16) * I**-0.5
     logits = torch.randn(T, E, device=device)
     weights, ids = onegemm.route(logits, k)
+    q_gu, s_gu, q_dn, s_dn = onegemm.quantize_experts(w_gu, w_dn)
     a_grad, ga_grad = a.detach().clone().requires_grad_(), ga.detach().clone().requires_grad_()
     peer = (lambda f: None) if quick else (lambda f: f)
     return [
@@ -84,6 +85,8 @@ def tiny_ops(device, quick=False):
         ("route", lambda: onegemm.route(logits, k), peer(lambda: torch_route(logits, k))),
         ("moe_ffn", lambda: onegemm.moe_ffn(x, w_gu, w_dn, weights, ids),
          peer(lambda: testing.moe_ffn_torch(x, w_gu, w_dn, weights, ids, use_grouped_mm=True))),
+        ("moe_ffn fp8", lambda: onegemm.moe_ffn(x, q_gu, q_dn, weights, ids, w_gate_up_scale=s_gu, w_down_scale=s_dn),
+         None),
         # The same calls recording gradients (an input that requires grad; no backward is run).
         ("matmul, a requires grad", lambda: onegemm.matmul(a_grad, w.t()), peer(lambda: torch.matmul(a_grad, w.t()))),
         ("linear, x requires grad", lambda: onegemm.linear(a_grad, w, bias), peer(lambda: F.linear(a_grad, w, bias))),
@@ -96,7 +99,7 @@ def tiny_ops(device, quick=False):
 # op; "F.linear": torch's F.linear row; "no grad": the same call without gradients (+ us).
 HOST_TARGETS = {"matmul": ("peer", 1.3), "linear": ("peer", 1.3), "persistent_matmul": ("peer", 1.3),
                 "grouped_matmul": ("peer", 1.3), "blockscaled_matmul": ("peer", 1.3),
-                "Fp8Linear forward": ("F.linear", 2.5), "moe_ffn": ("F.linear", 3.0),
+                "Fp8Linear forward": ("F.linear", 2.5), "moe_ffn": ("F.linear", 3.0), "moe_ffn fp8": ("F.linear", 4.0),
                 "matmul, a requires grad": ("no grad", 10), "linear, x requires grad": ("no grad", 10),
                 "grouped_matmul, a requires grad": ("no grad", 10)}
 
