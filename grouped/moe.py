@@ -252,7 +252,12 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     a1, xs = (quantize(x) if quantize is not None else (x, x_scale)) if fp8 else (x, None)
     h = empty((P, I), dtype=h_dtype, device=device)
     y_pairs = empty((T * k, H), dtype=dtype, device=device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
+    if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous():
+        flat_weights = lambda w: w.view(-1)  # noqa: E731
+    else:
+        flat_weights = lambda w: w.reshape(-1).to(torch.float32).contiguous()  # noqa: E731
+    weights = flat_weights(topk_weights)
     s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
     if keep_pre:
         gemm1 = _expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), offs,
@@ -277,7 +282,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         else:
             gemm1(h, x, w_gate_up, offs, token, None, None, s1)
         y_pairs = empty((T * k, H), dtype=dtype, device=device)
-        weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        weights = flat_weights(topk_weights)
         gemm2(y_pairs, h, w_down, offs, None, pair, weights, s2)
         y = y_pairs.view(T, k, H).sum(dim=1)
         return (y, h_pre) if keep_pre else y
