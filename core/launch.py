@@ -7,7 +7,9 @@ for it (core/configs.py: forced, tuned table, opt-in autotuning or the heuristic
 kernel's constexprs, and the compiled kernels by argument specialisation. A launch builds the
 argument tuple and starts the compiled kernel through Triton's C launcher, skipping Triton's
 Python launch path (argument binding, cache-key hashing, the autotuner); nothing on that path
-scans configs, queries the device or allocates scratch memory.
+scans configs, queries the device or allocates scratch memory. A record's repeat launches skip
+even that: ``Launcher.fast`` generates a launcher for their arguments (core/dispatch.py Launch,
+triton_abi.fast_launcher).
 
 Specialisation: Triton compiles a kernel for the divisibility by 16 of its integer arguments
 and pointers, integers equal to 1 and None arguments (core/triton_abi.py states the rule;

@@ -8,7 +8,8 @@ relies on pieces of Triton 3.6 that are not its public API:
 - ``JITFunction.run(..., warmup=...)``, which compiles (and launches) for given arguments and
   returns the compiled kernel;
 - the compiled kernel's C launcher: ``kernel.run.launch``'s positional arguments and
-  ``kernel.run(...)``'s (``direct``);
+  ``kernel.run(...)``'s (``direct``, and the launchers ``fast_launcher`` generates for a
+  record's repeat calls);
 - ``triton.runtime._allocation._allocator``, the ContextVar behind ``triton.set_allocator``
   (``ensure_allocator``), and ``AsyncCompileMode`` for autotuning's parallel compile.
 
