@@ -671,7 +671,7 @@ def _generated_cases(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", range(7), ids=["matmul", "persistent_matmul", "linear", "grouped_matmul",
                                                  "blockscaled_matmul", "quantize_fp8", "moe_ffn"])
-def test_gpu_records_launch_through_generated_launchers(case, fresh_plans, device):
+def test_gpu_records_launch_through_generated_launchers(case, fresh_plans, device, monkeypatch):
     """Five calls of one signature on fresh inputs: from the third on the record's launches go
     through their generated launchers, and every result matches the float64 reference (a
     launcher that kept the second call's pointers would return that call's values). Inside
@@ -686,18 +686,16 @@ def test_gpu_records_launch_through_generated_launchers(case, fresh_plans, devic
         original(self, *tensors)
         made.append(self._fast)
 
-    Launch.__call__ = watched
-    try:
-        for _ in range(5):
-            inputs = make()
-            out = call(*inputs)
-            want = ref(*inputs)
-            if out.dtype == torch.float8_e4m3fn:
-                assert torch.equal(out.float(), want.float()), name
-            else:
-                assert_close(out, want, 2e-2, name)
-    finally:
-        Launch.__call__ = original
+    monkeypatch.setattr(Launch, "__call__", watched)
+    for _ in range(5):
+        inputs = make()
+        out = call(*inputs)
+        want = ref(*inputs)
+        if out.dtype == torch.float8_e4m3fn:
+            assert torch.equal(out.float(), want.float()), name
+        else:
+            assert_close(out, want, 2e-2, name)
+    monkeypatch.undo()
     assert made and all(f not in (_first, _second, _never) for f in made[-2:]), name
     with launch.recording() as seen:
         call(*make())
