@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from ..core import checks
-from ..core.dispatch import Cached, Op, first_order_only, wants_grad
-from ..core.runtime import cdiv
+from ..core.dispatch import Cached, Op, Workspace, first_order_only, wants_grad
+from ..core.runtime import INTERPRET, cdiv, empty
 from ..core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from .matmul import run_blockscaled, scaled_record
-from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, _transposed_empty, quantize_fp8
+from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, _transposed_empty, quantize_fp8, quantize_launch
 
 
 E4M3 = torch.float8_e4m3fn
@@ -39,6 +39,8 @@ def _fp8_linear_record(x, weight, weight_scale, bias):
     for a high-precision W) and the GEMM's, one callable. b = W.t(): K-major, the fast layout
     for Hopper's fp8 MMA; its 128x128 scale [kb, nb] is then weight_scale.t(), torch._scaled_mm's
     layout too."""
+    if weight.dtype == E4M3 and x.numel() and weight.shape[0] and not INTERPRET:
+        return _fused_record(x, weight, weight_scale, bias)
     quantize_x = _quantizer(x, ROW_BLOCKS)
     quantize_w = None
     if weight.dtype != E4M3:
@@ -52,6 +54,39 @@ def _fp8_linear_record(x, weight, weight_scale, bias):
             weight, weight_scale = quantize_w(weight)
         q, scale = quantize_x(x)
         return gemm(q, weight.t(), scale.t(), weight_scale.t(), bias)
+
+    return run
+
+
+def _fused_record(x, weight, weight_scale, bias):
+    """``_fp8_linear_record`` for an fp8 W on a GPU: x's fp8 copy and its scales are one
+    workspace (core/dispatch.py), the quantiser's and the GEMM's launches read them from it,
+    and a call allocates that and its output, nothing else. (Under the interpreter the
+    quantiser is torch's: its fp8 cast turns a NaN block into 384; blockscaled/quantize.py.)"""
+    (M, K), N = x.shape, weight.shape[0]
+    workspace = Workspace(x.device, ((M, K), E4M3), ((cdiv(K, SCALE_BLOCK), M), torch.float32))
+
+    def parts(buffer):  # q [M, K] and its 1x128 scales [M, kb], a view of their [kb, M] storage
+        q, scale = workspace.parts(buffer)
+        return q, scale.t()
+
+    quantize = quantize_launch(x, ROW_BLOCKS, E4M3, False).on(lambda x, buffer: (x, *parts(buffer)))
+    q, scale = parts(workspace.new())
+    (gemm,) = scaled_record(q, weight.t(), scale, weight_scale.t(), BLOCKWISE, x.dtype, bias).launches
+
+    def gemm_tensors(out, buffer, weight, weight_scale, bias):  # what the GEMM's builder takes
+        q, scale = parts(buffer)
+        return out, q, weight.t(), scale, weight_scale.t(), bias
+
+    gemm = gemm.on(gemm_tensors)
+    shape, dtype, device = (M, N), x.dtype, x.device
+
+    def run(x, weight, weight_scale, bias):
+        buffer = workspace.new()
+        quantize(x, buffer)
+        out = empty(shape, dtype=dtype, device=device)
+        gemm(out, buffer, weight, weight_scale, bias)
+        return out
 
     return run
 

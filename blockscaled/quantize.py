@@ -223,25 +223,11 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
         return both
     M, K = x.shape
     device = x.device
-    cols_per_scale = K if block == ROW else SCALE_BLOCK
-    rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
 
     def outputs():
         return empty((M, K), dtype=dtype, device=device), _scale_storage(block, M, K, device)
 
-    out0 = outputs()
-    strides = (*x.stride(), *out0[0].stride(), *out0[1].stride())
-
-    def args(x, q, scale):
-        return (x, q, scale, M, K, cols_per_scale, *strides)
-
-    def grid(plan):
-        return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
-
-    plan = QUANTIZE.plan_for(Request(
-        configs.QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
-        device, None, lambda plan: QUANTIZE.launch(plan, grid(plan), args(x, *out0))))
-    launch = Launch(QUANTIZE, plan, grid(plan), args)
+    launch = quantize_launch(x, block, dtype, pow2_scale)
 
     def run(x):
         out = outputs()
@@ -249,6 +235,33 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
         return out
 
     return run
+
+
+def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool) -> Launch:
+    """quantize_kernel's launch for x's signature (1x128, 128x128 or row scales): a
+    core/dispatch.py Launch whose builder takes (x, q, scale), q [M, K] row-major and scale
+    as ``_scale_storage`` lays it out; what a record that owns its outputs (Fp8Linear's
+    workspace) launches."""
+    M, K = x.shape
+    device = x.device
+    cols_per_scale = K if block == ROW else SCALE_BLOCK
+    rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
+    scale0 = _scale_storage(block, M, K, device)
+    strides = (*x.stride(), K, 1, *scale0.stride())
+
+    def args(x, q, scale):
+        return (x, q, scale, M, K, cols_per_scale, *strides)
+
+    def grid(plan):
+        return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
+
+    def trial(plan):  # autotuning's launch, on outputs of its own (allocated only if it runs)
+        QUANTIZE.launch(plan, grid(plan), args(x, empty((M, K), dtype=dtype, device=device), scale0))
+
+    plan = QUANTIZE.plan_for(Request(
+        configs.QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
+        device, None, trial))
+    return Launch(QUANTIZE, plan, grid(plan), args)
 
 
 def _transposer(M: int, K: int, dtype: torch.dtype, device):

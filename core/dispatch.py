@@ -228,6 +228,12 @@ class Launch:
     def run(self, *tensors) -> None:
         self.launcher.launch(self.plan, self.grid, self.build(*tensors))
 
+    def on(self, views: Callable) -> "Launch":
+        """The same launch, called with other tensors: ``views(*tensors)`` gives the ones its
+        builder takes (a workspace's parts, a transpose), made only when the full launch runs."""
+        build = self.build
+        return Launch(self.launcher, self.plan, self.grid, lambda *tensors: build(*views(*tensors)))
+
     def __call__(self, *tensors) -> None:
         fast = self._fast
         if fast(*tensors):
@@ -238,6 +244,25 @@ class Launch:
             self._fast = _second
         elif fast is _second:
             self._fast = self.launcher.fast(self.plan, self.grid, args, tensors) or _never
+
+
+class Step:
+    """A record's step that is not one kernel launch (torch ops writing into the tensors it is
+    given: a large routing sort, the interpreter's quantiser), with Launch's interface."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, *tensors) -> None:
+        self.fn(*tensors)
+
+    run = __call__
+
+    def on(self, views: Callable) -> "Step":
+        fn = self.fn
+        return Step(lambda *tensors: fn(*views(*tensors)))
 
 
 class Record:
@@ -263,6 +288,46 @@ class Record:
         for launch in self.launches:
             launch(out, *tensors)
         return out if self.finish is None else self.finish(out)
+
+
+class Workspace:
+    """A record's intermediate tensors in one allocation per call: ``new()`` is one uint8
+    buffer, and ``parts(buffer)`` its tensors, each at a fixed 16-byte aligned offset. A
+    record's launches take the buffer itself (``Launch.on(workspace.parts)``-style builders),
+    so their generated launchers read each part as the buffer's address plus a constant and
+    no view is made on that path; one allocation costs the host what one torch.empty does.
+
+    ``parts``: (shape, dtype) of each tensor, contiguous. Under POISON the buffer is filled
+    with 0xFF bytes: NaN in every float format onegemm writes, -1 in int32."""
+
+    __slots__ = ("shapes", "dtypes", "offsets", "nbytes", "device")
+
+    def __init__(self, device: torch.device, *parts: tuple):
+        self.device = device
+        self.shapes, self.dtypes, self.offsets = [], [], []
+        offset = 0
+        for shape, dtype in parts:
+            self.shapes.append(tuple(shape))
+            self.dtypes.append(dtype)
+            self.offsets.append(offset)
+            numel = 1
+            for n in shape:
+                numel *= n
+            offset += -(-numel * dtype.itemsize // 16) * 16
+        self.nbytes = offset
+
+    def new(self) -> torch.Tensor:
+        out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return out.fill_(255) if runtime.POISON else out
+
+    def parts(self, buffer: torch.Tensor) -> list:
+        out = []
+        for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets):
+            numel = 1
+            for n in shape:
+                numel *= n
+            out.append(buffer[offset:offset + numel * dtype.itemsize].view(dtype).view(shape))
+        return out
 
 
 # ---------------------------------------------------------------------------- ops

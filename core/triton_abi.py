@@ -252,9 +252,9 @@ def _raw_src(x, sources: tuple, used: dict, consts: dict) -> str:
     """The expression of one argument of ``prepare``'s raw tuple for a generated launcher: a
     source tensor's data pointer (``p<i>``), a constant, or a tuple of these."""
     if isinstance(x, torch.Tensor):
-        i = _source_of(x, sources)
+        i, offset = _source_of(x, sources)
         used[i] = f"p{i}"
-        return used[i]
+        return used[i] if offset == 0 else f"(p{i} + {offset})"
     if isinstance(x, tuple):
         return _tuple_src([_raw_src(y, sources, used, consts) for y in x])
     if x is None or x.__class__ in (int, bool):
@@ -266,20 +266,25 @@ def _raw_src(x, sources: tuple, used: dict, consts: dict) -> str:
     raise _NotConstant
 
 
-def _source_of(t: torch.Tensor, sources: tuple) -> int:
-    """The source ``t`` is, or the one source it views at offset 0 (a transpose of it: the
-    same storage and the same data pointer, so the same pointer whatever the call's tensor).
-    A tensor made for this launch (split-K's scratch, a copy), or a view two sources could
-    account for, raises _NotConstant."""
+def _source_of(t: torch.Tensor, sources: tuple) -> tuple[int, int]:
+    """(i, offset): ``t`` is source i (offset 0), or a view of the one source that shares its
+    storage, ``offset`` bytes past that source's address: a transpose of it, or a part of a
+    record's workspace (core/dispatch.py Workspace). The launch's builder makes such views
+    from the sources' shapes and strides alone, so the offset is the same whatever the call's
+    tensors. A tensor made for this launch (split-K's scratch, a copy: its storage is its
+    own), one whose storage two sources share, or an offset that would change the pointer's
+    16-byte alignment raises _NotConstant."""
     for i, s in enumerate(sources):
         if t is s:
-            return i
-    p, storage = t.data_ptr(), t.untyped_storage().data_ptr()
-    hits = [i for i, s in enumerate(sources) if isinstance(s, torch.Tensor) and s.data_ptr() == p
-            and s.untyped_storage().data_ptr() == storage]
+            return i, 0
+    storage = t.untyped_storage().data_ptr()
+    hits = [i for i, s in enumerate(sources) if isinstance(s, torch.Tensor) and s.untyped_storage().data_ptr() == storage]
     if len(hits) != 1:
         raise _NotConstant
-    return hits[0]
+    offset = t.data_ptr() - sources[hits[0]].data_ptr()
+    if offset & 15:
+        raise _NotConstant
+    return hits[0], offset
 
 
 def fast_launcher(c: Compiled, grid: tuple, args: tuple, sources: tuple, tail: tuple, device: int):
@@ -295,8 +300,8 @@ def fast_launcher(c: Compiled, grid: tuple, args: tuple, sources: tuple, tail: t
     launch hook registered, while ``PAUSED`` or with NATIVE off returns False and launches
     nothing: the caller takes the full launch; so does one whose source that is not a tensor
     (None, a tuple of constants) is not the same object as before. None when ``args`` hold a
-    tensor that is neither a source nor an offset-0 view of one (made per launch, its address
-    is not fixed), a value of another kind, or an unaligned pointer, and when ``c`` needs
+    tensor that is neither a source nor a view of one (``_source_of``: made per launch, its
+    address is not fixed), a value of another kind, or an unaligned pointer, and when ``c`` needs
     profiler scratch (no C entry of its own)."""
     if c.raw is None:
         return None

@@ -16,15 +16,15 @@ from typing import Optional
 import torch
 
 from ..core import checks, configs
-from ..core.dispatch import Launch, Op, wants_grad
+from ..core.dispatch import Launch, Op, Step, Workspace, wants_grad
 from ..core.launch import Launcher, Request
-from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8
+from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
 from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
-from ..core.runtime import cdiv, empty, next_pow2
-from ..core.scaling import BLOCKWISE, SCALE_BLOCK
+from ..core.runtime import INTERPRET, cdiv, empty, next_pow2
+from ..core.scaling import BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
 from ..core.tiles import Routing
 from .kernels import NO_GROUPED_SCALES, grouped_scales, sort_by_expert_kernel
-from .ops import (combine, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles,
+from .ops import (combine, combine_launch, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles,
                   swiglu_backward, swiglu_forward)
 
 
@@ -39,53 +39,56 @@ def sort_by_expert(topk_ids, num_experts: int):
     Up to SORT_MAX_PAIRS pairs one Triton program sorts them (one launch); more go through
     torch.sort. Both are stable, so both give the same order.
     """
-    T, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    P = flat.shape[0]
-    if P <= configs.SORT_MAX_PAIRS:
-        return _sort_small(flat.contiguous(), num_experts, k)
-    # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
-    sorted_ids, pair = torch.sort(flat, stable=True)
-    # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
-    experts = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
-    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-    return pair.to(torch.int32), (pair // k).to(torch.int32), offs
+    return _sorter(topk_ids, num_experts)(topk_ids)
 
 
 SORT = Launcher(sort_by_expert_kernel, "sort")
 
 
-def _sort_small(flat, E: int, k: int):
-    return _small_sorter(flat.shape[0], E, k, flat.device)(flat)
+def _sort_step(topk_ids, E: int):
+    """``sort_by_expert``'s step for ids of topk_ids' signature: a Launch (the one-program sort)
+    or a Step (torch.sort) whose builder takes (ids, pair, token, offs), the three outputs
+    given (a record's workspace parts)."""
+    T, k = topk_ids.shape
+    P = T * k
+    if P <= configs.SORT_MAX_PAIRS and topk_ids.is_contiguous():
+        e_block = next_pow2(E + 1)
+        plan = SORT.plan_for(Request(configs.SortKey(e_block),
+                                     dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))), topk_ids.device))
+        return Launch(SORT, plan, (1,), lambda ids, pair, token, offs: (ids.view(-1), pair, token, offs, P, E, k))
+    experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)
+
+    def sort(ids, pair, token, offs):
+        flat = ids.reshape(-1)
+        # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
+        flat = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
+        sorted_ids, order = torch.sort(flat, stable=True)
+        pair.copy_(order)
+        torch.floor_divide(order, k, out=token)
+        # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
+        torch.searchsorted(sorted_ids, experts, right=True, out_int32=True, out=offs)
+
+    return Step(sort)
 
 
-def _small_sorter(P: int, E: int, k: int, device):
-    """The one-program sort of P pairs as a callable flat ids -> (pair, token, offs)."""
-    e_block = next_pow2(E + 1)
-    plan = SORT.plan_for(Request(configs.SortKey(e_block), dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))),
-                                 device))
-
-    launch = Launch(SORT, plan, (1,), lambda flat, pair, token, offs: (flat, pair, token, offs, P, E, k))
-    part = cdiv(P, 4) * 4  # int32 elements: each output starts 16-byte aligned
-
-    def sort(flat):
-        # one allocation for the three outputs: each torch.empty costs the host more than a slice
-        out = torch.empty(2 * part + E, dtype=torch.int32, device=device)
-        pair, token, offs = out[:P], out[part:part + P], out[2 * part:]
-        launch(flat, pair, token, offs)
-        return pair, token, offs
-
-    return sort
+def _sort_parts(P: int, E: int) -> tuple:
+    """The sort's outputs (pair, token, offs) as Workspace parts."""
+    return ((P,), torch.int32), ((P,), torch.int32), ((E,), torch.int32)
 
 
 def _sorter(topk_ids, E: int):
-    """``sort_by_expert`` for ids of topk_ids' signature, as a callable ids -> (pair, token, offs)."""
+    """``sort_by_expert`` for ids of topk_ids' signature, as a callable ids -> (pair, token, offs)
+    (the three in one allocation: each torch.empty costs the host more than a view)."""
     T, k = topk_ids.shape
-    if T * k <= configs.SORT_MAX_PAIRS and topk_ids.is_contiguous():
-        sort = _small_sorter(T * k, E, k, topk_ids.device)
-        return lambda ids: sort(ids.view(-1))
-    return lambda ids: sort_by_expert(ids, E)
+    workspace = Workspace(topk_ids.device, *_sort_parts(T * k, E))
+    step = _sort_step(topk_ids, E)
+
+    def sort(ids):
+        parts = workspace.parts(workspace.new())
+        step(ids, *parts)
+        return parts
+
+    return sort
 
 
 def check_expert_weights(w_gate_up, w_down, H: int) -> None:
@@ -212,8 +215,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
     GEMM2 writes y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) in x's dtype: for 16-bit x
     that halves the bytes GEMM2 writes and the combine reads, against an fp32 intermediate.
-    The combine is torch's sum over each token's k rows (fp32 accumulation, no atomics), so
-    the result has the same bits on every run.
+    The combine (ops.combine's kernel) sums each token's k rows in slot order in fp32, no
+    atomics, so the result has the same bits on every run. Every intermediate lives in one
+    workspace per call (core/dispatch.py Workspace), so a call allocates that and its output.
 
     FP8 experts (the scales given): x is quantised once per token (T rows, not T * k) and
     GEMM1 gathers fp8 rows and their scales; GEMM1 writes silu(gate) * up as fp8 with its
@@ -234,57 +238,101 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
             return lambda x, *rest: (torch.zeros_like(x), x.new_empty((0, 2 * I), dtype=torch.float32))
         return lambda x, *rest: torch.zeros_like(x, dtype=dtype)
     fp8 = w_gate_up_scale is not None
-    sort = _sorter(topk_ids, E)
-    pair, token, offs = sort(topk_ids)
-    quantize = QUANTIZE_FP8.route((x, (1, SCALE_BLOCK), w_gate_up.dtype, False, False, False)) if fp8 and x_scale is None else None
+    quantize_x = fp8 and x_scale is None
     h_dtype = w_gate_up.dtype if fp8 else dtype
+    kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
+    # Every intermediate in one allocation (core/dispatch.py Workspace): the sort's outputs,
+    # x's fp8 copy and its scales stored [kh, T], h and its scales stored [ki, P], y_pairs.
+    parts = dict(zip(("pair", "token", "offs"), _sort_parts(P, E)))
+    if quantize_x:
+        parts.update(xq=((T, H), w_gate_up.dtype), xs=((kh, T), torch.float32))
+    parts["h"] = ((P, I), h_dtype)
+    if fp8:
+        parts["hs"] = ((ki, P), torch.float32)
+    parts["y_pairs"] = ((P, H), dtype)
+    workspace = Workspace(device, *parts.values())
 
-    def scales(xs, hs, w_gate_up_scale, w_down_scale):
-        """GEMM1's and GEMM2's tiles.Scales (FP8 experts)."""
+    def views(buffer) -> dict:
+        out = dict(zip(parts, workspace.parts(buffer)))
+        for name in ("xs", "hs"):  # 1x128 scales: [rows, kb] views of their [kb, rows] storage
+            if name in out:
+                out[name] = out[name].t()
+        return out
+
+    def sort_tensors(ids, buffer):
+        v = views(buffer)
+        return ids, v["pair"], v["token"], v["offs"]
+
+    sort = _sort_step(topk_ids, E).on(sort_tensors)
+    quantize = None
+    if quantize_x:
+        if INTERPRET:  # the quantiser's torch path (blockscaled/quantize.py: the interpreter's fp8 cast of NaN)
+            def torch_quantize(x, q, scale):
+                for part, value in zip((q, scale), QUANTIZE_FP8(x, (1, SCALE_BLOCK), w_gate_up.dtype, False, False, False)):
+                    part.copy_(value)
+            quantize = Step(torch_quantize)
+        else:
+            quantize = quantize_launch(x, ROW_BLOCKS, w_gate_up.dtype, False)
+
+        def quantize_tensors(x, buffer):
+            v = views(buffer)
+            return x, v["xq"], v["xs"]
+
+        quantize = quantize.on(quantize_tensors)
+
+    def scales1(v, x_scale, w_gate_up_scale):
+        """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel), W13's, h's (written)."""
         if not fp8:
-            return NO_GROUPED_SCALES, NO_GROUPED_SCALES
-        w13s, w2s = w_gate_up_scale.transpose(1, 2), w_down_scale.transpose(1, 2)
-        return grouped_scales(a=xs, b=w13s, out=hs), grouped_scales(a=hs, b=w2s)
+            return NO_GROUPED_SCALES
+        return grouped_scales(a=v["xs"] if quantize_x else x_scale, b=w_gate_up_scale.transpose(1, 2), out=v["hs"])
 
-    def h_scales():
-        return empty((cdiv(I, SCALE_BLOCK), P), dtype=torch.float32, device=device).t() if fp8 else None
+    def scales2(v, w_down_scale):
+        return grouped_scales(a=v["hs"], b=w_down_scale.transpose(1, 2)) if fp8 else NO_GROUPED_SCALES
 
-    a1, xs = (quantize(x) if quantize is not None else (x, x_scale)) if fp8 else (x, None)
-    h = empty((P, I), dtype=h_dtype, device=device)
-    y_pairs = empty((T * k, H), dtype=dtype, device=device)
+    def gemm1_tensors(c, buffer, x, x_scale, w_gate_up, w_gate_up_scale):
+        """GEMM1's builder's tensors: h (or the pre-activation ``c``) of x's rows token[r]."""
+        v = views(buffer)
+        return ((v["h"] if c is None else c), v["xq"] if quantize_x else x, w_gate_up, v["offs"], v["token"], None, None,
+                scales1(v, x_scale, w_gate_up_scale))
+
+    def gemm2_tensors(buffer, w_down, w_down_scale, weights):
+        """GEMM2's: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T)."""
+        v = views(buffer)
+        return v["y_pairs"], v["h"], w_down, v["offs"], None, v["pair"], weights.view(-1), scales2(v, w_down_scale)
+
+    def combine_tensors(out, buffer, ids):
+        return out, views(buffer)["y_pairs"], ids
+
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
-    if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous():
-        flat_weights = lambda w: w.view(-1)  # noqa: E731
-    else:
-        flat_weights = lambda w: w.reshape(-1).to(torch.float32).contiguous()  # noqa: E731
-    weights = flat_weights(topk_weights)
-    s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
+    fp32_weights = topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+    v = views(workspace.new())
+    a1, weights = (v["xq"] if quantize_x else x), topk_weights.to(torch.float32).contiguous()
     if keep_pre:
-        gemm1 = _expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), offs,
-                               a_rows=token)
+        gemm1 = _expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],
+                               a_rows=v["token"]).on(gemm1_tensors)
     else:
-        gemm1 = _expert_launch(a1, w_gate_up, h, offs, a_rows=token, swiglu=True, scales=s1,
+        gemm1 = _expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True,
+                               scales=scales1(v, x_scale, w_gate_up_scale),
                                **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
-    gemm2 = _expert_launch(h, w_down, y_pairs, offs, c_rows=pair, weight=weights, scales=s2,
-                           **(dict(scaling=BLOCKWISE) if fp8 else {}))
+        gemm1 = gemm1.on(lambda buffer, *rest: gemm1_tensors(None, buffer, *rest))
+    gemm2 = _expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
+                           scales=scales2(v, w_down_scale), **(dict(scaling=BLOCKWISE) if fp8 else {})).on(gemm2_tensors)
+    combine = combine_launch(v["y_pairs"], topk_ids, E, dtype).on(combine_tensors)
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
-        pair, token, offs = sort(topk_ids)
-        h = empty((P, I), dtype=h_dtype, device=device)
-        xs = x_scale
+        buffer = workspace.new()
+        sort(topk_ids, buffer)
         if quantize is not None:
-            x, xs = quantize(x)
-        s1, s2 = scales(xs, h_scales(), w_gate_up_scale, w_down_scale)
+            quantize(x, buffer)
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
-            gemm1(h_pre, x, w_gate_up, offs, token, None, None, s1)
-            h = swiglu_forward(h_pre, h_dtype)
+            gemm1(h_pre, buffer, x, x_scale, w_gate_up, w_gate_up_scale)
+            swiglu_forward(h_pre, h_dtype, out=views(buffer)["h"])
         else:
-            gemm1(h, x, w_gate_up, offs, token, None, None, s1)
-        y_pairs = empty((T * k, H), dtype=dtype, device=device)
-        weights = flat_weights(topk_weights)
-        gemm2(y_pairs, h, w_down, offs, None, pair, weights, s2)
-        y = y_pairs.view(T, k, H).sum(dim=1)
+            gemm1(buffer, x, x_scale, w_gate_up, w_gate_up_scale)
+        gemm2(buffer, w_down, w_down_scale, topk_weights if fp32_weights else topk_weights.to(torch.float32).contiguous())
+        y = empty((T, H), dtype=dtype, device=device)
+        combine(y, buffer, topk_ids)
         return (y, h_pre) if keep_pre else y
 
     return run

@@ -58,16 +58,18 @@ def swiglu_quantize(h_pre, dtype=torch.float8_e4m3fn):
     return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True)
 
 
-def swiglu_forward(h_pre, dtype):
+def swiglu_forward(h_pre, dtype, out=None):
     """h = silu(gate) * up [P, I] in ``dtype`` of h_pre [P, 2I] (gate | up), computed in fp32
-    from one read of h_pre (gather_quantize_kernel's SWIGLU without the quantisation)."""
-    return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True)[0]
+    from one read of h_pre (gather_quantize_kernel's SWIGLU without the quantisation), written
+    to ``out`` (contiguous [P, I]) when given."""
+    return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True, out=out)[0]
 
 
-def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False):
-    """gather_quantize_kernel's launch: (q, scales) for an fp8 ``dtype``, (rows, None) else."""
+def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False, out=None):
+    """gather_quantize_kernel's launch: (q, scales) for an fp8 ``dtype``, (rows, None) else;
+    ``out``: the rows' tensor (16-bit dtypes), else allocated."""
     quantize = dtype in checks.FP8_DTYPES
-    q = empty((P, H), dtype=dtype, device=x.device)
+    q = empty((P, H), dtype=dtype, device=x.device) if out is None else out
     s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t() if quantize else None
     key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
     round_to = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "") if swiglu and quantize else ""
@@ -84,16 +86,25 @@ def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False)
 def combine(y_pairs, topk_ids, E: int, dtype):
     """[T, H] in ``dtype``: the sum over each token's k slots of y_pairs [T * k, H], in slot
     order in fp32, skipping the slots whose id is outside [0, E) (rows never written)."""
+    out = empty((topk_ids.shape[0], y_pairs.shape[1]), dtype=dtype, device=y_pairs.device)
+    combine_launch(y_pairs, topk_ids, E, dtype).run(out, y_pairs, topk_ids)
+    return out
+
+
+def combine_launch(y_pairs, topk_ids, E: int, dtype) -> Launch:
+    """``combine``'s launch for tensors shaped like these: a core/dispatch.py Launch whose
+    builder takes (out [T, H], y_pairs, topk_ids)."""
     T, k = topk_ids.shape
     H = y_pairs.shape[1]
-    out = empty((T, H), dtype=dtype, device=y_pairs.device)
     key = configs.PrepKey("combine", H)
     plan = COMBINE.plan((key, k, y_pairs.dtype, dtype, topk_ids.dtype, y_pairs.get_device()),
                         lambda: Request(key, dict(k=k), y_pairs.device))
-    ids = topk_ids.contiguous()
-    COMBINE.launch(plan, (T, cdiv(H, plan.meta["BLOCK_H"])),
-                   (Operand(y_pairs, *y_pairs.stride()), ids, Operand(out, *out.stride()), E, H))
-    return out
+    strides = y_pairs.stride()
+
+    def build(out, y_pairs, topk_ids):
+        return Operand(y_pairs, *strides), topk_ids.contiguous(), Operand(out, H, 1), E, H
+
+    return Launch(COMBINE, plan, (T, cdiv(H, plan.meta["BLOCK_H"])), build)
 
 
 def swiglu_backward(h_pre, dh_u, weight, dtype):

@@ -321,3 +321,26 @@ def test_from_linear_reuses_the_parameters(device):
     assert trainable.weight is linear.weight and trainable.bias is linear.bias
     frozen = onegemm.Fp8Linear.from_linear(linear)
     assert frozen.bias is linear.bias and frozen.weight.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("shape", [(1, 128, 16), (17, 300, 130), (64, 256, 512)], ids=str)
+def test_fused_record_reads_its_workspace(shape, device, monkeypatch):
+    """The record a frozen layer's GPU forward uses (x's fp8 copy and scales in one workspace,
+    the quantiser's and the GEMM's launches reading its parts), on four calls of fresh inputs,
+    including new layers (new weight addresses), against the float64 reference. On the CPU it
+    runs with the quantiser's kernel under the interpreter, whose bits for finite x are the
+    torch path's (test_blockscaled.py), so the test runs everywhere."""
+    from onegemm.blockscaled import linear as linear_module
+
+    M, K, N = shape
+    record = None
+    for _ in range(4):
+        layer = onegemm.Fp8Linear(K, N, device=device, dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        if record is None:
+            monkeypatch.setattr(linear_module, "INTERPRET", False)
+            record = linear_module._fp8_linear_record(x, layer.weight, layer.weight_scale, layer.bias)
+            monkeypatch.undo()
+        y = record(x, layer.weight, layer.weight_scale, layer.bias)
+        assert y.shape == (M, N) and y.dtype == torch.bfloat16
+        assert_close(y, fp8_reference(layer, x), 1e-2)

@@ -14,7 +14,7 @@ from onegemm.core.configs import cfg
 from onegemm.core.scaling import BLOCKWISE, Granularity, Scaling
 from onegemm.core.matmul import MATMUL
 from onegemm.core.tiles import Operand, Scales, Vector
-from onegemm.testing import (TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, moe_ref,
+from onegemm.testing import (TOL, assert_close, blockscaled_matmul_ref, grouped_mm_ref, matmul_ref, moe_fp8_ref, moe_ref,
                              quantize_fp8_ref)
 
 # ---- specialisation: a compiled kernel is reused only where Triton would reuse it ----
@@ -188,26 +188,30 @@ def test_fast_launcher_declines_and_refuses(cuda_stubs, monkeypatch):
     assert triton_abi.fast_launcher(no_entry, (4,), _fast_case(*first), first, (), 0) is None
 
 
-def test_fast_launcher_reads_offset_zero_views_from_their_source(cuda_stubs):
-    """A transpose the builder makes of a source (grouped experts read as w.transpose(1, 2)) is
-    read from that source's pointer, so a later call gets its own tensor's; a view two sources
-    could account for, or one at another offset, gets no launcher. A source that is not a
-    tensor must be the same object again."""
+def test_fast_launcher_reads_views_from_their_source(cuda_stubs):
+    """A view the builder makes of a source (grouped experts read as w.transpose(1, 2), a part
+    of a record's workspace) is read as that source's pointer plus the view's fixed offset, so
+    a later call gets its own tensor's; a view two sources could account for, or one whose
+    offset is not a multiple of 16 bytes, gets no launcher. A source that is not a tensor must
+    be the same object again."""
     calls = []
     w0, c0, scales = torch.randn(3, 8, 4), torch.empty(5), (None, None)
 
     def build(c, w, scales):
-        return (Operand(w.transpose(1, 2), 4, 1), c, 7, scales)
+        return (Operand(w.transpose(1, 2), 4, 1), c, 7, scales, w[1, 2:].view(torch.int32))
 
     fast = triton_abi.fast_launcher(_fake_compiled(calls), (1,), build(c0, w0, scales), (c0, w0, scales), (), 0)
     w1, c1 = torch.randn(3, 8, 4), torch.empty(5)
     assert fast(c1, w1, scales) is True
-    assert calls[-1][13:] == triton_abi.prepare(build(c1, w1, scales))[1] and calls[-1][13][0] == w1.data_ptr()
+    assert calls[-1][13:] == triton_abi.prepare(build(c1, w1, scales))[1]
+    assert calls[-1][13][0] == w1.data_ptr() and calls[-1][-1] == w1.data_ptr() + (32 + 8) * 4
     assert fast(c1, w1, tuple([None, None])) is False  # an equal tuple, not the same object
     twin = w0.view(3, 32)
     assert triton_abi.fast_launcher(_fake_compiled(calls), (1,), build(c0, w0, scales), (c0, w0, twin), (), 0) is None
-    shifted = (Operand(w0[1:], 4, 1), c0)
-    assert triton_abi.fast_launcher(_fake_compiled(calls), (1,), shifted, (c0, w0), (), 0) is None
+    odd = (Operand(w0[0, 1:], 4, 1), c0)  # 16 bytes past w0's address: fine; 4 bytes: not
+    assert triton_abi.fast_launcher(_fake_compiled(calls), (1,), odd, (c0, w0), (), 0) is not None
+    odd = (Operand(w0[0, 0, 1:], 4, 1), c0)
+    assert triton_abi.fast_launcher(_fake_compiled(calls), (1,), odd, (c0, w0), (), 0) is None
 
 
 def test_fast_launcher_gets_tma_scratch_per_launch(cuda_stubs, monkeypatch):
@@ -655,6 +659,20 @@ def _generated_cases(device):
         return (torch.randn(T, H, device=device, dtype=bf16), torch.randn(E, 2 * I, H, device=device, dtype=bf16) / 8,
                 torch.randn(E, H, I, device=device, dtype=bf16) / 8, weights, ids)
 
+    def fp8_linear():  # a fresh layer each call: its weight's address changes too
+        layer = onegemm.Fp8Linear(256, 136, device=device, dtype=bf16)
+        return torch.randn(33, 256, device=device, dtype=bf16), layer
+
+    def fp8_linear_ref(x, layer):
+        qx, sx = quantize_fp8_ref(x.float(), (1, 128))
+        return blockscaled_matmul_ref(qx, layer.weight.t(), sx, layer.weight_scale.t(), (1, 128), (128, 128),
+                                      layer.bias.float())
+
+    def moe_fp8():
+        x, w_gate_up, w_down, weights, ids = moe()
+        q_gu, s_gu, q_dn, s_dn = onegemm.quantize_experts(w_gate_up, w_down)
+        return x, q_gu, q_dn, weights, ids, s_gu, s_dn
+
     return [
         ("matmul", dense, lambda a, b: onegemm.matmul(a, b, activation="gelu"), lambda a, b: matmul_ref(a, b, None, "gelu")),
         ("persistent_matmul", dense, lambda a, b: onegemm.persistent_matmul(a, b), matmul_ref),
@@ -665,12 +683,16 @@ def _generated_cases(device):
         ("quantize_fp8", lambda: (torch.randn(33, 384, device=device, dtype=bf16),), lambda x: onegemm.quantize_fp8(x)[0],
          lambda x: quantize_fp8_ref(x, (1, 128))[0]),
         ("moe_ffn", moe, onegemm.moe_ffn, moe_ref),
+        ("Fp8Linear", fp8_linear, lambda x, layer: layer(x), fp8_linear_ref),
+        ("moe_ffn fp8", moe_fp8, lambda x, a, b, w, i, sa, sb: onegemm.moe_ffn(x, a, b, w, i, w_gate_up_scale=sa, w_down_scale=sb),
+         moe_fp8_ref),
     ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(7), ids=["matmul", "persistent_matmul", "linear", "grouped_matmul",
-                                                 "blockscaled_matmul", "quantize_fp8", "moe_ffn"])
+@pytest.mark.parametrize("case", range(9), ids=["matmul", "persistent_matmul", "linear", "grouped_matmul",
+                                                 "blockscaled_matmul", "quantize_fp8", "moe_ffn", "Fp8Linear",
+                                                 "moe_ffn fp8"])
 def test_gpu_records_launch_through_generated_launchers(case, fresh_plans, device, monkeypatch):
     """Five calls of one signature on fresh inputs: from the third on the record's launches go
     through their generated launchers, and every result matches the float64 reference (a
