@@ -227,8 +227,11 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
     def outputs():
         return empty((M, K), dtype=dtype, device=device), _scale_storage(block, M, K, device)
 
-    launch = quantize_launch(x, block, dtype, pow2_scale)
+    return _allocating(outputs, quantize_launch(x, block, dtype, pow2_scale))
 
+
+def _allocating(outputs, launch):
+    """x -> the tensors ``outputs()`` makes, written by ``launch(x, *them)``: a quantiser's call."""
     def run(x):
         out = outputs()
         launch(x, *out)
@@ -309,14 +312,7 @@ def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
         configs.QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale), device, None,
         lambda plan: QUANTIZE_PAIR.launch(plan, grid, args(x, *out0))))
 
-    launch = Launch(QUANTIZE_PAIR, plan, grid, args)
-
-    def run(x):
-        out = outputs()
-        launch(x, *out)
-        return out
-
-    return run
+    return _allocating(outputs, Launch(QUANTIZE_PAIR, plan, grid, args))
 
 
 # ---- torch: the CPU path (the interpreter's fp8 cast turns NaN into 384) and "tensor" ----
