@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core import checks
 from ..core.dispatch import Cached, Op, Workspace, first_order_only, wants_grad
-from ..core.runtime import INTERPRET, cdiv, empty
+from ..core.runtime import INTERPRET, cdiv, empty_strided
 from ..core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from .matmul import run_blockscaled, scaled_record
 from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, _transposed_empty, quantize_fp8, quantize_launch
@@ -84,7 +84,7 @@ def _fused_record(x, weight, weight_scale, bias):
     def run(x, weight, weight_scale, bias):
         buffer = workspace.new()
         quantize(x, buffer)
-        out = empty(shape, dtype=dtype, device=device)
+        out = empty_strided(shape, (N, 1), dtype=dtype, device=device)
         gemm(out, buffer, weight, weight_scale, bias)
         return out
 

@@ -30,7 +30,7 @@ from ..core import checks, configs
 from ..core.dispatch import Cached, Launch, Op
 from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
-from ..core.runtime import INTERPRET, cdiv, empty
+from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
 from ..core.scaling import BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity
 
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
@@ -223,9 +223,12 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
         return both
     M, K = x.shape
     device = x.device
+    scale = _scale_storage(block, M, K, device)
+    scale_shape, scale_stride = scale.shape, scale.stride()
 
     def outputs():
-        return empty((M, K), dtype=dtype, device=device), _scale_storage(block, M, K, device)
+        return (empty_strided((M, K), (K, 1), dtype=dtype, device=device),
+                empty_strided(scale_shape, scale_stride, dtype=torch.float32, device=device))
 
     return _allocating(outputs, quantize_launch(x, block, dtype, pow2_scale))
 

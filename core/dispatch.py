@@ -54,6 +54,7 @@ _ACTIVATIONS = {
 }
 
 _Tensor = torch.Tensor
+_empty_strided = torch.empty_strided
 # What launches as it is: a tensor, or an nn.Parameter (a subclass without __torch_dispatch__).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
@@ -271,10 +272,11 @@ class Record:
     values, not metadata (offs on the CPU), so it runs on every call. Called with the call's
     tensor arguments."""
 
-    __slots__ = ("shape", "dtype", "device", "launches", "finish", "check")
+    __slots__ = ("shape", "stride", "dtype", "device", "launches", "finish", "check")
 
     def __init__(self, shape, dtype: torch.dtype, device: torch.device, launches=(), finish=None, check=None):
         self.shape = tuple(shape)
+        self.stride = runtime.contiguous_strides(self.shape)
         self.dtype = dtype
         self.device = device
         self.launches = tuple(launches)
@@ -284,7 +286,7 @@ class Record:
     def __call__(self, *tensors):
         if self.check is not None:
             self.check(*tensors)
-        out = runtime.empty(self.shape, dtype=self.dtype, device=self.device)
+        out = runtime.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
         for launch in self.launches:
             launch(out, *tensors)
         return out if self.finish is None else self.finish(out)
@@ -295,7 +297,7 @@ class Workspace:
     buffer, and ``parts(buffer)`` its tensors, each at a fixed 16-byte aligned offset. A
     record's launches take the buffer itself (``Launch.on(workspace.parts)``-style builders),
     so their generated launchers read each part as the buffer's address plus a constant and
-    no view is made on that path; one allocation costs the host what one torch.empty does.
+    no view is made on that path.
 
     ``parts``: (shape, dtype) of each tensor, contiguous. Under POISON the buffer is filled
     with 0xFF bytes: NaN in every float format onegemm writes, -1 in int32."""
@@ -317,7 +319,7 @@ class Workspace:
         self.nbytes = offset
 
     def new(self) -> torch.Tensor:
-        out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        out = _empty_strided((self.nbytes,), (1,), dtype=torch.uint8, device=self.device)
         return out.fill_(255) if runtime.POISON else out
 
     def parts(self, buffer: torch.Tensor) -> list:

@@ -55,8 +55,26 @@ def _poisoned_empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     return out.fill_(float("nan") if out.is_floating_point() else -1)
 
 
+def _poisoned_empty_strided(shape, stride, *, dtype: torch.dtype, device) -> torch.Tensor:
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+
 # empty(shape, *, dtype, device): torch.empty for kernel outputs, NaN-poisoned under POISON.
 empty = _poisoned_empty if POISON else torch.empty
+# empty_strided(shape, stride, *, dtype, device): the same with the strides given, what a
+# record's hot path allocates with (torch.empty_strided costs the host about 2 us, torch.empty
+# 3 to 4.5: bench/results/overhead.md).
+empty_strided = _poisoned_empty_strided if POISON else torch.empty_strided
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def product_like(like: torch.Tensor, mm, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from ..core.dispatch import Launch, Op, Step, Workspace, wants_grad
 from ..core.launch import Launcher, Request
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
 from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
-from ..core.runtime import INTERPRET, cdiv, empty, next_pow2
+from ..core.runtime import INTERPRET, cdiv, empty, empty_strided, next_pow2
 from ..core.scaling import BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
 from ..core.tiles import Routing
 from .kernels import NO_GROUPED_SCALES, grouped_scales, sort_by_expert_kernel
@@ -331,7 +331,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         else:
             gemm1(buffer, x, x_scale, w_gate_up, w_gate_up_scale)
         gemm2(buffer, w_down, w_down_scale, topk_weights if fp32_weights else topk_weights.to(torch.float32).contiguous())
-        y = empty((T, H), dtype=dtype, device=device)
+        y = empty_strided((T, H), (H, 1), dtype=dtype, device=device)
         combine(y, buffer, topk_ids)
         return (y, h_pre) if keep_pre else y
 

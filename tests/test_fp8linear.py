@@ -338,9 +338,9 @@ def test_fused_record_reads_its_workspace(shape, device, monkeypatch):
         layer = onegemm.Fp8Linear(K, N, device=device, dtype=torch.bfloat16)
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         if record is None:
-            monkeypatch.setattr(linear_module, "INTERPRET", False)
-            record = linear_module._fp8_linear_record(x, layer.weight, layer.weight_scale, layer.bias)
-            monkeypatch.undo()
+            with monkeypatch.context() as patch:
+                patch.setattr(linear_module, "INTERPRET", False)
+                record = linear_module._fp8_linear_record(x, layer.weight, layer.weight_scale, layer.bias)
         y = record(x, layer.weight, layer.weight_scale, layer.bias)
         assert y.shape == (M, N) and y.dtype == torch.bfloat16
         assert_close(y, fp8_reference(layer, x), 1e-2)

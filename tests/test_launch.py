@@ -708,16 +708,16 @@ def test_gpu_records_launch_through_generated_launchers(case, fresh_plans, devic
         original(self, *tensors)
         made.append(self._fast)
 
-    monkeypatch.setattr(Launch, "__call__", watched)
-    for _ in range(5):
-        inputs = make()
-        out = call(*inputs)
-        want = ref(*inputs)
-        if out.dtype == torch.float8_e4m3fn:
-            assert torch.equal(out.float(), want.float()), name
-        else:
-            assert_close(out, want, 2e-2, name)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(Launch, "__call__", watched)
+        for _ in range(5):
+            inputs = make()
+            out = call(*inputs)
+            want = ref(*inputs)
+            if out.dtype == torch.float8_e4m3fn:
+                assert torch.equal(out.float(), want.float()), name
+            else:
+                assert_close(out, want, 2e-2, name)
     assert made and all(f not in (_first, _second, _never) for f in made[-2:]), name
     with launch.recording() as seen:
         call(*make())
