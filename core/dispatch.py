@@ -323,13 +323,14 @@ class Workspace:
         return out.fill_(255) if runtime.POISON else out
 
     def parts(self, buffer: torch.Tensor) -> list:
-        out = []
-        for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets):
-            numel = 1
-            for n in shape:
-                numel *= n
-            out.append(buffer[offset:offset + numel * dtype.itemsize].view(dtype).view(shape))
-        return out
+        return [self.part(buffer, i) for i in range(len(self.shapes))]
+
+    def part(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        shape, dtype, offset = self.shapes[i], self.dtypes[i], self.offsets[i]
+        numel = 1
+        for n in shape:
+            numel *= n
+        return buffer[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)
 
 
 # ---------------------------------------------------------------------------- ops

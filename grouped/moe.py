@@ -251,6 +251,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         parts["hs"] = ((ki, P), torch.float32)
     parts["y_pairs"] = ((P, H), dtype)
     workspace = Workspace(device, *parts.values())
+    h_part = list(parts).index("h")
 
     def views(buffer) -> dict:
         out = dict(zip(parts, workspace.parts(buffer)))
@@ -327,7 +328,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
             gemm1(h_pre, buffer, x, x_scale, w_gate_up, w_gate_up_scale)
-            swiglu_forward(h_pre, h_dtype, out=views(buffer)["h"])
+            swiglu_forward(h_pre, h_dtype, out=workspace.part(buffer, h_part))
         else:
             gemm1(buffer, x, x_scale, w_gate_up, w_gate_up_scale)
         gemm2(buffer, w_down, w_down_scale, topk_weights if fp32_weights else topk_weights.to(torch.float32).contiguous())
