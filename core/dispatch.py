@@ -37,6 +37,7 @@ not go through the registered op.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Callable
 
@@ -302,20 +303,19 @@ class Workspace:
     ``parts``: (shape, dtype) of each tensor, contiguous. Under POISON the buffer is filled
     with 0xFF bytes: NaN in every float format onegemm writes, -1 in int32."""
 
-    __slots__ = ("shapes", "dtypes", "offsets", "nbytes", "device")
+    __slots__ = ("shapes", "dtypes", "offsets", "sizes", "nbytes", "device")
 
     def __init__(self, device: torch.device, *parts: tuple):
         self.device = device
-        self.shapes, self.dtypes, self.offsets = [], [], []
+        self.shapes, self.dtypes, self.offsets, self.sizes = [], [], [], []
         offset = 0
         for shape, dtype in parts:
+            size = math.prod(shape) * dtype.itemsize
             self.shapes.append(tuple(shape))
             self.dtypes.append(dtype)
             self.offsets.append(offset)
-            numel = 1
-            for n in shape:
-                numel *= n
-            offset += -(-numel * dtype.itemsize // 16) * 16
+            self.sizes.append(size)
+            offset += -(-size // 16) * 16
         self.nbytes = offset
 
     def new(self) -> torch.Tensor:
@@ -326,11 +326,8 @@ class Workspace:
         return [self.part(buffer, i) for i in range(len(self.shapes))]
 
     def part(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        shape, dtype, offset = self.shapes[i], self.dtypes[i], self.offsets[i]
-        numel = 1
-        for n in shape:
-            numel *= n
-        return buffer[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)
+        offset = self.offsets[i]
+        return buffer[offset:offset + self.sizes[i]].view(self.dtypes[i]).view(self.shapes[i])
 
 
 # ---------------------------------------------------------------------------- ops

@@ -63,8 +63,7 @@ def _poisoned_empty_strided(shape, stride, *, dtype: torch.dtype, device) -> tor
 # empty(shape, *, dtype, device): torch.empty for kernel outputs, NaN-poisoned under POISON.
 empty = _poisoned_empty if POISON else torch.empty
 # empty_strided(shape, stride, *, dtype, device): the same with the strides given, what a
-# record's hot path allocates with (torch.empty_strided costs the host about 2 us, torch.empty
-# 3 to 4.5: bench/results/overhead.md).
+# record's hot path allocates with (cheaper on the host than torch.empty: bench/results/overhead.md).
 empty_strided = _poisoned_empty_strided if POISON else torch.empty_strided
 
 
