@@ -71,7 +71,7 @@ def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> Granularity:
 
 
 def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias=None, activation=None,
-                       config: triton.Config | None = None, tma: bool | None = None):
+                       use_fast_accum: bool = False, config: triton.Config | None = None, tma: bool | None = None):
     """out = act((a * scale_a) @ (b * scale_b) + bias), torch._scaled_mm's conventions.
 
     a [M, K], b [K, N]: float8_e4m3fn or float8_e5m2 (not both e5m2), any strides; b given as
@@ -81,6 +81,11 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
         scale_a scalar | [M, 1] | [M, ceil(K/128)] | [ceil(M/128), ceil(K/128)];
         scale_b scalar | [1, N] | [ceil(K/128), N] | [ceil(K/128), ceil(N/128)].
     out_dtype: bfloat16 (default), float16 or float32. bias [N]. activation as in matmul.
+    use_fast_accum: as torch._scaled_mm's, a permission: with epilogue scales (tensor, row,
+        column) on an sm_90 GPU the whole K is summed in the tensor core's reduced-precision
+        accumulator, with no promotion to fp32 per 128-deep K block (faster, bigger tiles).
+        Block scales always promote (their scales apply per block), and so does core's Triton
+        body.
     ``config`` forces one triton.Config instead of the chosen one (tests and benchmarks).
     ``tma``: as in onegemm.matmul (None: tensor-descriptor loads of a and b on Hopper when
     they allow it, pointer loads otherwise; False: pointers; True: TMA or ValueError).
@@ -88,13 +93,14 @@ def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias
     input that requires grad is an error; Fp8Linear(trainable=True) trains through FP8 GEMMs.
     """
     if config is None:
-        return BLOCKSCALED_OP.call(a, b, scale_a, scale_b, bias, out_dtype, activation, tma)
+        return BLOCKSCALED_OP.call(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum)
     if torch.compiler.is_compiling():
         raise checks.bad_value("config", "None under torch.compile (a forced config is a benchmarking knob)", config)
-    return blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, config)(a, b, scale_a, scale_b, bias)
+    return blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum, config)(
+        a, b, scale_a, scale_b, bias)
 
 
-def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
+def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma, use_fast_accum):
     """blockscaled_matmul's checks; returns (the Scaling the scales' shapes give, out_dtype)."""
     checks.check_fp8("a", a)
     checks.check_fp8("b", b)
@@ -102,6 +108,7 @@ def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
     checks.check_inner(a, b)
     checks.check_config(config)
     checks.check_tma(tma)
+    checks.check_bool("use_fast_accum", use_fast_accum)
     M, K = a.shape
     N = b.shape[1]
     checks.check_tensor("scale_a", scale_a, dtypes=(torch.float32,))
@@ -113,21 +120,22 @@ def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma):
     return scaling, checks.resolve_out_dtype(out_dtype, a.dtype)
 
 
-def blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, config=None) -> Record:
+def blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum=False,
+                       config=None) -> Record:
     """blockscaled_matmul's full path: its checks and decisions, as a Record (core/dispatch.py)."""
-    scaling, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma)
+    scaling, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma, use_fast_accum)
     checks.check_not_differentiable("blockscaled_matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
-    return scaled_record(a, b, scale_a, scale_b, scaling, out_dtype, bias, activation, config, tma)
+    return scaled_record(a, b, scale_a, scale_b, scaling, out_dtype, bias, activation, config, tma, use_fast_accum)
 
 
 def _blockscaled_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], activation: Optional[str],
-                      tma: Optional[bool]) -> torch.Tensor:
-    return BLOCKSCALED_OP.direct(a, b, scale_a, scale_b, bias, out_dtype, activation, tma)
+                      tma: Optional[bool], use_fast_accum: bool) -> torch.Tensor:
+    return BLOCKSCALED_OP.direct(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum)
 
 
-def _blockscaled_fake(a, b, scale_a, scale_b, bias, out_dtype, activation, tma):
-    _, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, None, tma)
+def _blockscaled_fake(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum):
+    _, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, None, tma, use_fast_accum)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -169,7 +177,7 @@ def _scales(scaling: Scaling):
 
 
 def scaled_record(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None, activation=None, config=None,
-                  tma=None) -> Record:
+                  tma=None, use_fast_accum: bool = False) -> Record:
     """The launch of a checked block-scaled GEMM whose scaling is known: core's Gluon body
     where ``uses_gluon_body`` takes it, else core's dense kernel with its scales on."""
     M, K = a.shape
@@ -177,11 +185,12 @@ def scaled_record(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None
     if M == 0 or N == 0:
         return Record((M, N), out_dtype, a.device)
     c = empty((M, N), device=a.device, dtype=out_dtype)
-    if uses_gluon_body(a, b, c, scaling, tma, config):
-        key = configs.WgmmaKey(configs.m_bucket(M), N, K, scaling, configs.dtype_name(out_dtype))
-        return Record((M, N), out_dtype, a.device, [wgmma_launch(a, b, c, bias, activation, key, config, scale_a,
-                                                                 scale_b)])
     scales = _scales(scaling)
+    if uses_gluon_body(a, b, c, scaling, tma, config):
+        fast = use_fast_accum and not (scaling.a_per_k_block or scaling.b_per_k_block)
+        key = configs.WgmmaKey(configs.m_bucket(M), N, K, scaling, configs.dtype_name(out_dtype), fast_accum=fast)
+        return Record((M, N), out_dtype, a.device, [wgmma_launch(a, b, c, bias, activation, key, scales, config,
+                                                                 scale_a, scale_b)])
     layout = choose_tma(tma, a, b, c)
     plan = BLOCKSCALED.plan_for(Request(
         configs.BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,

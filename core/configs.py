@@ -74,7 +74,7 @@ def label(c: triton.Config) -> str:
     k = c.kwargs
     tile = f"{k['BLOCK_M']}x{k.get('BLOCK_N', '-')}x{k['BLOCK_K']} " if "BLOCK_M" in k and "BLOCK_K" in k else ""
     if "K_GROUP" in k:  # the Gluon body's (core/hopper_fp8.py): its ring depth and K unroll
-        return f"{tile}s{k['STAGES']} kg{k['K_GROUP']} gluon"
+        return f"{tile}s{k['STAGES']} kg{k['K_GROUP']}{' pingpong' if k.get('PINGPONG') else ''} gluon"
     text = f"{tile}w{c.num_warps} s{c.num_stages}"
     for flag, name in (("WARP_SPECIALIZE", "WS"), ("PERSISTENT", "pers"), ("STREAM_K", "streamK")):
         if k.get(flag):
@@ -438,15 +438,24 @@ class WgmmaKey(NamedTuple):
     out: str        # the output dtype: its staging tile in shared memory bounds STAGES
     mode: str = "dense"  # "dense", "grouped" (2D x 3D over offs), "swiglu" (MoE GEMM1), or their
     #                      decode forms "decode" / "decode_swiglu" (tiles computed transposed)
+    fast_accum: bool = False  # epilogue scales, the whole K summed in the tensor core (FAST_ACC)
 
     def __str__(self):
         return f"m={self.m} n={self.n} k={self.k} {self.scaling} out={self.out}" + (
-            "" if self.mode == "dense" else f" {self.mode}")
+            "" if self.mode == "dense" else f" {self.mode}") + (" fast" if self.fast_accum else "")
+
+    @property
+    def epilogue_scaled(self) -> bool:
+        """No K-block scales: the K loop only promotes (or, fast_accum, only accumulates)."""
+        return not (self.scaling.a_per_k_block or self.scaling.b_per_k_block)
 
 
-def wgmma_cfg(bn, stages, k_group, regs=232, bm=128):
+def wgmma_cfg(bn, stages, k_group, regs=232, bm=128, pingpong=False):
+    """A Gluon-body config. pingpong: each consumer warpgroup owns whole bm-row tiles, in turn
+    (one's epilogue runs under the other's K loop); else the two share each 128-row tile."""
+    extra = {"PINGPONG": True} if pingpong else {}
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": SCALE_BLOCK, "GROUP_M": 8, "STAGES": stages,
-                          "K_GROUP": k_group, "CONSUMER_REGS": regs}, num_warps=4, num_stages=1)
+                          "K_GROUP": k_group, "CONSUMER_REGS": regs, **extra}, num_warps=4, num_stages=1)
 
 
 def is_wgmma(c: triton.Config) -> bool:
@@ -480,11 +489,11 @@ def _wgmma_fits(c: triton.Config, out: str, mode: str = "dense") -> bool:
     ring = k["STAGES"] * (bm + b_rows) * k["BLOCK_K"]  # fp8 A and W tiles
     out_bytes = 4 if out == "fp32" else 1 if out == "fp8" else 2
     if mode == "dense":
-        staging = bm * bn * out_bytes  # the two consumers' C tiles
+        staging = (2 if k.get("PINGPONG") else 1) * bm * bn * out_bytes  # the two consumers' C tiles
     elif mode.endswith("swiglu"):  # the up tile handed over in fp32, one consumer's fp8 store
         staging = (64 if mode == "swiglu" else bm) * bn * 5
     else:  # each consumer's layout change before its pointer stores
-        staging = 2 * (64 if mode == "grouped" else bm) * bn * out_bytes
+        staging = 2 * (64 if mode == "grouped" and not k.get("PINGPONG") else bm) * bn * out_bytes
     return ring + staging + 1024 <= _SMEM
 
 
@@ -501,10 +510,16 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
                  for kg in (1, 2, 4)]
     elif key.mode == "swiglu":
         found = [wgmma_cfg(128, st, kg, bm=64) for st in (3, 4) for kg in (1, 2, 3)]
+    elif key.fast_accum:  # one fp32 accumulator per consumer: up to 64 x 256 (or 128 x 128 whole tiles)
+        found = ([wgmma_cfg(256, st, 1) for st in (2, 3, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 5, 6)])
+        if key.mode == "dense":
+            found += [wgmma_cfg(bn, st, 1, bm=bm, pingpong=True) for bm, bn in ((128, 128), (64, 256)) for st in (3, 4, 5)]
     elif key.scaling.b == COL_BLOCKS:
         found = [wgmma_cfg(64, st, kg) for st in (4, 6) for kg in (2, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 6)]
     else:
         found = [wgmma_cfg(bn, st, kg) for bn in (128, 64) for st in (4, 5, 6) for kg in (2, 3, 4)]
+        if key.mode == "dense":
+            found += [wgmma_cfg(128, st, kg, bm=64, pingpong=True) for st in (4, 6, 8) for kg in (2, 4)]
     return _with_pick([c for c in found if _wgmma_fits(c, key.out, key.mode)], wgmma_heuristic(key, sms))
 
 
@@ -521,6 +536,9 @@ def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
     if key.mode == "swiglu":
         return wgmma_cfg(128, 4, 2, bm=64)
     narrow = key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tile_count(key.m, key.n, 128, 128) < sms)
+    if key.fast_accum:
+        wide = key.mode == "dense" and tile_count(key.m, key.n, 128, 256) >= sms
+        return wgmma_cfg(256, 3, 1) if wide and _wgmma_fits(wgmma_cfg(256, 3, 1), key.out) else wgmma_cfg(128, 4, 1)
     if narrow:
         return wgmma_cfg(64, 6, 4)
     return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))

@@ -43,7 +43,7 @@ from .dispatch import Launch
 from .launch import Launcher, Request
 from .runtime import INTERPRET, capability, cdiv, sm_count
 from .fp8 import amax_input, fp8_grid, fp8_scale
-from .scaling import BLOCKWISE, SCALE_BLOCK, Scaling
+from .scaling import BLOCKWISE, ROWWISE, SCALE_BLOCK, Scaling
 from .tiles import NO_OPERAND, NO_VECTOR, Operand, Scales, Vector, activate, epilogue, swizzle_tile
 from .tma import tma_layout
 
@@ -89,6 +89,13 @@ def _tile_n(block_n, swiglu, swap):
     """Output columns per tile: BLOCK_N, or both consumers' BLOCK_N features side by side
     when SWAP (without SWIGLU) splits a tile's features between them."""
     return 2 * block_n if swap and not swiglu else block_n
+
+
+@triton.constexpr_function
+def _consumer_rows(block_m, swiglu, pingpong):
+    """Rows of A one consumer multiplies per tile: all BLOCK_M when it owns whole tiles
+    (PINGPONG) or shares them by product (SWIGLU), else its 64-row half."""
+    return block_m if swiglu or pingpong else ROWS.value
 
 
 @gluon.jit
@@ -157,16 +164,22 @@ def _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols, mask_n, SA_ROWS
                   SB_COLS: gl.constexpr):
     """K block kb's scales of these rows and columns: a vector for 1x128 / 128x1 blocks, a
     scalar where one 128-wide block covers the tile (128x128: BLOCK_M and BLOCK_N <= 128).
-    ``sb_ptr``: scale_b at the tile's group and first column block."""
-    if SA_ROWS == 1:
-        sa = gl.load(scales.a.ptr + rows.to(gl.int64) * scales.a.stride0 + kb * scales.a.stride1, mask=mask_m,
-                     other=0.0)
+    ``sb_ptr``: scale_b at the tile's group and first column block. SA_ROWS = 0 (epilogue
+    scales): nothing is read, and ``_promote`` adds the block unscaled."""
+    if SA_ROWS == 0:
+        sa = 1.0
+        sb = 1.0
     else:
-        sa = gl.load(scales.a.ptr + (off_m // SA_ROWS) * scales.a.stride0 + kb * scales.a.stride1)
-    if SB_COLS == 1:
-        sb = gl.load(sb_ptr + kb * scales.b.stride0 + cols.to(gl.int64) * scales.b.stride1, mask=mask_n, other=0.0)
-    else:
-        sb = gl.load(sb_ptr + kb * scales.b.stride0)
+        if SA_ROWS == 1:
+            sa = gl.load(scales.a.ptr + rows.to(gl.int64) * scales.a.stride0 + kb * scales.a.stride1, mask=mask_m,
+                         other=0.0)
+        else:
+            sa = gl.load(scales.a.ptr + (off_m // SA_ROWS) * scales.a.stride0 + kb * scales.a.stride1)
+        if SB_COLS == 1:
+            sb = gl.load(sb_ptr + kb * scales.b.stride0 + cols.to(gl.int64) * scales.b.stride1, mask=mask_n,
+                         other=0.0)
+        else:
+            sb = gl.load(sb_ptr + kb * scales.b.stride0)
     return sa, sb
 
 
@@ -174,8 +187,11 @@ def _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols, mask_n, SA_ROWS
 def _promote(acc, raw, sa, sb, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, SWAP: gl.constexpr = False):
     """acc + raw * sa[rows] * sb[cols], with the two scale factors folded first where one is a
     scalar (one multiply-add per element). SWAP: the tile is transposed (W's rows by the
-    tokens), so A's per-token scales run along its columns."""
-    if SWAP:
+    tokens), so A's per-token scales run along its columns. SA_ROWS = 0: no K-block scales,
+    the block is added as it is (promotion to fp32 alone)."""
+    if SA_ROWS == 0:
+        out = acc + raw
+    elif SWAP:
         out = acc + raw * (sa * sb)[None, :]
     elif SB_COLS == 1:
         if SA_ROWS == 1:
@@ -191,35 +207,49 @@ def _promote(acc, raw, sa, sb, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, SWA
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-           STAGES: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr):
-    """Start the wgmma of the K block in slot ``it % STAGES`` on this consumer's part of the
-    tile: its 64 rows (SWIGLU: all 64 rows, and the gate (HALF 0) or up (HALF 1) rows of W).
-    SWAP: W's rows are the wgmma's M side and the tile's BLOCK_M tokens its N side."""
+def _operands(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              SWIGLU: gl.constexpr, SWAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait for the K block in slot ``it % STAGES`` and return this consumer's wgmma operands
+    in it, (a [rows, BLOCK_K], b [BLOCK_K, cols]): its 64 rows of A (PINGPONG: all of them;
+    SWIGLU: all 64, and the gate (HALF 0) or up (HALF 1) rows of W). SWAP: W's rows are the
+    wgmma's M side and the tile's tokens its N side."""
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    if SWAP:
+        a = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+        b = a_bufs.index(s)
+    elif SWIGLU:
+        a = a_bufs.index(s)
+        b = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+    elif PINGPONG:
+        a = a_bufs.index(s)
+        b = b_bufs.index(s)
+    else:
+        a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
+        b = b_bufs.index(s)
+    return a, b.permute((1, 0))
+
+
+@gluon.jit
+def _issue(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Start the wgmma of the K block in slot ``it % STAGES`` on this consumer's part of the
+    tile (``_operands``) into a fresh accumulator, to be promoted."""
+    a, b = _operands(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
     # use_acc=False ignores the accumulator's value; a zeros tensor kept live across the loop
     # would hold 64 more registers per thread
     if SWAP:
         zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, _acc_layout(BLOCK_M))
-        a = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
-        b = a_bufs.index(s)
     else:
-        zero = gl.zeros([ROWS, BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
-        if SWIGLU:
-            a = a_bufs.index(s)
-            b = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
-        else:
-            a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
-            b = b_bufs.index(s)
-    return warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
+        zero = gl.zeros([_consumer_rows(BLOCK_M, SWIGLU, PINGPONG), BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
+    return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n,
             HALF: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr, SWIGLU: gl.constexpr,
-            SWAP: gl.constexpr):
+            SWAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One consumer's K loop over a tile: groups of K_GROUP blocks, unrolled: issue block j's
     wgmma, wait until only it is in flight, promote block j-1. Returns (acc, it)."""
     groups = k_blocks // K_GROUP
@@ -232,12 +262,12 @@ def _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, row
         sa, sb = sa_n, sb_n
         sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
                                    SA_ROWS, SB_COLS)
-        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP)
+        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
         for j in gl.static_range(1, K_GROUP):
             next_sa, next_sb = sa_n, sb_n
             sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + j + 1, last), rows, mask_m, off_m, cols,
                                        mask_n, SA_ROWS, SB_COLS)
-            next_raw = _issue(a_bufs, b_bufs, ready, it + j, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP)
+            next_raw = _issue(a_bufs, b_bufs, ready, it + j, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
             # block j - 1 is done once at most one wgmma (block j's) is in flight
             raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw, ))
             mbarrier.arrive(empty.index((it + j - 1) % STAGES))
@@ -254,12 +284,32 @@ def _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, row
         sa, sb = sa_n, sb_n
         sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
                                    SA_ROWS, SB_COLS)
-        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP)
+        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
         mbarrier.arrive(empty.index(it % STAGES))
         acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS, SWAP)
         it += 1
     return acc, it
+
+
+@gluon.jit
+def _k_loop_chained(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer's K loop without promotion (FAST_ACC: no K-block scales, the whole K summed
+    in the tensor core's accumulator): each block's wgmma adds into ``acc`` and runs while the
+    next block's is issued; a slot is released once the wgmma after it has started."""
+    a, b = _operands(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, False, False, PINGPONG)
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # a loop-carried tensor, still in flight
+    for kb in range(1, k_blocks):
+        a, b = _operands(a_bufs, b_bufs, ready, it + kb, HALF, BLOCK_N, STAGES, False, False, PINGPONG)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        # block kb - 1 is done once at most one wgmma (block kb's) is in flight
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + kb - 1) % STAGES))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((it + k_blocks - 1) % STAGES))
+    return acc, it + k_blocks
 
 
 @triton.constexpr_function
@@ -303,16 +353,21 @@ def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr
 
 
 @gluon.jit
-def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, xchg, xchg_full, xchg_empty, C, M, N, K,
+def _consume_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, xchg, xchg_full, xchg_empty, C, M, N, K,
                        scales, bias, groups,
                        HALF: gl.constexpr, ACTIVATION: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr,
-                       GROUPED: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr):
+                       GROUPED: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr, PINGPONG: gl.constexpr,
+                       FAST_ACC: gl.constexpr):
     """One consumer warpgroup: its part of every tile, K loop and epilogue. Its part: rows
     HALF * 64 .. HALF * 64 + 63; with SWIGLU all 64 rows, HALF 0 the gate and HALF 1 the up
     product; with SWAP all BLOCK_M rows (tokens) and BLOCK_N features (the HALF-th BLOCK_N of
-    the tile's; with SWIGLU the gate's or the up's), computed transposed."""
+    the tile's; with SWIGLU the gate's or the up's), computed transposed. PINGPONG: every
+    other tile whole (HALF 0 the program's even tiles), the other consumer's K blocks passed
+    over in the ring's count; the two K loops take turns (``turn``), so that one's epilogue
+    runs under the other's wgmmas and neither waits for a slot's fill more than one
+    phase ahead (an mbarrier's parity cannot tell two phases apart)."""
     TILE_N: gl.constexpr = _tile_n(BLOCK_N, SWIGLU, SWAP)
     if SWAP:  # the accumulator is [features, tokens]
         layout: gl.constexpr = _acc_layout(BLOCK_M)
@@ -320,81 +375,105 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, xchg, xchg_
         ACC_N: gl.constexpr = BLOCK_M
     else:
         layout: gl.constexpr = _acc_layout(BLOCK_N)
-        ACC_M: gl.constexpr = ROWS
+        ACC_M: gl.constexpr = _consumer_rows(BLOCK_M, SWIGLU, PINGPONG)
         ACC_N: gl.constexpr = BLOCK_N
     num_tiles = _num_tiles(M, N, groups, BLOCK_M, TILE_N, GROUPED)
     k_blocks = gl.cdiv(K, BLOCK_K)
     it = 0
     swaps = 0  # SWIGLU: tiles whose up product went through ``xchg``
+    local = 0  # PINGPONG: this program's tiles so far
+    turns = 0  # PINGPONG: this consumer's tiles so far
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, TILE_N, GROUP_M, GROUPED)
-        if SWAP:
-            if not SWIGLU:
-                off_n = off_n + HALF * BLOCK_N  # this consumer's features
-            # the scales' index vectors follow the tokens, the accumulator's columns
-            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        else:
-            if not SWIGLU:
-                off_m = off_m + HALF * ROWS
-            rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        mask_m = rows < row_end
-        mask_n = cols < N
-        # the tile's scale_b: its group's, and with SWIGLU the up rows' blocks after the gate's
-        sb_ptr = scales.b.ptr
-        if SB_COLS != 1:
-            sb_col = off_n // SB_COLS
-            if SWIGLU:
-                sb_col += HALF * gl.cdiv(N, SB_COLS)
-            sb_ptr += sb_col * scales.b.stride1
-        if GROUPED:
-            sb_ptr += g.to(gl.int64) * groups.scale_b_g
-        acc = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
-        if fill == 0:
-            acc, it = _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m,
-                              cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, STAGES, K_GROUP, SWIGLU, SWAP)
-        elif fill == 2:
-            acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
-        if SWIGLU:
+        owner = local % 2 if PINGPONG else HALF
+        local += 1
+        if owner != HALF:
             if fill == 0:
-                if HALF == 1:  # hand the up product to the gate's warpgroup
-                    mbarrier.wait(xchg_empty, (swaps & 1) ^ 1)
-                    xchg.store(acc)
-                    mbarrier.arrive(xchg_full)
-                else:
-                    mbarrier.wait(xchg_full, swaps & 1)
-                    up = xchg.load(layout)
-                    mbarrier.arrive(xchg_empty)
-                    acc = activate(acc, "silu") * up
-                swaps += 1
-
-        if GROUPED:
-            if SWAP:  # back to [tokens, features]: a register relabelling, no data moves
-                acc = gl.permute(acc, (1, 0))
-                out_layout: gl.constexpr = acc.type.layout
-                rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
-                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-                mask_m = rows < row_end
-                mask_n = cols < N
-            if HALF == 0 or not SWIGLU:
-                out_rows = rows
-                if groups.scatter is not None:
-                    out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
-                bias_g = bias
-                if bias.ptr is not None:
-                    bias_g = Vector(bias.ptr + g.to(gl.int64) * groups.bias_g, bias.stride)
-                if fill == 0:  # a filled tile (rows past the last offset, bad offs) is stored as it is
-                    acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias_g, groups.weight, out_rows)
-                if scales.out.ptr is not None:
-                    acc = _quantize_rows(acc, scales.out, out_rows, off_n, N, mask_m, mask_n, C.ptr.dtype.element_ty)
-                _store_rows(C, acc, off_m, off_n, row_end, N, groups.scatter)
+                it += k_blocks  # the other consumer's tile: its K blocks go by in the ring
         else:
-            acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)
-            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)  # clipped at M and N
+            if SWAP:
+                if not SWIGLU:
+                    off_n = off_n + HALF * BLOCK_N  # this consumer's features
+                # the scales' index vectors follow the tokens, the accumulator's columns
+                rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+            else:
+                if not (SWIGLU or PINGPONG):
+                    off_m = off_m + HALF * ROWS
+                rows = off_m + gl.arange(0, ACC_M, layout=gl.SliceLayout(1, layout))
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            mask_m = rows < row_end
+            mask_n = cols < N
+            acc = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
+            if PINGPONG:  # HALF 0 starts: a fresh barrier passes a wait for parity 1
+                mbarrier.wait(turn.index(HALF), (turns & 1) ^ (1 - HALF))
+            if fill == 0:
+                if FAST_ACC:
+                    acc, it = _k_loop_chained(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, HALF, BLOCK_N, STAGES,
+                                              PINGPONG)
+                else:
+                    # the tile's scale_b: its group's, and with SWIGLU the up rows' blocks after the gate's
+                    sb_ptr = scales.b.ptr
+                    if SB_COLS > 1:
+                        sb_col = off_n // SB_COLS
+                        if SWIGLU:
+                            sb_col += HALF * gl.cdiv(N, SB_COLS)
+                        sb_ptr += sb_col * scales.b.stride1
+                    if GROUPED and SB_COLS > 0:
+                        sb_ptr += g.to(gl.int64) * groups.scale_b_g
+                    acc, it = _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m,
+                                      off_m, cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, STAGES, K_GROUP,
+                                      SWIGLU, SWAP, PINGPONG)
+            elif fill == 2:
+                acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
+            if PINGPONG:  # the other consumer's K loop may start
+                mbarrier.arrive(turn.index(1 - HALF))
+                turns += 1
+            if SWIGLU:
+                if fill == 0:
+                    if HALF == 1:  # hand the up product to the gate's warpgroup
+                        mbarrier.wait(xchg_empty, (swaps & 1) ^ 1)
+                        xchg.store(acc)
+                        mbarrier.arrive(xchg_full)
+                    else:
+                        mbarrier.wait(xchg_full, swaps & 1)
+                        up = xchg.load(layout)
+                        mbarrier.arrive(xchg_empty)
+                        acc = activate(acc, "silu") * up
+                    swaps += 1
+
+            if GROUPED:
+                if SWAP:  # back to [tokens, features]: a register relabelling, no data moves
+                    acc = gl.permute(acc, (1, 0))
+                    out_layout: gl.constexpr = acc.type.layout
+                    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+                    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+                    mask_m = rows < row_end
+                    mask_n = cols < N
+                if HALF == 0 or not SWIGLU:
+                    out_rows = rows
+                    if groups.scatter is not None:
+                        out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
+                    if fill == 0:  # a filled tile (rows past the last offset, bad offs) is stored as it is
+                        # group g's bias and per-column scales ([G, 1, N] row-wise scale_b); a jit
+                        # helper cannot return an absent vector's None, so these stay inline
+                        g64 = g.to(gl.int64)
+                        bias_g = Vector(None if bias.ptr is None else bias.ptr + g64 * groups.bias_g, bias.stride)
+                        sn = scales.n
+                        sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * groups.scale_b_g, sn.stride)
+                        acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION,
+                                       Scales(scales.a, scales.b, scales.m, sn_g, scales.out), bias_g, groups.weight,
+                                       out_rows)
+                    if scales.out.ptr is not None:
+                        acc = _quantize_rows(acc, scales.out, out_rows, off_n, N, mask_m, mask_n,
+                                             C.ptr.dtype.element_ty)
+                    _store_rows(C, acc, off_m, off_n, row_end, N, groups.scatter)
+            else:
+                acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)
+                tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)  # clipped at M and N
     if not GROUPED:
         tma.store_wait(pendings=0)
 
@@ -406,7 +485,8 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
                              BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                              K_GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                              GROUPED: gl.constexpr = False, SWIGLU: gl.constexpr = False,
-                             SWAP: gl.constexpr = False):
+                             SWAP: gl.constexpr = False, PINGPONG: gl.constexpr = False,
+                             FAST_ACC: gl.constexpr = False):
     """C = epilogue(sum over K blocks of (A_k @ B_k) * scale_a_k * scale_b_k), on sm_90.
 
     A: Operand over fp8 [M, K] with stride1 == 1 (row-major), 16-byte aligned rows.
@@ -435,11 +515,14 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     registers per thread of the worker consumer.
     Grid: (min(tiles, SMs),); each program walks tiles pid, pid + grid, ... in GROUP_M order.
     """
-    gl.static_assert(SWAP or BLOCK_M == (1 if SWIGLU else 2) * ROWS)
+    gl.static_assert(SWAP or PINGPONG or BLOCK_M == (1 if SWIGLU else 2) * ROWS)
+    gl.static_assert(not PINGPONG or ((BLOCK_M == ROWS or BLOCK_M == 2 * ROWS) and not (SWIGLU or SWAP)))
     gl.static_assert(GROUPED or not SWAP)
     gl.static_assert(BLOCK_K == _SCALE_BLOCK)
-    gl.static_assert(SA_ROWS == 1 or SA_ROWS % BLOCK_M == 0)
-    gl.static_assert(SB_COLS == 1 or SB_COLS % BLOCK_N == 0)
+    gl.static_assert((SA_ROWS == 0) == (SB_COLS == 0))  # block scales on both operands, or on neither
+    gl.static_assert(not FAST_ACC or SA_ROWS == 0)  # block scales need their promotion
+    gl.static_assert(SA_ROWS <= 1 or SA_ROWS % BLOCK_M == 0)
+    gl.static_assert(SB_COLS <= 1 or SB_COLS % BLOCK_N == 0)
     gl.static_assert(GROUPED or not SWIGLU)
     dtype: gl.constexpr = A.ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
@@ -458,7 +541,10 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer
+        mbarrier.init(empty.index(s), count=1 if PINGPONG else 2)  # one arrival per consumer reading it
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's K-loop order
+    for h in gl.static_range(2):
+        mbarrier.init(turn.index(h), count=1)
     xchg_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     xchg_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(xchg_full, count=1)
@@ -475,21 +561,22 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
         XCOLS: gl.constexpr = (BLOCK_M if SWAP else BLOCK_N) if SWIGLU else 8
         xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], out_dtype)
-        c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [ROWS, BLOCK_N], c_layout)
-        c_smem0 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
-        c_smem1 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
+        C_ROWS: gl.constexpr = _consumer_rows(BLOCK_M, SWIGLU, PINGPONG)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N], out_dtype)
+        c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [C_ROWS, BLOCK_N], c_layout)
+        c_smem0 = gl.allocate_shared_memory(out_dtype, [C_ROWS, BLOCK_N], c_layout)
+        c_smem1 = gl.allocate_shared_memory(out_dtype, [C_ROWS, BLOCK_N], c_layout)
         xchg = 0
 
     # Partition arguments are written inline: a tuple bound to a name first turns its
     # constexprs into runtime values (Gluon 3.6).
     gl.warp_specialize([
-        (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem0, xchg, xchg_full, xchg_empty, C, M, N, K,
+        (_consume_partition, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem0, xchg, xchg_full, xchg_empty, C, M, N, K,
                               scales, bias, groups, 0, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
-                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP)),
-        (_consume_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem1, xchg, xchg_full, xchg_empty, C, M, N, K,
+                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP, PINGPONG, FAST_ACC)),
+        (_consume_partition, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem1, xchg, xchg_full, xchg_empty, C, M, N, K,
                               scales, bias, groups, 1, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
-                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP)),
+                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP, PINGPONG, FAST_ACC)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, groups, BLOCK_M, BLOCK_N, BLOCK_K,
                            GROUP_M, STAGES, GROUPED, SWIGLU, SWAP)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -511,11 +598,21 @@ def k_major_layout(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
     return layout is not None and layout.a_k_contig and layout.b_k_contig and a.shape[1] > 0
 
 
+def k_loop_meta(scaling: Scaling, fast_accum: bool = False) -> dict:
+    """The body's constexprs for a scaling: SA_ROWS / SB_COLS rows and columns per K-block
+    scale, 0 for epilogue scales (tensor, row, column, or none), whose K loop only promotes
+    each block to fp32, or with FAST_ACC sums the whole K in the tensor core."""
+    if scaling.a_per_k_block:
+        return dict(SA_ROWS=scaling.sa_rows, SB_COLS=scaling.sb_cols, FAST_ACC=False)
+    return dict(SA_ROWS=0, SB_COLS=0, FAST_ACC=fast_accum)
+
+
 def uses_gluon_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool:
-    """The one decision between core's two bodies of a block-scaled FP8 GEMM: this Gluon body
-    on an sm_90 GPU for block scales on both operands (1x128 or 128x128 scale_a, 128x1 or
-    128x128 scale_b), TMA-readable K-major operands and M >= configs.WGMMA_MIN_M; core's Triton
-    body otherwise (other GPUs, the interpreter, other granularities and layouts, tma=False).
+    """The one decision between core's two bodies of a scaled FP8 GEMM: this Gluon body on an
+    sm_90 GPU for block scales on both operands (1x128 or 128x128 scale_a, 128x1 or 128x128
+    scale_b) or on neither (tensor or row-wise scale_a, tensor or column-wise scale_b: the
+    epilogue's), TMA-readable K-major operands and M >= configs.WGMMA_MIN_M; core's Triton
+    body otherwise (other GPUs, the interpreter, mixed granularities and other layouts, tma=False).
 
     A forced ``config`` decides by its kind (configs.is_wgmma); a Gluon config on operands
     this body cannot take is a ValueError naming what stands in the way.
@@ -527,9 +624,9 @@ def uses_gluon_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool
     why = None
     if not on_sm90(a):
         why = "an sm_90 GPU (Triton's interpreter and other GPUs run core's Triton body)"
-    elif not (scaling.a_per_k_block and scaling.b_per_k_block):
-        why = (f"block scales on both operands (scale_a 1x128 or 128x128, scale_b 128x1 or 128x128; got {scaling.a}, "
-               f"{scaling.b})")
+    elif scaling.a_per_k_block != scaling.b_per_k_block:
+        why = (f"block scales on both operands (scale_a 1x128 or 128x128, scale_b 128x1 or 128x128) or on neither "
+               f"(tensor / row-wise scale_a, tensor / column-wise scale_b; got {scaling.a}, {scaling.b})")
     elif tma is False:
         why = "TMA loads (tma=False asks for pointer loads)"
     elif not k_major_layout(a, b, c):
@@ -542,25 +639,27 @@ def uses_gluon_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool
     return True
 
 
-def wgmma_launch(a, b, c, bias, activation, key: configs.WgmmaKey, config=None, scale_a=None, scale_b=None) -> Launch:
+def wgmma_launch(a, b, c, bias, activation, key: configs.WgmmaKey, scales, config=None, scale_a=None,
+                 scale_b=None) -> Launch:
     """This body's launch for operands shaped like a, b, c (``uses_gluon_body`` accepted them):
     a core/dispatch.py Launch whose builder takes (c, a, b, scale_a, scale_b, bias).
-    ``key``: the call's WgmmaKey (tuning tables; its scaling sets SA_ROWS and SB_COLS).
-    scale_a, scale_b: the call's scales, for autotuning's trial launches."""
+    ``key``: the call's WgmmaKey (tuning tables; its scaling and fast_accum set the K loop,
+    ``k_loop_meta``). ``scales(scale_a, scale_b)`` -> tiles.Scales: block scales as .a / .b,
+    epilogue scales as .m / .n. scale_a, scale_b: the call's scales, for autotuning's trials."""
     M, K = a.shape
     N = b.shape[1]
 
     def build(c, a, b, scale_a, scale_b, bias):
         return (Operand(a, *a.stride()), Operand(b, *b.stride()), Operand(c, *c.stride()), M, N, K,
-                Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, *scale_b.stride())),
-                NO_VECTOR if bias is None else Vector(bias, bias.stride(0)), Groups(None, None, 1, N, 0, 0))
+                scales(scale_a, scale_b), NO_VECTOR if bias is None else Vector(bias, bias.stride(0)),
+                Groups(None, None, 1, N, 0, 0))
 
     def launch_of(plan):
         tiles = cdiv(M, plan.meta["BLOCK_M"]) * cdiv(N, plan.meta["BLOCK_N"])
         return Launch(BLOCKSCALED_WGMMA, plan, (min(tiles, sm_count(plan.device_index)),), build)
 
     plan = BLOCKSCALED_WGMMA.plan_for(Request(
-        key, dict(ACTIVATION=activation, SA_ROWS=key.scaling.sa_rows, SB_COLS=key.scaling.sb_cols), a.device, config,
+        key, dict(ACTIVATION=activation, **k_loop_meta(key.scaling, key.fast_accum)), a.device, config,
         lambda plan: launch_of(plan).run(c, a, b, scale_a, scale_b, bias)))
     return launch_of(plan)
 
@@ -592,7 +691,7 @@ def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, 
                   config=None) -> str | None:
     """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
     FP8 moe_ffn's GEMMs): on an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128
-    scale_b, the experts w [G, N, K] TMA-readable (``experts_layout``, or side by side along K:
+    scale_b (or row-wise scale_a and per-column scale_b, applied in the epilogue), the experts w [G, N, K] TMA-readable (``experts_layout``, or side by side along K:
     ``side_by_side_layout``) and a [M, K] too (``rows_layout``; ``a`` None: a row-major copy
     the caller writes, whose rows are K bytes):
     "grouped" from configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles
@@ -603,7 +702,7 @@ def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, 
         return None
     rows = M / max(G, 1)
     mode = "grouped" if rows >= configs.WGMMA_MIN_GROUP_ROWS else "decode" if rows <= configs.WGMMA_DECODE_MAX_ROWS else None
-    if mode is None or not (on_sm90(w) and scaling[:2] == BLOCKWISE[:2] and w.dtype == torch.float8_e4m3fn):
+    if mode is None or not (on_sm90(w) and scaling[:2] in (BLOCKWISE[:2], ROWWISE[:2]) and w.dtype == torch.float8_e4m3fn):
         return None
     a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))
     return mode if a_ok and (experts_layout(w) or side_by_side_layout(w)) else None
@@ -619,7 +718,8 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
     tile transposed, SWAP); c [M or scattered rows, N]; schedule(block_m) -> (sched, count):
     the groups' row tiles of the plan's BLOCK_M (grouped/ builds them from offs on the device);
     scale_a [M, ceil(K/128)] (1x128); scale_b [G, ceil(K/128), ceil(rows/128)] (128x128 of W^T,
-    any strides); bias [G, N]; scatter int32 [M]: c row of each row; weight fp32 per c row;
+    any strides); or, row-wise (``key.epilogue_scaled``), scale_a [M, 1] and scale_b [G, 1, N],
+    applied in the epilogue; bias [G, N]; scatter int32 [M]: c row of each row; weight fp32 per c row;
     out_scale: c's own 1x128 scales [M, ceil(N/128)] when c is fp8 (written).
     """
     M, K = a.shape
@@ -627,9 +727,8 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
     swiglu, swap = key.mode.endswith("swiglu"), key.mode.startswith("decode")
 
     def request():
-        return Request(key, dict(ACTIVATION=activation, SA_ROWS=key.scaling.sa_rows, SB_COLS=key.scaling.sb_cols,
-                                 GROUPED=True, SWIGLU=swiglu,
-                                 SWAP=swap), a.device, config, lambda plan: launch(plan))
+        return Request(key, dict(ACTIVATION=activation, **k_loop_meta(key.scaling, key.fast_accum), GROUPED=True,
+                                 SWIGLU=swiglu, SWAP=swap), a.device, config, lambda plan: launch(plan))
 
     def launch(plan):
         meta = plan.meta
@@ -639,10 +738,14 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
         sched, count = schedule(meta["BLOCK_M"])
         groups = Groups(sched, count, G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter,
                         weight, b_cols)
+        out = NO_OPERAND if out_scale is None else Operand(out_scale, *out_scale.stride())
+        if key.epilogue_scaled:
+            scales = Scales(m=Vector(scale_a, scale_a.stride(0)), n=Vector(scale_b, scale_b.stride(2)), out=out)
+        else:
+            scales = Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, scale_b.stride(1),
+                                                                              scale_b.stride(2)), out=out)
         BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
-            Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K,
-            Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, scale_b.stride(1), scale_b.stride(2)),
-                   out=NO_OPERAND if out_scale is None else Operand(out_scale, *out_scale.stride())),
+            Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K, scales,
             NO_VECTOR if bias is None else Vector(bias, bias.stride(1)), groups,
         ))
 

@@ -95,3 +95,7 @@ class Scaling(NamedTuple):
 # 1x128 activations x 128x128 weights: DeepSeek-V3's recipe, Fp8Linear's forward and the FP8
 # MoE's GEMMs.
 BLOCKWISE = Scaling(ROW_BLOCKS, BLOCKS)
+
+# Row-wise A x per-column B (torch._scaled_mm's row-wise mode): both constant along K, applied
+# in the epilogue.
+ROWWISE = Scaling(ROW, COL)

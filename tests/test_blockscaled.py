@@ -556,6 +556,8 @@ BAD_CASES = [
                  ValueError, id="a 3-D"),
     pytest.param("out_dtype", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.one, out_dtype=E4M3),
                  TypeError, id="out_dtype e4m3"),
+    pytest.param("use_fast_accum", lambda t: dict(a=t.f8(_M, _K), b=t.f8(_K, _N), scale_a=t.one, scale_b=t.one,
+                                                  use_fast_accum="yes"), TypeError, id="use_fast_accum str"),
 ]
 
 
@@ -813,8 +815,11 @@ DISPATCH_CASES = [
     ({}, False, False),                                  # pointer loads asked for
     ({"M": 127}, None, False),                           # below configs.WGMMA_MIN_M
     ({"kinds": ("128x128", "128x1")}, None, True),
-    ({"kinds": ("row", "128x128")}, None, False),        # epilogue scales: the Triton body
+    ({"kinds": ("row", "128x128")}, None, False),        # block scales on one operand only: the Triton body
     ({"kinds": ("1x128", "tensor")}, None, False),
+    ({"kinds": ("row", "col")}, None, True),             # epilogue scales on both
+    ({"kinds": ("tensor", "tensor")}, None, True),
+    ({"kinds": ("row", "tensor")}, None, True),
     ({"a_layout": "transposed"}, None, False),           # fp8 wgmma reads K-major operands only
     ({"b_layout": "row_major"}, None, False),
     ({"K": 200}, None, False),                           # fp8 rows of 200 bytes: no TMA box
@@ -825,8 +830,9 @@ DISPATCH_CASES = [
 
 @pytest.mark.parametrize("change,tma,expected", DISPATCH_CASES, ids=str)
 def test_wgmma_dispatch_rule(change, tma, expected, monkeypatch):
-    """On an sm_90 GPU (stood in for here), block scales on both operands, K-major TMA-able
-    operands and M >= WGMMA_MIN_M take the Gluon body; anything else core's Triton body."""
+    """On an sm_90 GPU (stood in for here), block scales on both operands or on neither,
+    K-major TMA-able operands and M >= WGMMA_MIN_M take the Gluon body; anything else core's
+    Triton body."""
     monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
     args = dict(M=512, N=256, K=256)
     args.update(change)
@@ -834,6 +840,42 @@ def test_wgmma_dispatch_rule(change, tma, expected, monkeypatch):
     if expected is False and args["M"] >= WGMMA_MIN_M:
         with pytest.raises(ValueError, match="config"):  # a forced Gluon config says why not
             hopper_fp8.uses_gluon_body(*_dispatch_case(**args), tma, wgmma_cfg(128, 4, 4))
+
+
+# (key, the heuristic's tile (BLOCK_M x BLOCK_N), pingpong): fast accumulation holds one fp32
+# accumulator per consumer, so 64 x 256 halves of a 128 x 256 tile where they fill the SMs;
+# a promoting K loop holds a second (the raw block), so 128 columns.
+WGMMA_HEURISTIC_CASES = [
+    (WgmmaKey(4096, 4096, 4096, Scaling.parse("row,col"), "bf16", fast_accum=True), (128, 256)),
+    (WgmmaKey(512, 1024, 4096, Scaling.parse("row,col"), "bf16", fast_accum=True), (128, 128)),
+    (WgmmaKey(4096, 4096, 4096, Scaling.parse("row,col"), "bf16"), (128, 128)),
+    (WgmmaKey(4096, 4096, 4096, BLOCKWISE, "bf16"), (128, 128)),
+]
+
+
+@pytest.mark.parametrize("key,tile", WGMMA_HEURISTIC_CASES, ids=str)
+def test_wgmma_heuristic_and_candidates(key, tile):
+    """The heuristic's tile per K loop, and every candidate fits the H200's shared memory;
+    only fast accumulation's candidates are 256 wide (a promoting loop would spill)."""
+    pick = wgmma_heuristic(key, 132)
+    assert (pick.kwargs["BLOCK_M"], pick.kwargs["BLOCK_N"]) == tile
+    found = wgmma_candidates(key, 132)
+    assert all(configs._wgmma_fits(c, key.out, key.mode) for c in found)
+    assert any(c.kwargs["BLOCK_N"] == 256 for c in found) == key.fast_accum
+    assert any(c.kwargs.get("PINGPONG") for c in found)
+
+
+@pytest.mark.parametrize("grans", [("row", "col"), ("tensor", "tensor"), ("1x128", "128x128")], ids=str)
+def test_use_fast_accum_is_a_permission(grans, device):
+    """use_fast_accum=True allows reduced-precision accumulation; core's Triton body (here)
+    promotes anyway, so both calls match the float64 reference as closely."""
+    M, N, K = 130, 150, 300
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    ref = blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb)
+    for fast in (False, True):
+        out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, use_fast_accum=fast)
+        assert_close(out, ref, KERNEL_TOL, f"use_fast_accum={fast}")
 
 
 def test_wgmma_dispatch_off_sm90(device):
@@ -878,20 +920,77 @@ def test_gpu_wgmma_body(M, N, K, grans, device):
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
 
 
+def _every_wgmma_config():
+    """(scale kinds, use_fast_accum, config) for each config the dense Gluon body is tuned
+    over, each with the first K loop it is a candidate of."""
+    cases = {}
+    for grans, fast in ((("1x128", "128x1"), False), (("1x128", "128x128"), False), (("row", "col"), False),
+                        (("row", "col"), True)):
+        key = WgmmaKey(512, 512, 512, Scaling.parse(",".join(grans)), "bf16", fast_accum=fast)
+        for c in wgmma_candidates(key, 132):
+            cases.setdefault((configs.config_id(c), fast), pytest.param(
+                grans, fast, c, id=f"{configs.label(c)} {','.join(grans)}{' fast' if fast else ''}"))
+    return list(cases.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("cfg", sorted({configs.config_id(c): c for key in [
-    WgmmaKey(512, 512, 512, BLOCKWISE, "bf16"), WgmmaKey(512, 512, 512, Scaling(ROW_BLOCKS, COL_BLOCKS), "bf16")]
-    for c in wgmma_candidates(key, 132)}.values(), key=configs.label), ids=configs.label)
-def test_gpu_wgmma_every_config(cfg, device):
+@pytest.mark.parametrize("grans,fast,cfg", _every_wgmma_config())
+# 10 K blocks: two groups of 4 and a remainder, or five of 2; then more tiles than 2 x 132 SMs,
+# so that each program walks several (pingpong: both consumers, in turns)
+@pytest.mark.parametrize("M,N,K", [(336, 560, 1168), (1664, 3200, 640)], ids=["one-tile-each", "several-tiles-each"])
+def test_gpu_wgmma_every_config(grans, fast, cfg, M, N, K, device):
     """Each config the Gluon body is tuned over, on partial tiles, with bias and activation."""
-    M, N, K = 336, 560, 1168  # 10 K blocks: two groups of 4 and a remainder, or five of 2
-    grans = ("1x128", "128x1" if cfg.kwargs["BLOCK_N"] == 64 or cfg.kwargs["K_GROUP"] == 1 else "128x128")
     qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
     qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
     bias = torch.randn(N, device=device, dtype=torch.bfloat16)
-    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, bias=bias, activation="gelu", config=cfg)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, bias=bias, activation="gelu", use_fast_accum=fast, config=cfg)
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "gelu"), TOL[torch.bfloat16])
+    assert torch.equal(out, onegemm.blockscaled_matmul(qa, qb, sa, sb, bias=bias, activation="gelu",
+                                                       use_fast_accum=fast, config=cfg))  # bitwise on a rerun
+
+
+# Epilogue scales on both operands (tensor, row, column): the Gluon body's K loop promotes
+# each K block unscaled, or with use_fast_accum sums the whole K in the tensor core, whose
+# accumulator keeps about 14 bits (docs/hopper.md): its error grows with K's block count.
+WGMMA_EPILOGUE_PAIRS = [("row", "col"), ("tensor", "tensor"), ("row", "tensor"), ("tensor", "col")]
+FAST_ACC_TOL = 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("M,N,K", WGMMA_SHAPES)
+@pytest.mark.parametrize("grans", WGMMA_EPILOGUE_PAIRS, ids=str)
+@pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast-accum"])
+def test_gpu_wgmma_epilogue_scaled(M, N, K, grans, fast, device):
+    """The epilogue-scaled K loops (forced with their default config) against float64, every
+    edge partial, and the Triton body (which always promotes) as a cross-check."""
+    qa, sa, ba = quant_a(make_input((M, K), device), grans[0])
+    qb, sb, bb = quant_b(make_input((N, K), device), grans[1])
+    cfg = wgmma_heuristic(WgmmaKey(M, N, K, Scaling.parse(",".join(grans)), "fp32", fast_accum=fast), 132)
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, use_fast_accum=fast, config=cfg)
+    ref = blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb)
+    assert_close(out, ref, FAST_ACC_TOL if fast else KERNEL_TOL)
+    triton_body = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, tma=False)
+    assert_close(out, triton_body.double(), FAST_ACC_TOL if fast else KERNEL_TOL, "Gluon vs Triton body")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_gpu_rowwise_dispatch_and_fast_accum(device):
+    """An unforced row-wise call at M >= WGMMA_MIN_M runs the Gluon body; use_fast_accum picks
+    its fast_accum plan, and both match torch._scaled_mm's row-wise mode on the same inputs."""
+    M, N, K = 1024, 768, 2048
+    qa, sa, ba = quant_a(make_input((M, K), device, spread=False), "row")
+    qb, sb, bb = quant_b(make_input((N, K), device, spread=False), "col")
+    ref = blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb)
+    for fast in (False, True):
+        launch.clear_plans()
+        out = onegemm.blockscaled_matmul(qa, qb, sa, sb, use_fast_accum=fast)
+        assert [p.meta["FAST_ACC"] for p in _wgmma_plans()] == [fast]
+        torch_out = torch._scaled_mm(qa, qb, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+        assert_close(out, ref, TOL[torch.bfloat16])
+        assert_close(out, torch_out.double(), TOL[torch.bfloat16], "onegemm vs torch._scaled_mm")
 
 
 @pytest.mark.gpu

@@ -176,6 +176,8 @@ GROUPED_DISPATCH_CASES = [
     pytest.param({"M": 0}, None, id="no-rows"),
     pytest.param({"kind_a": "row"}, None, id="row-wise-scale_a"),
     pytest.param({"kind_b": "col"}, None, id="per-channel-scale_b"),
+    pytest.param({"kind_a": "row", "kind_b": "col"}, "grouped", id="row-wise-epilogue-scales"),
+    pytest.param({"kind_a": "row", "kind_b": "col", "M": 8}, "decode", id="row-wise-decode"),
     pytest.param({"tma": False}, None, id="tma-False"),
     pytest.param({"config": configs.cfg(64, 128, 128, 4, 3)}, None, id="forced-triton-config"),
     pytest.param({"K": 200}, None, id="rows-of-200-bytes"),
@@ -189,8 +191,9 @@ GROUPED_DISPATCH_CASES = [
 
 @pytest.mark.parametrize("change,expected", GROUPED_DISPATCH_CASES)
 def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
-    """On an sm_90 GPU (stood in for here): e4m3 with 1x128 x 128x128 scales, TMA-readable
-    rows and experts, enough rows per group take the Gluon body; anything else the Triton body."""
+    """On an sm_90 GPU (stood in for here): e4m3 with 1x128 x 128x128 scales (or row-wise x
+    per-channel ones, the epilogue's), TMA-readable rows and experts, enough rows per group
+    take the Gluon body; anything else the Triton body."""
     monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
     monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", ROWS)
     monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", DECODE_ROWS)
@@ -253,8 +256,12 @@ GROUPED_GPU_CASES = [
 @pytest.mark.sm90
 @pytest.mark.parametrize("sizes,K,N", GROUPED_GPU_CASES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias-silu"])
-def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, device, flavour):
-    qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped_inputs("1x128", "128x128", sizes, K, N, device)
+@pytest.mark.parametrize("kinds", [("1x128", "128x128"), ("row", "col")], ids=["blockwise", "row-wise"])
+def test_gpu_grouped_fp8_on_wgmma(sizes, K, N, with_bias, kinds, device, flavour):
+    """Block scales promote each K block in the K loop; row-wise scale_a [M, 1] and
+    per-channel scale_b [G, 1, N] (torch._scaled_grouped_mm's) multiply in the epilogue, the
+    group's own scale_b row."""
+    qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped_inputs(*kinds, sizes, K, N, device)
     G = len(sizes)
     bias = torch.randn(G, N, device=device) if with_bias else None
     act = "silu" if with_bias else None
