@@ -10,6 +10,11 @@ Inputs: x [M, K] and an nn.Linear-style weight W [N, K], random bf16. Each GEMM 
     cuBLAS-row    torch._scaled_mm row-wise (x per row, W per output channel)
     cuBLAS-tensor torch._scaled_mm tensor-wise
     cuBLAS-bf16   torch.matmul(x, W.t()) on the unquantised bf16 inputs
+Row-wise (x per row, W per output channel, the same fp8 values as cuBLAS-row), like for like:
+    onegemm-row       blockscaled_matmul(..., use_fast_accum=False): fp32 promotion per K block,
+                      against cuBLAS-row (torch._scaled_mm's default, which promotes too)
+    onegemm-row-fast  use_fast_accum=True: the whole K in the tensor core's accumulator,
+                      against cuBLAS-row-fast (torch._scaled_mm(..., use_fast_accum=True))
 Speed: each ratio is the peer's time / onegemm's time (above 1: onegemm faster), in GPU time
 (CUDA-graph replays); 'eager' columns time eager calls as a user makes them (host included), and
 'first call ms' is onegemm's first call at the shape (plan, and a compile where the kernel's
@@ -17,7 +22,8 @@ specialisation is new). The quantisers' times are outside the GEMM timings (Fp8L
 includes its activation one). On the H200, M >= 128 runs core's Gluon body (core/hopper_fp8.py).
 Accuracy: calc_diff and SQNR of each output against the fp32 product of the unquantised bf16
 inputs (first 1024 rows), and calc_diff of onegemm with K up to 16384.
-Targets: >= 0.9x cuBLAS-block and >= 1.3x cuBLAS-bf16 at M >= 2048; calc_diff < 1e-3.
+Targets: >= 0.9x cuBLAS-block and >= 1.3x cuBLAS-bf16 at M >= 2048; calc_diff < 1e-3; row-wise
+>= 1.05x torch._scaled_mm row-wise at M >= 2048.
 """
 
 from __future__ import annotations
@@ -41,11 +47,12 @@ K_SWEEP = [(512, 1024, k) for k in (1024, 4096, 16384)]
 QUICK_K_SWEEP = [(32, 64, k) for k in (256, 640)]
 ACC_ROWS = 1024  # accuracy on the first rows only: keeps the fp32 reference to a few hundred MB
 PEERS = ["cuBLAS-block", "cuBLAS-row", "cuBLAS-tensor", "cuBLAS-bf16"]
+ROWWISE = [("onegemm-row", "cuBLAS-row"), ("onegemm-row-fast", "cuBLAS-row-fast")]  # (onegemm, its like-for-like peer)
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 
 
-def _scaled_mm(qa, qb, sa, sb):
-    return torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=BF16)
+def _scaled_mm(qa, qb, sa, sb, fast=False):
+    return torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=BF16, use_fast_accum=fast)
 
 
 def make_gemms(x, w):
@@ -66,6 +73,9 @@ def make_gemms(x, w):
         "Fp8Linear": lambda: layer(x),
         "cuBLAS-block": lambda: _scaled_mm(qx, qw.t(), sx, sw.t()),
         "cuBLAS-row": lambda: _scaled_mm(qx_r, qw_r.t(), sx_r, sw_r_t),
+        "onegemm-row": lambda: onegemm.blockscaled_matmul(qx_r, qw_r.t(), sx_r, sw_r.t()),
+        "cuBLAS-row-fast": lambda: _scaled_mm(qx_r, qw_r.t(), sx_r, sw_r_t, fast=True),
+        "onegemm-row-fast": lambda: onegemm.blockscaled_matmul(qx_r, qw_r.t(), sx_r, sw_r.t(), use_fast_accum=True),
         "cuBLAS-tensor": lambda: _scaled_mm(qx_t, qw_t.t(), sx_t, sw_t),
         "cuBLAS-bf16": lambda: torch.matmul(x, w.t()),
     }
@@ -97,7 +107,7 @@ def measure(kind, M, N, K, device, timer, quick):
         torch.cuda.synchronize()
         speed["first call ms"] = 1e3 * (time.perf_counter() - start)
     for name, fn in gemms.items():
-        out, reason = (fn(), None) if name in ("onegemm", "Fp8Linear") else run_or_reason(fn)
+        out, reason = (fn(), None) if name.startswith(("onegemm", "Fp8Linear")) else run_or_reason(fn)
         if out is None:
             print(f"  {name} refused {M}x{N}x{K}: {reason}", flush=True)
             ms[name] = math.nan
@@ -114,10 +124,15 @@ def measure(kind, M, N, K, device, timer, quick):
     for peer in PEERS:
         speed[f"vs {peer}"] = ms[peer] / ms["onegemm"]
     speed["Fp8Linear vs cuBLAS-bf16"] = ms["cuBLAS-bf16"] / ms["Fp8Linear"]
+    for ours, peer in ROWWISE:
+        speed[f"{ours} TFLOP/s"] = tflops(2.0 * M * N * K, ms[ours])
+        speed[f"{ours} vs {peer}"] = ms[peer] / ms[ours]
     if not quick:
-        eager = {name: bench_ms(gemms[name], warmup_ms=10, rep_ms=50, graph=False) for name in ("onegemm", "cuBLAS-block")}
+        names = ("onegemm", "cuBLAS-block", "onegemm-row", "cuBLAS-row")
+        eager = {name: bench_ms(gemms[name], warmup_ms=10, rep_ms=50, graph=False) for name in names}
         speed["eager us"] = 1e3 * eager["onegemm"]
         speed["eager vs cuBLAS-block"] = eager["cuBLAS-block"] / eager["onegemm"]
+        speed["onegemm-row eager vs cuBLAS-row"] = eager["cuBLAS-row"] / eager["onegemm-row"]
     return speed, acc
 
 
@@ -141,7 +156,8 @@ def summarize(speed: list[dict]) -> list[dict]:
         ("M <= 128", [r for r in speed if r["M"] <= 128]),
     ]:
         row = dict(group=group, shapes=len(sel))
-        for col in [f"vs {p}" for p in PEERS] + ["Fp8Linear vs cuBLAS-bf16", "eager vs cuBLAS-block"]:
+        for col in ([f"vs {p}" for p in PEERS] + ["Fp8Linear vs cuBLAS-bf16", "eager vs cuBLAS-block"]
+                    + [f"{ours} vs {peer}" for ours, peer in ROWWISE] + ["onegemm-row eager vs cuBLAS-row"]):
             row[col] = geomean([r.get(col) for r in sel])
         out.append(row)
     return out
@@ -202,7 +218,11 @@ def run(quick: bool):
         dict(name="blockscaled_vs_cublas_blockwise_large_m", value=groups["M >= 2048 (targets)"]["vs cuBLAS-block"],
              peer="torch._scaled_mm blockwise 1x128 x 128x128 (cuBLAS), GPU time, M >= 2048"),
         dict(name="blockscaled_vs_cublas_blockwise_small_m", value=groups["M <= 128"]["vs cuBLAS-block"],
-             peer="torch._scaled_mm blockwise 1x128 x 128x128 (cuBLAS), GPU time, M <= 128")])
+             peer="torch._scaled_mm blockwise 1x128 x 128x128 (cuBLAS), GPU time, M <= 128"),
+        dict(name="rowwise_vs_scaled_mm", value=groups["M >= 2048 (targets)"]["onegemm-row vs cuBLAS-row"],
+             peer="torch._scaled_mm row-wise (both promote per K block), GPU time, M >= 2048"),
+        dict(name="rowwise_fast_accum_vs_scaled_mm", value=groups["M >= 2048 (targets)"]["onegemm-row-fast vs cuBLAS-row-fast"],
+             peer="torch._scaled_mm row-wise use_fast_accum=True (both), GPU time, M >= 2048")])
     path = plot_ratios("blockscaled", labels, series, "speed-up (peer time / onegemm time)",
                        f"blockscaled_matmul (1x128 x 128x128) vs cuBLAS on {torch.cuda.get_device_name()}")
     print(f"wrote {path}")

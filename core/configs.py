@@ -30,7 +30,7 @@ import triton
 
 from . import checks
 from .runtime import cdiv, next_pow2
-from .scaling import BLOCKS, COL_BLOCKS, ROW, SCALE_BLOCK, Granularity, Scaling
+from .scaling import BLOCKS, COL_BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, Granularity, Scaling
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -511,15 +511,17 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
     elif key.mode == "swiglu":
         found = [wgmma_cfg(128, st, kg, bm=64) for st in (3, 4) for kg in (1, 2, 3)]
     elif key.fast_accum:  # one fp32 accumulator per consumer: up to 64 x 256 (or 128 x 128 whole tiles)
-        found = ([wgmma_cfg(256, st, 1) for st in (2, 3, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 5, 6)])
+        found = [wgmma_cfg(256, 3, 1)] + [wgmma_cfg(128, st, 1) for st in (4, 5, 6)]
         if key.mode == "dense":
-            found += [wgmma_cfg(bn, st, 1, bm=bm, pingpong=True) for bm, bn in ((128, 128), (64, 256)) for st in (3, 4, 5)]
+            found += [wgmma_cfg(128, st, 1, bm=128, pingpong=True) for st in (4, 5)] + [wgmma_cfg(256, 4, 1, bm=64, pingpong=True)]
     elif key.scaling.b == COL_BLOCKS:
         found = [wgmma_cfg(64, st, kg) for st in (4, 6) for kg in (2, 4)] + [wgmma_cfg(128, st, 1) for st in (4, 6)]
     else:
         found = [wgmma_cfg(bn, st, kg) for bn in (128, 64) for st in (4, 5, 6) for kg in (2, 3, 4)]
-        if key.mode == "dense":
-            found += [wgmma_cfg(128, st, kg, bm=64, pingpong=True) for st in (4, 6, 8) for kg in (2, 4)]
+        # 128 x 256 tiles, each consumer's 64 x 256 as two promoted 128-column halves (SPLIT);
+        # with per-row (1x128) block scales of A they spill (tools/wgmma_ptxas.py)
+        if key.mode == "dense" and key.scaling.a != ROW_BLOCKS:
+            found += [wgmma_cfg(256, 3, 1)]
     return _with_pick([c for c in found if _wgmma_fits(c, key.out, key.mode)], wgmma_heuristic(key, sms))
 
 

@@ -92,6 +92,13 @@ def _tile_n(block_n, swiglu, swap):
 
 
 @triton.constexpr_function
+def _split(block_n, fast_acc):
+    """Whether a consumer holds its tile as two 128-column accumulators (a promoting K loop
+    over 256 columns: a 64 x 256 raw tile next to its accumulator would not fit in registers)."""
+    return block_n > 128 and not fast_acc
+
+
+@triton.constexpr_function
 def _consumer_rows(block_m, swiglu, pingpong):
     """Rows of A one consumer multiplies per tile: all BLOCK_M when it owns whole tiles
     (PINGPONG) or shares them by product (SWIGLU), else its 64-row half."""
@@ -312,6 +319,37 @@ def _k_loop_chained(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, HALF: gl.co
     return acc, it + k_blocks
 
 
+@gluon.jit
+def _k_loop_split(acc0, acc1, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols0,
+                  mask_n0, HALF: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr,
+                  STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer's promoting K loop over a 256-column tile held as two 128-column
+    accumulators (SPLIT): per K block, each half's wgmma, then its promotion. A warpgroup keeps
+    one raw half live, not two, so it waits for each wgmma before promoting: the other
+    consumer's wgmmas keep the tensor cores busy meanwhile. Returns (acc0, acc1, it)."""
+    for kb in range(k_blocks):
+        sa, sb0 = _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols0, mask_n0, SA_ROWS, SB_COLS)
+        sb1 = sb0
+        if SB_COLS > 1:  # 128x128 scale_b: the second half's column block is the next one
+            sb1 = gl.load(sb_ptr + scales.b.stride1 + kb * scales.b.stride0)
+        a, _ = _operands(a_bufs, b_bufs, ready, it, HALF, 256, STAGES, False, False, PINGPONG)
+        w = b_bufs.index(it % STAGES)
+        zero = gl.zeros([acc0.shape[0], 128], gl.float32, _acc_layout(128))
+        raw = warpgroup_mma(a, w.slice(0, 128, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
+        acc0 = _promote(acc0, raw, sa, sb0, SA_ROWS, SB_COLS)
+        # pinned here: promoted below the next issue, two raw halves would be live (spills)
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+        zero = gl.zeros([acc1.shape[0], 128], gl.float32, _acc_layout(128))
+        raw = warpgroup_mma(a, w.slice(128, 128, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
+        mbarrier.arrive(empty.index(it % STAGES))
+        acc1 = _promote(acc1, raw, sa, sb1, SA_ROWS, SB_COLS)
+        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+        it += 1
+    return acc0, acc1, it
+
+
 @triton.constexpr_function
 def _store_layout(block_n, dtype):
     # 16 bytes per thread along a row: the accumulator's layout holds 2 adjacent elements
@@ -369,14 +407,16 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, xchg,
     runs under the other's wgmmas and neither waits for a slot's fill more than one
     phase ahead (an mbarrier's parity cannot tell two phases apart)."""
     TILE_N: gl.constexpr = _tile_n(BLOCK_N, SWIGLU, SWAP)
+    SPLIT: gl.constexpr = _split(BLOCK_N, FAST_ACC)
+    PART_N: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N  # columns per accumulator
     if SWAP:  # the accumulator is [features, tokens]
         layout: gl.constexpr = _acc_layout(BLOCK_M)
         ACC_M: gl.constexpr = BLOCK_N
         ACC_N: gl.constexpr = BLOCK_M
     else:
-        layout: gl.constexpr = _acc_layout(BLOCK_N)
+        layout: gl.constexpr = _acc_layout(PART_N)
         ACC_M: gl.constexpr = _consumer_rows(BLOCK_M, SWIGLU, PINGPONG)
-        ACC_N: gl.constexpr = BLOCK_N
+        ACC_N: gl.constexpr = PART_N
     num_tiles = _num_tiles(M, N, groups, BLOCK_M, TILE_N, GROUPED)
     k_blocks = gl.cdiv(K, BLOCK_K)
     it = 0
@@ -401,10 +441,12 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, xchg,
                 if not (SWIGLU or PINGPONG):
                     off_m = off_m + HALF * ROWS
                 rows = off_m + gl.arange(0, ACC_M, layout=gl.SliceLayout(1, layout))
-                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+                cols = off_n + gl.arange(0, PART_N, layout=gl.SliceLayout(0, layout))
             mask_m = rows < row_end
             mask_n = cols < N
             acc = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
+            if SPLIT:  # the tile's second 128 columns
+                acc1 = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
             if PINGPONG:  # HALF 0 starts: a fresh barrier passes a wait for parity 1
                 mbarrier.wait(turn.index(HALF), (turns & 1) ^ (1 - HALF))
             if fill == 0:
@@ -421,11 +463,18 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, xchg,
                         sb_ptr += sb_col * scales.b.stride1
                     if GROUPED and SB_COLS > 0:
                         sb_ptr += g.to(gl.int64) * groups.scale_b_g
-                    acc, it = _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m,
-                                      off_m, cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, STAGES, K_GROUP,
-                                      SWIGLU, SWAP, PINGPONG)
+                    if SPLIT:
+                        acc, acc1, it = _k_loop_split(acc, acc1, a_bufs, b_bufs, ready, empty, it, k_blocks, scales,
+                                                      sb_ptr, rows, mask_m, off_m, cols, mask_n, HALF, SA_ROWS,
+                                                      SB_COLS, STAGES, PINGPONG)
+                    else:
+                        acc, it = _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows,
+                                          mask_m, off_m, cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, STAGES,
+                                          K_GROUP, SWIGLU, SWAP, PINGPONG)
             elif fill == 2:
                 acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
+                if SPLIT:
+                    acc1 = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
             if PINGPONG:  # the other consumer's K loop may start
                 mbarrier.arrive(turn.index(1 - HALF))
                 turns += 1
@@ -442,40 +491,56 @@ def _consume_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, xchg,
                         acc = activate(acc, "silu") * up
                     swaps += 1
 
-            if GROUPED:
-                if SWAP:  # back to [tokens, features]: a register relabelling, no data moves
-                    acc = gl.permute(acc, (1, 0))
-                    out_layout: gl.constexpr = acc.type.layout
-                    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
-                    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-                    mask_m = rows < row_end
-                    mask_n = cols < N
-                if HALF == 0 or not SWIGLU:
-                    out_rows = rows
-                    if groups.scatter is not None:
-                        out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
-                    if fill == 0:  # a filled tile (rows past the last offset, bad offs) is stored as it is
-                        # group g's bias and per-column scales ([G, 1, N] row-wise scale_b); a jit
-                        # helper cannot return an absent vector's None, so these stay inline
-                        g64 = g.to(gl.int64)
-                        bias_g = Vector(None if bias.ptr is None else bias.ptr + g64 * groups.bias_g, bias.stride)
-                        sn = scales.n
-                        sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * groups.scale_b_g, sn.stride)
-                        acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION,
-                                       Scales(scales.a, scales.b, scales.m, sn_g, scales.out), bias_g, groups.weight,
-                                       out_rows)
-                    if scales.out.ptr is not None:
-                        acc = _quantize_rows(acc, scales.out, out_rows, off_n, N, mask_m, mask_n,
-                                             C.ptr.dtype.element_ty)
-                    _store_rows(C, acc, off_m, off_n, row_end, N, groups.scatter)
-            else:
-                acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)
-                tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-                c_smem.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)  # clipped at M and N
+            # (grouped tiles store through pointers: no staging buffer)
+            _epilogue_store(acc, C, c_desc, c_smem if GROUPED else c_smem.index(0), off_m, off_n, row_end, N, g, fill,
+                            scales, bias, groups, HALF, ACTIVATION, GROUPED, SWIGLU, SWAP, True)
+            if SPLIT:
+                _epilogue_store(acc1, C, c_desc, c_smem if GROUPED else c_smem.index(1), off_m, off_n + PART_N,
+                                row_end, N, g, fill, scales, bias, groups, HALF, ACTIVATION, GROUPED, SWIGLU, SWAP,
+                                False)
     if not GROUPED:
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _epilogue_store(acc, C, c_desc, c_smem, off_m, off_n, row_end, N, g, fill, scales, bias, groups,
+                    HALF: gl.constexpr, ACTIVATION: gl.constexpr, GROUPED: gl.constexpr, SWIGLU: gl.constexpr,
+                    SWAP: gl.constexpr, FIRST: gl.constexpr):
+    """The epilogue and store of this consumer's accumulator ``acc`` (one part of its tile
+    with SPLIT), whose element [0, 0] is C's [off_m, off_n]: core's epilogue, then a TMA
+    store through ``c_smem`` (dense; FIRST: the tile's first part waits for the last tile's
+    stores), or masked pointer stores of the group's rows (GROUPED; fill tiles as they are)."""
+    if SWAP:  # back to [tokens, features]: a register relabelling, no data moves
+        acc = gl.permute(acc, (1, 0))
+    layout: gl.constexpr = acc.type.layout
+    rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    mask_m = rows < row_end
+    mask_n = cols < N
+    if GROUPED:
+        if HALF == 0 or not SWIGLU:
+            out_rows = rows
+            if groups.scatter is not None:
+                out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
+            if fill == 0:  # a filled tile (rows past the last offset, bad offs) is stored as it is
+                # group g's bias and per-column scales ([G, 1, N] row-wise scale_b); a jit
+                # helper cannot return an absent vector's None, so these stay inline
+                g64 = g.to(gl.int64)
+                bias_g = Vector(None if bias.ptr is None else bias.ptr + g64 * groups.bias_g, bias.stride)
+                sn = scales.n
+                sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * groups.scale_b_g, sn.stride)
+                acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION,
+                               Scales(scales.a, scales.b, scales.m, sn_g, scales.out), bias_g, groups.weight, out_rows)
+            if scales.out.ptr is not None:
+                acc = _quantize_rows(acc, scales.out, out_rows, off_n, N, mask_m, mask_n, C.ptr.dtype.element_ty)
+            _store_rows(C, acc, off_m, off_n, row_end, N, groups.scatter)
+    else:
+        acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)
+        if FIRST:
+            tma.store_wait(pendings=0)  # the previous tile's stores have left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)  # clipped at M and N
 
 
 @gluon.jit
@@ -522,7 +587,8 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     gl.static_assert((SA_ROWS == 0) == (SB_COLS == 0))  # block scales on both operands, or on neither
     gl.static_assert(not FAST_ACC or SA_ROWS == 0)  # block scales need their promotion
     gl.static_assert(SA_ROWS <= 1 or SA_ROWS % BLOCK_M == 0)
-    gl.static_assert(SB_COLS <= 1 or SB_COLS % BLOCK_N == 0)
+    gl.static_assert(SB_COLS <= 1 or SB_COLS % (BLOCK_N // (2 if _split(BLOCK_N, FAST_ACC) else 1)) == 0)
+    gl.static_assert(not _split(BLOCK_N, FAST_ACC) or (BLOCK_N == 256 and SB_COLS != 1 and not (SWIGLU or SWAP)))
     gl.static_assert(GROUPED or not SWIGLU)
     dtype: gl.constexpr = A.ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
@@ -561,11 +627,13 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
         XCOLS: gl.constexpr = (BLOCK_M if SWAP else BLOCK_N) if SWIGLU else 8
         xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
+        # each consumer stages its accumulators (two with SPLIT) for TMA stores
         C_ROWS: gl.constexpr = _consumer_rows(BLOCK_M, SWIGLU, PINGPONG)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N], out_dtype)
-        c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [C_ROWS, BLOCK_N], c_layout)
-        c_smem0 = gl.allocate_shared_memory(out_dtype, [C_ROWS, BLOCK_N], c_layout)
-        c_smem1 = gl.allocate_shared_memory(out_dtype, [C_ROWS, BLOCK_N], c_layout)
+        PARTS: gl.constexpr = 2 if _split(BLOCK_N, FAST_ACC) else 1
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N // PARTS], out_dtype)
+        c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [C_ROWS, BLOCK_N // PARTS], c_layout)
+        c_smem0 = gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout)
+        c_smem1 = gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout)
         xchg = 0
 
     # Partition arguments are written inline: a tuple bound to a name first turns its

@@ -856,13 +856,14 @@ WGMMA_HEURISTIC_CASES = [
 @pytest.mark.parametrize("key,tile", WGMMA_HEURISTIC_CASES, ids=str)
 def test_wgmma_heuristic_and_candidates(key, tile):
     """The heuristic's tile per K loop, and every candidate fits the H200's shared memory;
-    only fast accumulation's candidates are 256 wide (a promoting loop would spill)."""
+    256-wide candidates come with fast accumulation, or as a promoting loop's two 128-column
+    halves (SPLIT) except with 1x128 scale_a (which spills there)."""
     pick = wgmma_heuristic(key, 132)
     assert (pick.kwargs["BLOCK_M"], pick.kwargs["BLOCK_N"]) == tile
     found = wgmma_candidates(key, 132)
     assert all(configs._wgmma_fits(c, key.out, key.mode) for c in found)
-    assert any(c.kwargs["BLOCK_N"] == 256 for c in found) == key.fast_accum
-    assert any(c.kwargs.get("PINGPONG") for c in found)
+    assert any(c.kwargs["BLOCK_N"] == 256 for c in found) == (key.fast_accum or key.scaling.a != ROW_BLOCKS)
+    assert any(c.kwargs.get("PINGPONG") for c in found) == key.fast_accum
 
 
 @pytest.mark.parametrize("grans", [("row", "col"), ("tensor", "tensor"), ("1x128", "128x128")], ids=str)
@@ -924,8 +925,8 @@ def _every_wgmma_config():
     """(scale kinds, use_fast_accum, config) for each config the dense Gluon body is tuned
     over, each with the first K loop it is a candidate of."""
     cases = {}
-    for grans, fast in ((("1x128", "128x1"), False), (("1x128", "128x128"), False), (("row", "col"), False),
-                        (("row", "col"), True)):
+    for grans, fast in ((("1x128", "128x1"), False), (("1x128", "128x128"), False), (("128x128", "128x128"), False),
+                        (("row", "col"), False), (("row", "col"), True)):
         key = WgmmaKey(512, 512, 512, Scaling.parse(",".join(grans)), "bf16", fast_accum=fast)
         for c in wgmma_candidates(key, 132):
             cases.setdefault((configs.config_id(c), fast), pytest.param(
