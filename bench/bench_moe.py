@@ -273,7 +273,10 @@ def main():
                  value=geomean([r["blocked_vs_bf16"] for r in rows])),
             dict(name="fp8_grouped_vs_scaled_grouped_mm",
                  peer="torch._scaled_grouped_mm row-wise fp8 (GPU time; onegemm's 1x128 x 128x128 blocks)",
-                 value=geomean([r["blocked_vs_scaled_grouped_mm"] for r in rows]))]
+                 value=geomean([r["blocked_vs_scaled_grouped_mm"] for r in rows])),
+            dict(name="rowwise_grouped_vs_scaled_grouped_mm",
+                 peer="torch._scaled_grouped_mm row-wise fp8, the same row-wise x per-channel scales (GPU time)",
+                 value=geomean([r["rowwise_vs_scaled_grouped_mm"] for r in rows]))]
     update_summary(summary)
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_moe.py regenerates everything else. -->\n")

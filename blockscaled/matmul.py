@@ -130,11 +130,11 @@ def blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma,
 
 def _blockscaled_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], activation: Optional[str],
-                      tma: Optional[bool], use_fast_accum: bool) -> torch.Tensor:
+                      tma: Optional[bool], use_fast_accum: bool = False) -> torch.Tensor:
     return BLOCKSCALED_OP.direct(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum)
 
 
-def _blockscaled_fake(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum):
+def _blockscaled_fake(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum=False):
     _, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, None, tma, use_fast_accum)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 

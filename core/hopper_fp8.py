@@ -1,10 +1,12 @@
-"""The sm_90 body of the block-scaled FP8 tile, written in Gluon (docs/hopper.md, "Two K-loop bodies").
+"""The sm_90 body of the scaled FP8 tile, written in Gluon (docs/hopper.md, "Two K-loop bodies").
 
 Block-scaled FP8 promotes each K block's product to the fp32 accumulator with its scales:
 ``acc += dot(a_k, b_k) * sa_k[:, None] * sb_k``. In Triton's language the promotion of block k
 waits for block k's wgmma, so the tensor cores idle while it runs. This body issues block k's
 wgmma asynchronously and promotes block k-1 while it runs, which Triton 3.6 can only express
-in Gluon (``triton.experimental.gluon``).
+in Gluon (``triton.experimental.gluon``). Scales that are constant along K (tensor, row,
+column: SA_ROWS = SB_COLS = 0) go to the epilogue; the K loop then promotes each block
+unscaled, or with FAST_ACC chains the whole K in the tensor core's accumulator.
 
 What it shares with core's Triton body (core/tiles.py): the tile order (``swizzle_tile``, the
 persistent walk of ``program_units``), the scale conventions (``Scales``: SA_ROWS / SB_COLS
@@ -20,6 +22,8 @@ Structure (one program per SM, persistent over 128 x BLOCK_N output tiles):
 - each consumer runs the K loop in groups of K_GROUP blocks, unrolled: issue block j's wgmma,
   wait until only it is in flight, promote block j-1. A group ends drained (wait for none in
   flight): a loop-carried in-flight accumulator made ptxas serialise every wgmma (C7515).
+Options of the same body: PINGPONG (each consumer owns whole tiles in turns), SPLIT (a
+promoting 256-column tile as two accumulators), GROUPED / SWIGLU / SWAP (grouped/'s uses).
 """
 
 from __future__ import annotations
@@ -564,8 +568,10 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
        masked pointer stores of each group's rows (scattered by groups.scatter).
     scales: core's Scales. .a: Operand over scale_a [M or ceil(M/128), ceil(K/128)] (SA_ROWS
        rows per scale: 1 or 128); .b: Operand over scale_b [ceil(K/128), N or ceil(N/128)]
-       (SB_COLS = 1 or 128; GROUPED: group g's at + g * groups.scale_b_g); .m / .n: epilogue
-       Vectors; .out: Operand over C's own 1x128 scales [M, ceil(N/128)] (written; GROUPED).
+       (SB_COLS = 1 or 128; GROUPED: group g's at + g * groups.scale_b_g); or SA_ROWS =
+       SB_COLS = 0 and no .a / .b: scales only in the epilogue. .m / .n: epilogue Vectors
+       over C's rows / columns (GROUPED: .n is group g's at + g * groups.scale_b_g); .out:
+       Operand over C's own 1x128 scales [M, ceil(N/128)] (written; GROUPED).
     bias: Vector over [N] (GROUPED: group g's at + g * groups.bias_g) or a None pointer.
     groups: Groups (GROUPED) or DENSE. ACTIVATION as tiles.activate.
     SWIGLU (GROUPED): W holds each group's gate rows then its up rows (b_rows = 2N); C gets
@@ -575,9 +581,16 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
        rows fill wgmma's 64-row M side and the few tokens of a group its N side (BLOCK_M =
        16, 32 or 64 tokens per tile); each consumer takes BLOCK_N of the tile's features (with
        SWIGLU: the gate's or the up's BLOCK_N = 128).
+    FAST_ACC (SA_ROWS = 0 only): no promotion, each consumer's K loop chains its wgmmas into
+       one fp32 accumulator (torch._scaled_mm's use_fast_accum), up to 64 x 256 per consumer.
+    PINGPONG (dense or GROUPED): each consumer computes every other tile whole (BLOCK_M = 64
+       or 128 rows), their K loops in turns (mbarriers ``turn``), one's epilogue under the
+       other's wgmmas.
+    SPLIT (BLOCK_N = 256 with a promoting loop, SB_COLS != 1): each consumer's 64 x 256 as two
+       128-column accumulators, each block's halves issued and promoted in turn.
     BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU; tokens with SWAP), BLOCK_K = 128
-    (one scale block per K step); BLOCK_N <= 128 when SB_COLS = 128. CONSUMER_REGS:
-    registers per thread of the worker consumer.
+    (one scale block per K step); BLOCK_N <= 128 per accumulator when SB_COLS = 128.
+    CONSUMER_REGS: registers per thread of the worker consumer.
     Grid: (min(tiles, SMs),); each program walks tiles pid, pid + grid, ... in GROUP_M order.
     """
     gl.static_assert(SWAP or PINGPONG or BLOCK_M == (1 if SWIGLU else 2) * ROWS)
