@@ -165,8 +165,8 @@ def measure(name, E, N, K, rows, device, timer):
 
 def decode_bodies(device):
     """FP8 moe_ffn at decode on each body, forced through the dispatch thresholds in
-    onegemm.core.configs: the Triton body, the Gluon body's 128/64-row tiles and its SWAP form."""
-    from onegemm.core import configs
+    onegemm.grouped.configs: the Triton body, the Gluon body's 128/64-row tiles and its SWAP form."""
+    from onegemm.grouped import configs
     from onegemm.core.launch import clear_plans
 
     saved = configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS
@@ -195,7 +195,7 @@ def decode_bodies(device):
         configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS = saved
         clear_plans()
     text = header("FP8 moe_ffn at decode on each body (GPU time)")
-    text += ("Each column forces one body through the dispatch thresholds (onegemm.core.configs "
+    text += ("Each column forces one body through the dispatch thresholds (onegemm.grouped.configs "
              "WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS); uniform routing. The rule sends these sizes to "
              "the body this table shows fastest.\n\n" + markdown_table(rows))
     write_results("moe_decode_bodies", text)

@@ -24,8 +24,8 @@ import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
 from bench_blockscaled import make_gemms
 from common import bench_ms, config_of, markdown_table, require_gpu, tflops
-from onegemm.core.configs import BLOCKSCALED_LARGE_M as LARGE_M_CONFIGS
-from onegemm.core.configs import blockscaled_cfg as fp8_cfg
+from onegemm.blockscaled.configs import BLOCKSCALED_LARGE_M as LARGE_M_CONFIGS
+from onegemm.blockscaled.configs import blockscaled_cfg as fp8_cfg
 from onegemm.core.configs import cfg as _cfg
 from onegemm.core.configs import label as config_label
 from onegemm.core.configs import warp_specialized

@@ -36,9 +36,10 @@ from ..core.runtime import cdiv, empty
 from ..core.scaling import BLOCKS, COL, COL_BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity, Scaling
 from ..core.tiles import Operand, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta
+from .configs import BlockscaledKey
 
 
-# core's dense kernel; this launcher's family (core/configs.py) tunes it for fp8 operands.
+# core's dense kernel; this launcher's family (blockscaled/configs.py) tunes it for fp8 operands.
 BLOCKSCALED = Launcher(matmul_kernel, "blockscaled")
 
 def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> Granularity:
@@ -193,7 +194,7 @@ def scaled_record(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None
                                                                  scale_a, scale_b)])
     layout = choose_tma(tma, a, b, c)
     plan = BLOCKSCALED.plan_for(Request(
-        configs.BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
+        BlockscaledKey(configs.m_bucket(M), N, K, a.stride(1) == 1, b.stride(0) == 1,
                                configs.flavour_mode(tma, layout is not None), scaling),
         # UPCAST off: the interpreter computes fp8 tiles right; PRECISION is unused for fp8.
         dict(ACTIVATION=activation, UPCAST=False, PRECISION="ieee", SA_ROWS=scaling.sa_rows, SB_COLS=scaling.sb_cols,

@@ -32,6 +32,7 @@ from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
 from ..core.scaling import BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity
+from .configs import QuantKey
 
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
 FLT_MIN = torch.finfo(torch.float32).tiny
@@ -265,7 +266,7 @@ def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow
         QUANTIZE.launch(plan, grid(plan), args(x, empty((M, K), dtype=dtype, device=device), scale0))
 
     plan = QUANTIZE.plan_for(Request(
-        configs.QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
+        QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
         device, None, trial))
     return Launch(QUANTIZE, plan, grid(plan), args)
 
@@ -312,7 +313,7 @@ def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
         return (x, q, scale, q_t, scale_t, M, K, *strides)
 
     plan = QUANTIZE_PAIR.plan_for(Request(
-        configs.QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale), device, None,
+        QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale), device, None,
         lambda plan: QUANTIZE_PAIR.launch(plan, grid, args(x, *out0))))
 
     return _allocating(outputs, Launch(QUANTIZE_PAIR, plan, grid, args))

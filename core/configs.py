@@ -1,7 +1,11 @@
-"""What runs for a shape: every kernel family's configs, candidates, heuristic and table key.
+"""What runs for a shape: the tuning mechanism, and core's own families' policy.
 
-This module is onegemm's whole tuning policy. For each call the launcher (core/launch.py)
-asks, in order, for
+The mechanism every family uses: config builders (``cfg``, ``with_meta``, ``flavoured``),
+split-K rules, ``Family`` and the ``FAMILIES`` registry. core's policy: the dense kernel's
+family ("matmul") and the Gluon FP8 body's ("blockscaled_wgmma"). Each package keeps its own
+families' policy beside its ops and registers them: grouped/configs.py (ragged, list, sort,
+route and the MoE helpers), blockscaled/configs.py (the Triton body's fp8 tiles, the
+quantisers, the transpose). For each call the launcher (core/launch.py) asks, in order, for
 
 1. the config the caller forced (``config=``);
 2. a tuned config for the call's key: the table shipped for this GPU (core/tuned/<GPU>.json,
@@ -30,7 +34,7 @@ import triton
 
 from . import checks
 from .runtime import cdiv, next_pow2
-from .scaling import BLOCKS, COL_BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, Granularity, Scaling
+from .scaling import COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -310,7 +314,7 @@ def matmul_candidates(key: MatmulKey, sms: int) -> list[triton.Config]:
         kept += flavoured(WS_CONFIGS, key.tma)
         if key.m <= 128:
             kept += flavoured([c for c in DEEP_K_CONFIGS if split_allowed(c, key.m) or few_tiles(c)], key.tma)
-    return _with_pick(kept, matmul_heuristic(key, sms))
+    return with_pick(kept, matmul_heuristic(key, sms))
 
 
 def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
@@ -346,82 +350,6 @@ def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
         if bm == 64 and bn <= 128 and not key.programs:
             kw["PROGRAMS_PER_SM"] = 2
     return with_meta(base, **kw)
-
-
-# ---------------------------------------------------------------------------- block-scaled FP8
-# The same kernel family with per-K-block scales (blockscaled/): BLOCK_K = 128, the scale block.
-
-
-class BlockscaledKey(NamedTuple):
-    m: int
-    n: int
-    k: int
-    a_k: bool
-    b_k: bool
-    tma: int
-    scaling: Scaling
-
-    def __str__(self):
-        return f"m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} b_k={int(self.b_k)} tma={self.tma} {self.scaling}"
-
-
-def blockscaled_cfg(bm, bn, warps, stages, group_m=8, **extra):
-    return cfg(bm, bn, SCALE_BLOCK, warps, stages, group_m, **extra)
-
-
-# Triton 3.6 waits for each K block's wgmma before promoting it (acc += part * scale), so what
-# hides the promotion is other warpgroups on the SM: two per program (8 warps, or warp
-# specialisation's two consumers) or several programs per SM (64x128 w4 s3). Warp-specialised
-# configs need TMA loads of K-major a and b; 5 stages with warp specialisation gave NaN.
-BLOCKSCALED_LARGE_M = [
-    blockscaled_cfg(128, 128, 8, 3),
-    blockscaled_cfg(128, 128, 8, 4),
-    blockscaled_cfg(128, 128, 4, 3),
-    blockscaled_cfg(256, 128, 8, 3),
-    blockscaled_cfg(64, 128, 4, 3),
-    blockscaled_cfg(64, 128, 4, 4),
-    warp_specialized(blockscaled_cfg(128, 128, 4, 4)),
-    blockscaled_cfg(128, 128, 8, 4, PERSISTENT=True),
-    warp_specialized(blockscaled_cfg(128, 128, 4, 4), PERSISTENT=True),
-]
-# M <= 64 is bound by reading B: 64-row tiles, narrow ones for more programs.
-BLOCKSCALED_SMALL_M = [
-    blockscaled_cfg(64, 128, 4, 3),
-    blockscaled_cfg(64, 128, 4, 4),
-    blockscaled_cfg(64, 256, 4, 3),
-    blockscaled_cfg(64, 64, 4, 4),
-    blockscaled_cfg(64, 32, 4, 5),
-]
-BLOCKSCALED_SPLIT_K = with_splits([blockscaled_cfg(64, 128, 4, 4), blockscaled_cfg(64, 64, 4, 4), blockscaled_cfg(64, 32, 4, 5)])
-BLOCKSCALED_CONFIGS = (BLOCKSCALED_LARGE_M + [c for c in BLOCKSCALED_SMALL_M if c not in BLOCKSCALED_LARGE_M]
-                       + BLOCKSCALED_SPLIT_K)
-BLOCKSCALED_INTERPRET = blockscaled_cfg(32, 32, 1, 1, group_m=4)
-
-
-def _ws_ok(key) -> bool:
-    return key.tma != POINTERS_ONLY and key.a_k and key.b_k
-
-
-def blockscaled_candidates(key: BlockscaledKey, sms: int) -> list[triton.Config]:
-    family = (BLOCKSCALED_SMALL_M if key.m <= 64 else BLOCKSCALED_LARGE_M) + BLOCKSCALED_SPLIT_K
-    kept = [c for c in family if split_allowed(c, key.m) and (_ws_ok(key) or not c.kwargs.get("WARP_SPECIALIZE"))]
-    kept = [with_meta(c, USE_TMA=True) if c.kwargs.get("WARP_SPECIALIZE") else c for c in kept]
-    return _with_pick(flavoured(kept, key.tma), blockscaled_heuristic(key, sms))
-
-
-def blockscaled_heuristic(key: BlockscaledKey, sms: int) -> triton.Config:
-    """M >= 2048 with enough 128x128 tiles: the persistent 128x128 tile, warp-specialised where
-    the operands allow it; otherwise 64-row tiles, split-K until the SMs are busy."""
-    M, N, K = key.m, key.n, key.k
-    tma = key.tma == TMA_ONLY or (key.tma == EITHER and M >= 1024)
-    if M >= 2048 and tile_count(M, N, 128, 128) >= sms:
-        if _ws_ok(key):
-            return warp_specialized(blockscaled_cfg(128, 128, 4, 4), PERSISTENT=True, USE_TMA=True)
-        return blockscaled_cfg(128, 128, 8, 4, PERSISTENT=True, USE_TMA=tma)
-    bn = 128 if tile_count(M, N, 64, 128) >= sms else 64
-    split = fill_split(tile_count(M, N, 64, bn), K, SCALE_BLOCK, sms)
-    extra = {"SPLIT_K": split} if split > 1 else {}
-    return blockscaled_cfg(64, bn, 4, 4, USE_TMA=key.tma == TMA_ONLY, **extra)
 
 
 # The sm_90 Gluon body of the same tiles (core/hopper_fp8.py): 128-row tiles of two 64-row
@@ -467,18 +395,6 @@ def is_wgmma(c: triton.Config) -> bool:
 # multiplies padding on half its tensor-core time, and too few tiles fill the SMs
 # (bench/results/blockscaled.md).
 WGMMA_MIN_M = 128
-# Grouped FP8 GEMMs take the Gluon body from this many rows per group on average: below it
-# the Triton body's 16-64-row tiles beat 128-row (SwiGLU: 64-row) ones, which compute a
-# group's last tile whole (the decode sweep in bench/results/moe_fp8.md).
-WGMMA_MIN_GROUP_ROWS = 256
-# ... and only for experts of at least this many weight elements (N * K): the stored tiny layer's
-# (256 x 1024) FP8 moe_ffn ran 0.78x bf16 on it against 0.93x on the Triton body, whose
-# pipeline has fewer launches around its GEMMs (bench/results/moe_fp8.md).
-WGMMA_MIN_EXPERT_ELEMENTS = 1 << 20
-# ... and its decode form (SWAP: the weights' rows on wgmma's M side) up to this many: 0 for now.
-# It led the Triton body by 1-9% at 0.25-16 pairs per expert on Qwen3 and Mixtral, but the
-# DeepSeek-V3 EP8 rows are not measured yet (bench/results/moe_decode_bodies.md).
-WGMMA_DECODE_MAX_ROWS = 0
 _SMEM = 232448  # bytes of shared memory a program may use on sm_90
 
 
@@ -522,7 +438,7 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
         # with per-row (1x128) block scales of A they spill (tools/wgmma_ptxas.py)
         if key.mode == "dense" and key.scaling.a != ROW_BLOCKS:
             found += [wgmma_cfg(256, 3, 1)]
-    return _with_pick([c for c in found if _wgmma_fits(c, key.out, key.mode)], wgmma_heuristic(key, sms))
+    return with_pick([c for c in found if _wgmma_fits(c, key.out, key.mode)], wgmma_heuristic(key, sms))
 
 
 def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
@@ -546,318 +462,25 @@ def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
     return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))
 
 
-# ---------------------------------------------------------------------------- grouped (ragged)
-# grouped/'s ragged_kernel: grouped_matmul's four offs modes and the two MoE GEMMs.
-
-
-class RaggedKey(NamedTuple):
-    dtype: str
-    ragged: str     # "M", "N", "K" or "" (batched)
-    m: int          # m_bucket of the rows per group (M / G for offs over rows)
-    n: int
-    k: int
-    a_k: bool
-    b_k: bool
-    tma: int
-    swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
-    gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
-    scaling: Scaling | None = None  # an FP8 grouped GEMM's (None: unscaled)
-
-    def __str__(self):
-        return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
-                f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
-                + (f" scaling={self.scaling}" if self.scaling is not None else ""))
-
-
-# Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
-# 64-row tile would multiply mostly padding while the weights (the real cost) stream through.
-RAGGED_SMALL_M = [
-    cfg(16, 64, 64, 4, 5),
-    cfg(16, 128, 64, 4, 4),
-    cfg(16, 256, 64, 4, 3),
-    cfg(32, 128, 64, 4, 4),
-    cfg(16, 64, 128, 4, 5),
-    cfg(16, 128, 128, 4, 4),
-    cfg(32, 128, 128, 4, 4),
-    cfg(16, 64, 32, 4, 4),
-    cfg(32, 64, 32, 4, 4),
-]
-# 128x256 with a 4th stage (196 KB of shared memory with TMA): it beat 3 stages on most prefill
-# shapes (it does not fit the persistent dense kernel, which also stages its output tile).
-RAGGED_LARGE_M = [cfg(128, 256, 64, 8, 4)]
-RAGGED_CONFIGS = MATMUL_CONFIGS + RAGGED_LARGE_M + RAGGED_SMALL_M
-# Wider than matmul's interpreter tile: the upper-bound grid adds G + 1 rows of programs, and
-# each program pays a fixed Python cost under the interpreter.
-RAGGED_INTERPRET = cfg(32, 64, 64, 1, 1, group_m=4)
-# Block scales need BLOCK_K = the scale block.
-RAGGED_SCALED_INTERPRET = cfg(32, 64, SCALE_BLOCK, 1, 1, group_m=4)
-
-
-# An fp8 output quantised in the epilogue (Scaling.fp8_out): a tile's output columns are whole
-# 128-column scale blocks (BLOCK_N 256 under SwiGLU, which halves it), and the scaled tiles'
-# size cap holds.
-RAGGED_FP8_OUT = [cfg(bm, bn, SCALE_BLOCK, w, 3) for bm in (16, 32, 64) for bn in (128, 256) for w in (4, 8)
-                  if bm * bn <= 128 * 128]
-# Decode streams the weights: thin fp8 tiles hold half a bf16 tile's bytes per stage, so
-# deeper pipelines keep as many bytes in flight.
-RAGGED_FP8_OUT += [cfg(16, bn, SCALE_BLOCK, 4, s) for bn in (128, 256) for s in (4, 5)]
-RAGGED_FP8_SMALL_M = [cfg(16, 64, 128, 4, 8), cfg(16, 128, 128, 4, 6), cfg(32, 128, 128, 4, 5)]
-RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, SCALE_BLOCK, 1, 1, group_m=4)
-
-
-def fp8_out(key: RaggedKey) -> bool:
-    """Whether the tiles quantise their own fp8 output (1x128 scales)."""
-    return key.scaling is not None and key.scaling.fp8_out
-
-
-def fp8_out_width(key: RaggedKey) -> int:
-    """BLOCK_N of a tile that quantises its fp8 output: one scale block of output columns."""
-    return 2 * SCALE_BLOCK if key.swiglu else SCALE_BLOCK
-
-
-def ragged_interpret(key: RaggedKey) -> triton.Config:
-    if fp8_out(key):
-        return with_meta(RAGGED_FP8_OUT_INTERPRET, BLOCK_N=fp8_out_width(key))
-    return RAGGED_SCALED_INTERPRET if key.scaling is not None else RAGGED_INTERPRET
-
-# Rows per group -> the tile heights worth trying: a tile much taller than a group multiplies
-# padding; a much shorter one re-reads each weight tile once per row block.
-_BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128, 256))]
-
-
-def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
-    if fp8_out(key):
-        kept = [c for c in RAGGED_FP8_OUT if c.kwargs["BLOCK_N"] == fp8_out_width(key)]
-        return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
-    bk = BLOCK_K[key.dtype]
-    heights = next(h for limit, h in _BLOCK_M_BANDS if key.m <= limit)
-    pool = RAGGED_CONFIGS + (RAGGED_FP8_SMALL_M if key.dtype == "fp8" else [])
-    kept = [c for c in pool if c.kwargs["BLOCK_K"] == bk and c.kwargs["BLOCK_M"] in heights]
-    if 64 < key.m < 256:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
-    if key.swiglu:
-        # The interleaved gate/up tile halves BLOCK_N on the output; 64 would store 32 columns.
-        kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128]
-    if key.scaling is not None:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
-    return _with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
-
-
-def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
-    """Tile height from the rows per group (16 / 32-64 / 128 / 128x256 bands), as the tuned
-    picks on the MoE shapes of bench_grouped went; TMA only for large groups with long K."""
-    bk = BLOCK_K[key.dtype]
-    m = key.m
-    if fp8_out(key):
-        # The promotion holds the block's partial next to the accumulator: 64x256 needs 8 warps.
-        bm = min(64, max(16, next_pow2(m)))
-        return with_meta(cfg(bm, fp8_out_width(key), SCALE_BLOCK, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
-                         USE_TMA=key.tma == TMA_ONLY)
-    if m <= 16:
-        base = cfg(16, 128, bk, 4, 4) if key.swiglu else cfg(16, 64, bk, 4, 5 if bk <= 64 else 4)
-    elif m <= 32:
-        base = cfg(32, 128, bk, 4, 4)
-    elif m <= 64:
-        base = cfg(64, 128, bk, 4, 4)
-    elif m < 256:
-        base = cfg(128, 128, bk, 4, 4)
-    else:
-        base = cfg(128, 256, bk, 8, 4 if bk <= 64 else 3)
-    if key.scaling is not None and base.kwargs["BLOCK_M"] * base.kwargs["BLOCK_N"] >= 128 * 128:
-        # The per-K-block promotion converts the fp32 partial's layout through shared memory:
-        # a 128x256 tile does not fit next to its pipeline, and a 128x128 one keeps its
-        # partial next to the accumulator in 8 warps' registers (the block-scaled GEMM's tiles).
-        base = cfg(128, 128, bk, 8, 3)
-    tma = key.tma == TMA_ONLY or (key.tma == EITHER and m >= 256 and key.k >= 2048)
-    return with_meta(base, USE_TMA=tma)
-
-
-# ---------------------------------------------------------------------------- grouped (list mode)
-
-
-class ListKey(NamedTuple):
-    dtype: str
-    g: int          # number of pairs
-    total: int      # m_bucket of the output elements over all pairs
-
-    def __str__(self):
-        return f"{self.dtype} g={self.g} total={self.total}"
-
-
-# A persistent walk over every pair's tiles: no M to prune by, so small and large tiles.
-LIST_CONFIGS = [
-    cfg(128, 128, 64, 8, 3),
-    cfg(64, 128, 64, 4, 4),
-    cfg(128, 128, 128, 8, 3),
-    cfg(64, 128, 128, 4, 4),
-    cfg(64, 64, 32, 4, 4),
-]
-
-
-def list_candidates(key: ListKey, sms: int) -> list[triton.Config]:
-    kept = [c for c in LIST_CONFIGS if c.kwargs["BLOCK_K"] == BLOCK_K[key.dtype]]
-    return _with_pick(kept, list_heuristic(key, sms))
-
-
-def list_heuristic(key: ListKey, sms: int) -> triton.Config:
-    bk = BLOCK_K[key.dtype]
-    if key.dtype == "fp32":
-        return cfg(64, 64, 32, 4, 4)
-    if key.total >= sms * 128 * 128 * 2:
-        return cfg(128, 128, bk, 8, 3)
-    return cfg(64, 128, bk, 4, 4)
-
-
-# ---------------------------------------------------------------------------- quantize_fp8
-
-
-class QuantKey(NamedTuple):
-    m: int
-    k: int
-    block: Granularity  # ROW_BLOCKS (1x128), BLOCKS (128x128) or ROW; str() as the tables name it
-
-    def __str__(self):
-        return f"m={self.m} k={self.k} {self.block}"
-
-
-def _qcfg(bm, warps):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_K": SCALE_BLOCK}, num_warps=warps, num_stages=2)
-
-
-# Memory-bound: a few tile heights are enough; 128x128 blocks need BLOCK_M = 128.
-QUANT_CONFIGS = [_qcfg(16, 4), _qcfg(32, 4), _qcfg(64, 4), _qcfg(128, 8), _qcfg(128, 4)]
-QUANT_INTERPRET = _qcfg(SCALE_BLOCK, 1)
-
-
-def quant_candidates(key: QuantKey, sms: int) -> list[triton.Config]:
-    if key.block == BLOCKS:
-        return [c for c in QUANT_CONFIGS if c.kwargs["BLOCK_M"] == SCALE_BLOCK]
-    return list(QUANT_CONFIGS)
-
-
-def quant_heuristic(key: QuantKey, sms: int) -> triton.Config:
-    if key.block == BLOCKS:
-        return _qcfg(SCALE_BLOCK, 8)  # one 128x128 block per program; 8 warps keep more loads in flight
-    # Enough programs for every SM (one per BLOCK_M rows and 128 columns), tall tiles otherwise.
-    columns = 1 if key.block == ROW else cdiv(key.k, SCALE_BLOCK)
-    return _qcfg(32 if cdiv(key.m, 32) * columns >= 2 * sms else 16, 4)
-
-
-# quantize_fp8(x, (1, 128), transposed=True): blockscaled/'s quantize_pair_kernel walks a 128x128
-# block of x BLOCK_M rows at a time (the whole block in registers spilled: 255 registers, 12.5%
-# occupancy), so a config is the chunk's height and the warps.
-def _pair_cfg(bm, warps):
-    return triton.Config({"BLOCK_M": bm}, num_warps=warps, num_stages=1)
-
-
-PAIR_CONFIGS = [_pair_cfg(bm, w) for bm in (16, 32, 64) for w in (4, 8)]
-
-
-def pair_candidates(key: QuantKey, sms: int) -> list[triton.Config]:
-    return list(PAIR_CONFIGS)
-
-
-def pair_heuristic(key: QuantKey, sms: int) -> triton.Config:
-    return _pair_cfg(32, 4)
-
-
-# ---------------------------------------------------------------------------- MoE routing sort
-# grouped/'s sort_by_expert_kernel: one program, so a config is only its warp count.
-
-
-class SortKey(NamedTuple):
-    e_block: int
-
-    def __str__(self):
-        return f"e_block={self.e_block}"
-
-
-SORT_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
-# The one-program sort serves decode-sized batches; above this many (token, slot) pairs
-# torch.sort's multi-block radix sort is faster on the GPU.
-SORT_MAX_PAIRS = 4096
-
-
-def sort_candidates(key: SortKey, sms: int) -> list[triton.Config]:
-    return [triton.Config({}, num_warps=w, num_stages=1) for w in (2, 4, 8)]
-
-
-def sort_heuristic(key: SortKey, sms: int) -> triton.Config:
-    return SORT_CONFIG
-
-
-# ---------------------------------------------------------------------------- grouped FP8 operands
-# grouped/'s row_tiles_kernel (the Gluon body's row-tile table) and gather_quantize_kernel
-# (MoE GEMM1's sorted fp8 rows): memory-light helpers, so a config is a block height and warps.
-
-
-class PrepKey(NamedTuple):
-    what: str       # "row_tiles", "gather_quantize", "combine", "swiglu_backward" or "transpose"
-    size: int       # row_tiles: G_BLOCK; gather_quantize: the m bucket of its rows; combine: H;
-                    # swiglu_backward: I; transpose: its element count's bucket (to 2^24)
-
-    def __str__(self):
-        return f"{self.what} {self.size}"
-
-
-def _prep_cfg(key: PrepKey, sms: int = 0) -> triton.Config:
-    if key.what == "row_tiles":  # CHUNK tiles per program against G_BLOCK groups: one [CHUNK, G_BLOCK] pass
-        return triton.Config({"CHUNK": max(16, min(32, 8192 // key.size))}, num_warps=4, num_stages=1)
-    if key.what == "combine":  # one token's row per program, in 16-byte vectors
-        return triton.Config({"BLOCK_H": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
-    if key.what == "swiglu_backward":  # one pair's row per program, in chunks of up to 1024 columns
-        return triton.Config({"BLOCK_I": min(1024, max(128, 1 << (key.size - 1).bit_length()))}, num_warps=4, num_stages=1)
-    if key.what == "transpose":  # an fp8 copy: 128 x 128 bytes a program (64 x 64 ran at 0.7x the speed)
-        return _transpose_cfg(128, 128, 8)
-    return triton.Config({"BLOCK_R": 32 if key.size >= 4096 else 16}, num_warps=4, num_stages=1)
-
-
-def _transpose_cfg(br, bc, warps):
-    return triton.Config({"BLOCK_R": br, "BLOCK_C": bc}, num_warps=warps, num_stages=1)
-
-
-TRANSPOSE_CONFIGS = [_transpose_cfg(br, bc, w) for br, bc in ((32, 32), (64, 64), (64, 128), (128, 64), (128, 128))
-                     for w in (4, 8)]
-
-
-def gather_col_blocks(row_programs: int, col_blocks: int, sms: int) -> int:
-    """128-column blocks per gather_quantize program: whole rows when the rows alone give each
-    SM a few programs, else the rows' blocks spread over more programs (a program's blocks
-    run one after another, so a decode step's few long rows in one program serialise)."""
-    return max(1, col_blocks // max(1, cdiv(4 * sms, max(row_programs, 1))))
-
-
-# ---------------------------------------------------------------------------- MoE routing
-# grouped/routing.py's fused kernel: one program per token, the experts in one block.
-
-
-class RouteKey(NamedTuple):
-    e_block: int
-
-    def __str__(self):
-        return f"e_block={self.e_block}"
-
-
-# The fused kernel serves decode-sized batches (one launch instead of torch's dozen); above
-# this many tokens, or this many experts in a block, route() runs its torch ops.
-ROUTE_MAX_TOKENS = 256
-ROUTE_MAX_E_BLOCK = 1024
-
-
-def route_candidates(key: RouteKey, sms: int) -> list[triton.Config]:
-    return [triton.Config({}, num_warps=w, num_stages=1) for w in (1, 2, 4, 8)]
-
-
-def route_heuristic(key: RouteKey, sms: int) -> triton.Config:
-    return triton.Config({}, num_warps=1 if key.e_block <= 128 else 2 if key.e_block <= 512 else 4, num_stages=1)
-
-
 # ---------------------------------------------------------------------------- families
 
 
-def _with_pick(candidates, pick):
+def with_pick(candidates, pick):
+    """``candidates`` with the heuristic's ``pick`` added when it is not among them (autotuning
+    then always times the config an untuned call would run)."""
     ids = {config_id(c) for c in candidates}
     return candidates + ([pick] if config_id(pick) not in ids else [])
+
+
+class PrepKey(NamedTuple):
+    """The key of a memory-light helper kernel (grouped/'s row tables, gathers, combines;
+    blockscaled/'s transpose), whose config is a block size and warps from one number."""
+
+    what: str       # the helper: its family's name
+    size: int       # a size bucket the config follows (its family's policy says which)
+
+    def __str__(self):
+        return f"{self.what} {self.size}"
 
 
 class Family(NamedTuple):
@@ -870,20 +493,16 @@ class Family(NamedTuple):
 
 
 # By name: a launcher (core/launch.py) names its family, and the tables file configs under it.
+# core's own families; each package registers its own beside its ops (grouped/configs.py,
+# blockscaled/configs.py).
 FAMILIES = {f.name: f for f in (
     Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET),
-    Family("blockscaled", blockscaled_candidates, blockscaled_heuristic, BLOCKSCALED_INTERPRET),
     # never under the interpreter (Gluon has no interpreter): its "interpret" config is unused
     Family("blockscaled_wgmma", wgmma_candidates, wgmma_heuristic, wgmma_cfg(128, 4, 3)),
-    Family("ragged", ragged_candidates, ragged_heuristic, ragged_interpret),
-    Family("list", list_candidates, list_heuristic, MATMUL_INTERPRET),
-    Family("quantize", quant_candidates, quant_heuristic, QUANT_INTERPRET),
-    Family("quantize_pair", pair_candidates, pair_heuristic, _pair_cfg(32, 1)),  # interpreter: 4 chunks a block
-    Family("sort", sort_candidates, sort_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
-    Family("row_tiles", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
-    Family("gather_quantize", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
-    Family("combine", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
-    Family("swiglu_backward", lambda key, sms: [_prep_cfg(key)], _prep_cfg, _prep_cfg),
-    Family("transpose", lambda key, sms: list(TRANSPOSE_CONFIGS), _prep_cfg, _prep_cfg),
-    Family("route", route_candidates, route_heuristic, triton.Config({}, num_warps=1, num_stages=1)),
 )}
+
+
+def register(*families: Family) -> None:
+    """Add a package's families to ``FAMILIES`` (at its import, before any launcher names them)."""
+    for family in families:
+        FAMILIES[family.name] = family

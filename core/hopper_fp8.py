@@ -47,8 +47,8 @@ from .dispatch import Launch
 from .launch import Launcher, Request
 from .runtime import INTERPRET, capability, cdiv, sm_count
 from .fp8 import amax_input, fp8_grid, fp8_scale
-from .scaling import BLOCKWISE, ROWWISE, SCALE_BLOCK, Scaling
-from .tiles import NO_OPERAND, NO_VECTOR, Operand, Scales, Vector, activate, epilogue, swizzle_tile
+from .scaling import SCALE_BLOCK, Scaling
+from .tiles import NO_VECTOR, Operand, Scales, Vector, activate, epilogue, swizzle_tile
 from .tma import tma_layout
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: the M of one warpgroup's wgmma
@@ -743,94 +743,3 @@ def wgmma_launch(a, b, c, bias, activation, key: configs.WgmmaKey, scales, confi
         key, dict(ACTIVATION=activation, **k_loop_meta(key.scaling, key.fast_accum)), a.device, config,
         lambda plan: launch_of(plan).run(c, a, b, scale_a, scale_b, bias)))
     return launch_of(plan)
-
-
-def rows_layout(a: torch.Tensor) -> bool:
-    """Whether TMA can read a [M, K] by rows: K-major, 16-byte aligned rows and base, K > 0."""
-    return (a.shape[1] > 0 and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0
-            and a.data_ptr() % 16 == 0)
-
-
-def experts_layout(w: torch.Tensor) -> bool:
-    """Whether TMA can read experts w [G, rows, K] as one [G * rows, K] matrix: K-major rows,
-    evenly spaced across experts, 16-byte aligned rows and base."""
-    return (w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1) and (w.stride(1) * w.element_size()) % 16 == 0
-            and w.data_ptr() % 16 == 0)
-
-
-def side_by_side_layout(w: torch.Tensor) -> bool:
-    """Whether TMA can read experts w [G, rows, K] as one [rows, G * K] matrix, the experts side
-    by side along K (the transposed copy quantize_fp8(..., transposed=True) makes of experts
-    stacked by rows): K a multiple of 128, so that no K block reaches into the next expert,
-    16-byte aligned rows and base."""
-    G, rows, K = w.shape
-    return (w.stride(2) == 1 and w.stride(0) == K and K % SCALE_BLOCK == 0 and w.stride(1) >= G * K
-            and (w.stride(1) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0)
-
-
-def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, tma: bool | None = None,
-                  config=None) -> str | None:
-    """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
-    FP8 moe_ffn's GEMMs): on an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128
-    scale_b (or row-wise scale_a and per-column scale_b, applied in the epilogue), the experts w [G, N, K] TMA-readable (``experts_layout``, or side by side along K:
-    ``side_by_side_layout``) and a [M, K] too (``rows_layout``; ``a`` None: a row-major copy
-    the caller writes, whose rows are K bytes):
-    "grouped" from configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles
-    computed transposed, SWAP) up to configs.WGMMA_DECODE_MAX_ROWS, for experts of at least
-    configs.WGMMA_MIN_EXPERT_ELEMENTS weights. None (core's Triton body): anything else,
-    between the two, a forced config (the Triton body's family) or tma=False."""
-    if config is not None or tma is False or M == 0 or w.shape[1] * w.shape[2] < configs.WGMMA_MIN_EXPERT_ELEMENTS:
-        return None
-    rows = M / max(G, 1)
-    mode = "grouped" if rows >= configs.WGMMA_MIN_GROUP_ROWS else "decode" if rows <= configs.WGMMA_DECODE_MAX_ROWS else None
-    if mode is None or not (on_sm90(w) and scaling[:2] in (BLOCKWISE[:2], ROWWISE[:2]) and w.dtype == torch.float8_e4m3fn):
-        return None
-    a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))
-    return mode if a_ok and (experts_layout(w) or side_by_side_layout(w)) else None
-
-
-def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: configs.WgmmaKey, bias=None,
-                      activation=None, scatter=None, weight=None, out_scale=None, config=None):
-    """The grouped flavour: C rows of group g = epilogue((a rows of g * scale_a) @ (W_g * scale_b_g)^T).
-
-    a fp8 [M, K] row-major; w fp8 [G, rows, K], stacked or side by side along K
-    (``gluon_grouped_mode``; rows = N, or 2N gate then
-    up rows when ``key.mode`` is "swiglu" or "decode_swiglu"; the "decode" modes compute each
-    tile transposed, SWAP); c [M or scattered rows, N]; schedule(block_m) -> (sched, count):
-    the groups' row tiles of the plan's BLOCK_M (grouped/ builds them from offs on the device);
-    scale_a [M, ceil(K/128)] (1x128); scale_b [G, ceil(K/128), ceil(rows/128)] (128x128 of W^T,
-    any strides); or, row-wise (``key.epilogue_scaled``), scale_a [M, 1] and scale_b [G, 1, N],
-    applied in the epilogue; bias [G, N]; scatter int32 [M]: c row of each row; weight fp32 per c row;
-    out_scale: c's own 1x128 scales [M, ceil(N/128)] when c is fp8 (written).
-    """
-    M, K = a.shape
-    G = w.shape[0]
-    swiglu, swap = key.mode.endswith("swiglu"), key.mode.startswith("decode")
-
-    def request():
-        return Request(key, dict(ACTIVATION=activation, **k_loop_meta(key.scaling, key.fast_accum), GROUPED=True,
-                                 SWIGLU=swiglu, SWAP=swap), a.device, config, lambda plan: launch(plan))
-
-    def launch(plan):
-        meta = plan.meta
-        # an upper bound on the tiles (the table's count is on the device): persistent programs
-        tile_n = meta["BLOCK_N"] * (2 if swap and not swiglu else 1)
-        tiles = (cdiv(M, meta["BLOCK_M"]) + G + 1) * cdiv(N, tile_n)
-        sched, count = schedule(meta["BLOCK_M"])
-        groups = Groups(sched, count, G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter,
-                        weight, b_cols)
-        out = NO_OPERAND if out_scale is None else Operand(out_scale, *out_scale.stride())
-        if key.epilogue_scaled:
-            scales = Scales(m=Vector(scale_a, scale_a.stride(0)), n=Vector(scale_b, scale_b.stride(2)), out=out)
-        else:
-            scales = Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, scale_b.stride(1),
-                                                                              scale_b.stride(2)), out=out)
-        BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
-            Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K, scales,
-            NO_VECTOR if bias is None else Vector(bias, bias.stride(1)), groups,
-        ))
-
-    b_cols = None if experts_layout(w) else K  # else side by side (gluon_grouped_mode checked one of the two)
-    plan_key = (key, a.dtype, c.dtype, bias is None or bias.dtype, activation, scatter is None, weight is None,
-                out_scale is None, b_cols is None, a.get_device(), config)
-    launch(BLOCKSCALED_WGMMA.plan(plan_key, request))

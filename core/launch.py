@@ -114,8 +114,8 @@ class Plan:
 
 
 class Launcher:
-    """One ``@triton.jit`` kernel and its family's tuning policy (core/configs.py FAMILIES, by
-    name).
+    """One ``@triton.jit`` kernel and its family's tuning policy (core/configs.py FAMILIES by
+    name, where each package registers its own families).
 
     The kernel takes its runtime arguments first and its constexprs last (checked here): a
     launch passes ``args`` (the runtime arguments, in order) and the plan supplies the rest.

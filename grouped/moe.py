@@ -19,11 +19,12 @@ from ..core import checks, configs
 from ..core.dispatch import Launch, Op, Step, Workspace, wants_grad
 from ..core.launch import Launcher, Request
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
-from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided, next_pow2
 from ..core.scaling import BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
 from ..core.tiles import Routing
+from .configs import SORT_MAX_PAIRS, SortKey
 from .kernels import NO_GROUPED_SCALES, grouped_scales, sort_by_expert_kernel
+from .wgmma import gluon_grouped_mode, run_wgmma_grouped
 from .ops import (combine, combine_launch, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles,
                   swiglu_backward, swiglu_forward)
 
@@ -51,9 +52,9 @@ def _sort_step(topk_ids, E: int):
     given (a record's workspace parts)."""
     T, k = topk_ids.shape
     P = T * k
-    if P <= configs.SORT_MAX_PAIRS and topk_ids.is_contiguous():
+    if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
         e_block = next_pow2(E + 1)
-        plan = SORT.plan_for(Request(configs.SortKey(e_block),
+        plan = SORT.plan_for(Request(SortKey(e_block),
                                      dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))), topk_ids.device))
         return Launch(SORT, plan, (1,), lambda ids, pair, token, offs: (ids.view(-1), pair, token, offs, P, E, k))
     experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)
@@ -383,7 +384,7 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
     """The FP8 moe_ffn's full path for its arguments' signature: the checks, then the Gluon
-    pipeline (on sm_90, ``hopper_fp8.gluon_grouped_mode``) or the Triton body's (_moe_pipeline)."""
+    pipeline (on sm_90, ``wgmma.gluon_grouped_mode``) or the Triton body's (_moe_pipeline)."""
     _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                     topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
@@ -405,7 +406,7 @@ def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scal
 def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs,
                    mode, x_scale=None):
     """The FP8 expert FFN on core's Gluon body (sm_90; ``mode`` "grouped" or "decode", from
-    hopper_fp8.gluon_grouped_mode): TMA cannot gather rows, so x is quantised once in
+    wgmma.gluon_grouped_mode): TMA cannot gather rows, so x is quantised once in
     expert-sorted order (one row per pair), then GEMM1 (its two warpgroups the gate and the up
     product) writes silu(gate) * up as fp8 with 1x128 scales, and GEMM2 scatters each pair's
     weighted row; the combine sums each token's rows in slot order (fp32). The rows of experts

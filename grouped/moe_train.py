@@ -24,12 +24,12 @@ import torch
 from ..blockscaled.quantize import QUANTIZE_OP, QUANTIZE_T_OP
 from ..core import checks, configs
 from ..core.dispatch import Op, first_order_only
-from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
 from ..core.runtime import cdiv, empty
 from ..core.scaling import BLOCKS, BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
 from . import moe  # (moe_ffn, which imports this module last, owns the shared MoE steps)
 from .kernels import grouped_scales
 from .ops import combine, gather_quantize, row_tiles, swiglu_backward, swiglu_quantize
+from .wgmma import gluon_grouped_mode, run_wgmma_grouped
 
 E4M3 = torch.float8_e4m3fn
 
@@ -37,7 +37,7 @@ E4M3 = torch.float8_e4m3fn
 class Experts(NamedTuple):
     """One expert matrix stack in fp8 for one GEMM: w [E, N, K] (stacked, or side by side
     along K) and its 128x128 scales of W^T [E, ceil(K/128), ceil(N/128)], as
-    hopper_fp8.run_wgmma_grouped and the ragged kernel read them."""
+    wgmma.run_wgmma_grouped and the ragged kernel read them."""
 
     w: torch.Tensor
     scale: torch.Tensor

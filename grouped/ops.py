@@ -15,9 +15,10 @@ from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
-from ..core.hopper_fp8 import gluon_grouped_mode, run_wgmma_grouped
+from .configs import ListKey, RaggedKey, gather_col_blocks
 from .kernels import (NO_GROUPED_SCALES, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
                       ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
+from .wgmma import gluon_grouped_mode, run_wgmma_grouped
 
 RAGGED = Launcher(ragged_kernel, "ragged")
 LIST = Launcher(list_kernel, "list")
@@ -76,7 +77,7 @@ def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False,
     plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, rows is None, swiglu, x.get_device()),
                                 lambda: Request(key, dict(SWIGLU=swiglu, ROUND=round_to), x.device))
     row_programs, col_blocks = cdiv(P, plan.meta["BLOCK_R"]), cdiv(H, SCALE_BLOCK)
-    per = configs.gather_col_blocks(row_programs, col_blocks, 1 if INTERPRET else sm_count(plan.device_index))
+    per = gather_col_blocks(row_programs, col_blocks, 1 if INTERPRET else sm_count(plan.device_index))
     GATHER_QUANTIZE.launch(plan, (row_programs, cdiv(col_blocks, per)), (
         Operand(interpretable(x), *x.stride()), rows, Operand(q, *q.stride()),
         NO_OPERAND if s is None else Operand(s, *s.stride()), P, H, offs, 0 if offs is None else offs.shape[0], per))
@@ -217,7 +218,7 @@ def ragged_launch(
     strides = (strides_a, strides_b, strides_c)
     own = lambda c: ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K)  # noqa: E731
     plan = RAGGED.plan_for(Request(
-        configs.RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
+        RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
                           configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling),
         dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
              PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
@@ -628,7 +629,7 @@ def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):
 
     def request():
         return Request(
-            configs.ListKey(configs.dtype_name(dtype), G, configs.m_bucket(total, cap=1 << 26)),
+            ListKey(configs.dtype_name(dtype), G, configs.m_bucket(total, cap=1 << 26)),
             dict(ACTIVATION=activation, UPCAST=checks.upcast_flag(dtype), PRECISION=checks.dot_precision(dtype),
                  G_BLOCK=next_pow2(G)),
             device, config, lambda plan: _launch_list(plan, args, shapes, device),

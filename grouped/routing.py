@@ -6,7 +6,7 @@ correction bias used for selection only, group-limited selection, renormalisatio
 scaling factor. Everything is torch ops on the logits' device: no value is read back to the
 host, so it runs inside a CUDA graph, and torch.compile traces it.
 
-Decode-sized calls on a GPU (up to configs.ROUTE_MAX_TOKENS tokens, no gradient asked for) run
+Decode-sized calls on a GPU (up to ROUTE_MAX_TOKENS tokens, no gradient asked for) run
 one fused Triton kernel (kernels.route_kernel) instead of the torch ops' dozen launches; it makes
 the same choices by the same tie rule.
 
@@ -21,9 +21,10 @@ import math
 
 import torch
 
-from ..core import checks, configs
+from ..core import checks
 from ..core.launch import Launcher, Request
 from ..core.runtime import next_pow2
+from .configs import ROUTE_MAX_E_BLOCK, ROUTE_MAX_TOKENS, RouteKey
 from .kernels import route_kernel
 
 # How router logits L become the routing weights, and on what the top-k is taken.
@@ -143,8 +144,8 @@ def _blocks(E: int, n_group: int) -> tuple[int, int]:
 def use_fused(logits, n_group: int) -> bool:
     """Whether route() runs the fused kernel: decode-sized, on a GPU, no gradient, not traced."""
     g_block, group_block = _blocks(logits.shape[1], n_group)
-    return (logits.is_cuda and logits.shape[0] <= configs.ROUTE_MAX_TOKENS
-            and g_block * group_block <= configs.ROUTE_MAX_E_BLOCK
+    return (logits.is_cuda and logits.shape[0] <= ROUTE_MAX_TOKENS
+            and g_block * group_block <= ROUTE_MAX_E_BLOCK
             and not (logits.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
 
 
@@ -160,6 +161,6 @@ def _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, 
                       TOPK_GROUP=topk_group or 1, TOP_K=top_k, K_BLOCK=max(2, next_pow2(top_k)),
                       SCORING=SCORINGS.index(scoring), HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize)
     key = (logits.dtype, logits.get_device(), *constexprs.values())
-    plan = ROUTE.plan(key, lambda: Request(configs.RouteKey(g_block * group_block), constexprs, logits.device))
+    plan = ROUTE.plan(key, lambda: Request(RouteKey(g_block * group_block), constexprs, logits.device))
     ROUTE.launch(plan, (T,), (logits, bias, w, ids, logits.stride(0), logits.stride(1), float(scale)))
     return w, ids

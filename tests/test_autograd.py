@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import onegemm
-from onegemm.core import configs
+from onegemm.grouped import configs as grouped_configs
 from onegemm.testing import (
     TOL,
     assert_close,
@@ -506,7 +506,7 @@ COMPILE_CASES = [
                  _grouped, id="grouped_matmul"),
     # more tokens than the fused decode kernel takes: eager then routes by the same torch ops
     # as the trace (the kernel's rounding differs; tests/test_moe_layers.py compares the two)
-    pytest.param(lambda logits: onegemm.route(logits, 2), lambda d: (_r(configs.ROUTE_MAX_TOKENS + 1, 4, d=d),),
+    pytest.param(lambda logits: onegemm.route(logits, 2), lambda d: (_r(grouped_configs.ROUTE_MAX_TOKENS + 1, 4, d=d),),
                  id="route"),
     pytest.param(lambda *t: onegemm.moe_ffn(*t), lambda d: _moe_inputs(9, 32, 16, 4, 2, torch.float32, d), id="moe_ffn"),
     pytest.param(lambda a: onegemm.quantize_fp8(a), lambda d: (_r(33, 40, d=d),), id="quantize_fp8"),

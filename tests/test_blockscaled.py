@@ -16,7 +16,8 @@ import triton.language as tl
 import onegemm
 from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton, granularity
 from onegemm.core import configs, hopper_fp8, launch
-from onegemm.core.configs import (BLOCKSCALED_CONFIGS, WGMMA_MIN_M, WgmmaKey, warp_specialized, wgmma_candidates,
+from onegemm.blockscaled.configs import BLOCKSCALED_CONFIGS
+from onegemm.core.configs import (WGMMA_MIN_M, WgmmaKey, warp_specialized, wgmma_candidates,
                                   wgmma_cfg, wgmma_heuristic)
 from onegemm.core.launch import plans
 from onegemm.core.fp8 import divide_rn, fp8_cast

@@ -142,7 +142,8 @@ def test_reference_check_finds_what_is_missing(tmp_path):
     broken = _broken_references([probe])
     assert [b.split(": ", 1)[1] for b in broken] == [
         "core/gone.py does not exist", "core/matmul.py has no auto_persistent",
-        "configs.no_such_name: no no_such_name in core/configs.py", "onegemm.no_such_op does not exist",
+        "configs.no_such_name: no no_such_name in core/configs.py, grouped/configs.py, blockscaled/configs.py",
+        "onegemm.no_such_op does not exist",
         "_round_up_pow3 is defined nowhere"]
 
 

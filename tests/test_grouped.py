@@ -5,7 +5,8 @@ import torch
 
 import onegemm
 from helpers import fp8_grouped_inputs, offs_of
-from onegemm.core.configs import EITHER, RAGGED_CONFIGS, flavoured
+from onegemm.core.configs import EITHER, flavoured
+from onegemm.grouped.configs import RAGGED_CONFIGS
 from onegemm.core.configs import cfg as _cfg
 
 GROUPED_CONFIGS = flavoured(RAGGED_CONFIGS, EITHER)  # every ragged config in both load flavours

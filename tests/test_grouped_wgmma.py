@@ -1,6 +1,6 @@
 """The grouped flavour of core's Gluon FP8 body (core/hopper_fp8.py, GROUPED / SWIGLU) and
 what grouped/ builds for it: the row-tile table (row_tiles), the expert-sorted fp8 rows
-(gather_quantize) and the dispatch rule (hopper_fp8.gluon_grouped_mode).
+(gather_quantize) and the dispatch rule (grouped/wgmma.py gluon_grouped_mode).
 
 Gluon has no interpreter: the kernels run on the H200 (``sm90`` tests); on CPU the table, the
 quantised gather and the rule are checked against torch.
@@ -11,7 +11,9 @@ import torch
 
 import onegemm
 from helpers import fp8_grouped_inputs, fp8_moe_inputs, offs_of
-from onegemm.core import configs, hopper_fp8
+from onegemm.core import hopper_fp8
+from onegemm.core.configs import cfg
+from onegemm.grouped import configs, wgmma
 from onegemm.core.launch import clear_plans, plans
 from onegemm.core.scaling import Granularity, Scaling
 from onegemm.grouped.ops import combine, gather_quantize, row_tiles, swiglu_forward, swiglu_quantize
@@ -179,7 +181,7 @@ GROUPED_DISPATCH_CASES = [
     pytest.param({"kind_a": "row", "kind_b": "col"}, "grouped", id="row-wise-epilogue-scales"),
     pytest.param({"kind_a": "row", "kind_b": "col", "M": 8}, "decode", id="row-wise-decode"),
     pytest.param({"tma": False}, None, id="tma-False"),
-    pytest.param({"config": configs.cfg(64, 128, 128, 4, 3)}, None, id="forced-triton-config"),
+    pytest.param({"config": cfg(64, 128, 128, 4, 3)}, None, id="forced-triton-config"),
     pytest.param({"K": 200}, None, id="rows-of-200-bytes"),
     pytest.param({"w": "sliced"}, None, id="experts-not-evenly-spaced"),
     pytest.param({"w": "n_major"}, None, id="experts-n-major"),
@@ -194,7 +196,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
     """On an sm_90 GPU (stood in for here): e4m3 with 1x128 x 128x128 scales (or row-wise x
     per-channel ones, the epilogue's), TMA-readable rows and experts, enough rows per group
     take the Gluon body; anything else the Triton body."""
-    monkeypatch.setattr(hopper_fp8, "on_sm90", lambda t: True)
+    monkeypatch.setattr(wgmma, "on_sm90", lambda t: True)
     monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", ROWS)
     monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", DECODE_ROWS)
     monkeypatch.setattr(configs, "WGMMA_MIN_EXPERT_ELEMENTS", 512 * 128)
@@ -207,7 +209,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
          "n_major": lambda: _expert_weights(G, K, N, args["dtype"]).transpose(1, 2)}[args["w"]]()
     a = torch.empty(M, K, dtype=args["dtype"]) if args["a"] == "contig" else torch.empty(K, M, dtype=args["dtype"]).t()
     scaling = Scaling(Granularity.parse(args["kind_a"]), Granularity.parse(args["kind_b"]))
-    assert hopper_fp8.gluon_grouped_mode(w, M, G, scaling, a=a, tma=args["tma"],
+    assert wgmma.gluon_grouped_mode(w, M, G, scaling, a=a, tma=args["tma"],
                                     config=args["config"]) == expected
 
 
@@ -216,7 +218,7 @@ def test_wgmma_grouped_off_sm90(device):
     w = torch.empty(8, 512, 256, dtype=E4M3, device=device)
     if hopper_fp8.on_sm90(w):
         pytest.skip("this GPU is sm_90: the GPU tests below cover it")
-    assert hopper_fp8.gluon_grouped_mode(w, 4096, 8) is None and hopper_fp8.gluon_grouped_mode(w, 8, 8) is None
+    assert wgmma.gluon_grouped_mode(w, 4096, 8) is None and wgmma.gluon_grouped_mode(w, 8, 8) is None
 
 
 # ---------------------------------------------------------------- on the H200

@@ -11,6 +11,8 @@ import torch
 import onegemm
 from onegemm.core import configs, launch, scratch, splitk, tables, triton_abi
 from onegemm.core.configs import cfg
+from onegemm.blockscaled import configs as blockscaled_configs
+from onegemm.grouped import configs as grouped_configs
 from onegemm.core.scaling import BLOCKWISE, Granularity, Scaling
 from onegemm.core.matmul import MATMUL
 from onegemm.core.tiles import Operand, Scales, Vector
@@ -528,10 +530,11 @@ def test_table_reader_ignores_a_broken_file(tmp_path):
 
 # The key type each family's entries are stored under (str(key) is the table's key).
 KEY_TYPES = {
-    "matmul": configs.MatmulKey, "blockscaled": configs.BlockscaledKey, "blockscaled_wgmma": configs.WgmmaKey,
-    "ragged": configs.RaggedKey, "list": configs.ListKey, "quantize": configs.QuantKey, "quantize_pair": configs.QuantKey, "sort": configs.SortKey,
+    "matmul": configs.MatmulKey, "blockscaled": blockscaled_configs.BlockscaledKey, "blockscaled_wgmma": configs.WgmmaKey,
+    "ragged": grouped_configs.RaggedKey, "list": grouped_configs.ListKey, "quantize": blockscaled_configs.QuantKey,
+    "quantize_pair": blockscaled_configs.QuantKey, "sort": grouped_configs.SortKey,
     "row_tiles": configs.PrepKey, "gather_quantize": configs.PrepKey, "combine": configs.PrepKey, "swiglu_backward": configs.PrepKey,
-    "transpose": configs.PrepKey, "route": configs.RouteKey,
+    "transpose": configs.PrepKey, "route": grouped_configs.RouteKey,
 }
 TUNED = Path(configs.__file__).parent / "tuned"  # shipped as package data (pyproject.toml)
 H200_SMS = 132
@@ -558,10 +561,10 @@ def _parse_key(key_type, text):
 
 def test_key_types_cover_every_family():
     assert set(KEY_TYPES) == set(configs.FAMILIES)
-    key = configs.RaggedKey("bf16", "", 16, 64, 32, True, False, 2, True, False)
-    assert _parse_key(configs.RaggedKey, str(key)) == key
+    key = grouped_configs.RaggedKey("bf16", "", 16, 64, 32, True, False, 2, True, False)
+    assert _parse_key(grouped_configs.RaggedKey, str(key)) == key
     with pytest.raises(AssertionError):
-        _parse_key(configs.MatmulKey, str(configs.BlockscaledKey(16, 64, 32, True, False, 2, BLOCKWISE)))
+        _parse_key(configs.MatmulKey, str(blockscaled_configs.BlockscaledKey(16, 64, 32, True, False, 2, BLOCKWISE)))
 
 
 def test_the_h200_table_ships():
