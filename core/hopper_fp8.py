@@ -26,14 +26,13 @@ Options of the same body: PINGPONG (each consumer owns whole tiles in turns), SP
 promoting 256-column tile as two accumulators), GROUPED / SWIGLU / SWAP (grouped/'s uses).
 """
 
-from __future__ import annotations
-
 from typing import Any, NamedTuple
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -109,42 +108,192 @@ def _consumer_rows(block_m, swiglu, pingpong):
     return block_m if swiglu or pingpong else ROWS.value
 
 
+@aggregate
+class Tiling:
+    """The body's tile options (the kernel's constexprs) and what follows from them: what each
+    partition reads instead of fifteen flat arguments."""
+
+    ACTIVATION: gl.constexpr
+    SA_ROWS: gl.constexpr   # rows of A per K-block scale: 1, 128, or 0 (epilogue scales)
+    SB_COLS: gl.constexpr   # columns of B per K-block scale: 1, 128, or 0
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    BLOCK_K: gl.constexpr
+    GROUP_M: gl.constexpr
+    STAGES: gl.constexpr
+    K_GROUP: gl.constexpr
+    GROUPED: gl.constexpr
+    SWIGLU: gl.constexpr
+    SWAP: gl.constexpr
+    PINGPONG: gl.constexpr
+    FAST_ACC: gl.constexpr
+    TILE_N: gl.constexpr    # output columns per tile (both consumers' features with SWAP alone)
+    SPLIT: gl.constexpr     # two 128-column accumulators per consumer
+    PART_N: gl.constexpr    # columns per accumulator (BLOCK_N, or half of it with SPLIT)
+    ACC_ROWS: gl.constexpr  # rows of A one consumer multiplies per tile (not SWAP)
+
+    @gluon.constexpr_function
+    def __init__(self, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP, GROUPED,
+                 SWIGLU, SWAP, PINGPONG, FAST_ACC):
+        self.ACTIVATION = gl.constexpr(ACTIVATION)
+        self.SA_ROWS = gl.constexpr(SA_ROWS)
+        self.SB_COLS = gl.constexpr(SB_COLS)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.BLOCK_K = gl.constexpr(BLOCK_K)
+        self.GROUP_M = gl.constexpr(GROUP_M)
+        self.STAGES = gl.constexpr(STAGES)
+        self.K_GROUP = gl.constexpr(K_GROUP)
+        self.GROUPED = gl.constexpr(GROUPED)
+        self.SWIGLU = gl.constexpr(SWIGLU)
+        self.SWAP = gl.constexpr(SWAP)
+        self.PINGPONG = gl.constexpr(PINGPONG)
+        self.FAST_ACC = gl.constexpr(FAST_ACC)
+        self.TILE_N = gl.constexpr(_tile_n(self.BLOCK_N, self.SWIGLU, self.SWAP))
+        self.SPLIT = gl.constexpr(_split(self.BLOCK_N, self.FAST_ACC))
+        self.PART_N = gl.constexpr(self.BLOCK_N.value // 2 if self.SPLIT.value else self.BLOCK_N.value)
+        self.ACC_ROWS = gl.constexpr(_consumer_rows(self.BLOCK_M, self.SWIGLU, self.PINGPONG))
+
+
+@aggregate
+class Ring:
+    """The shared-memory ring the loader fills and the consumers read: STAGES slots of A
+    [BLOCK_M, BLOCK_K] and W [B_TILE, BLOCK_K] K blocks, a ``ready`` mbarrier per slot (its TMA
+    bytes landed) and an ``empty`` one (its readers are done). K block ``it`` of the program's
+    walk sits in slot it % STAGES, filled for the (it // STAGES)-th time: one helper for a slot's
+    index and phase."""
+
+    a: gl.shared_memory_descriptor
+    b: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, a, b, ready, empty, STAGES):
+        self.a = a
+        self.b = b
+        self.ready = ready
+        self.empty = empty
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def slot(self, it):
+        """(slot, phase parity) of K block ``it``."""
+        return it % self.STAGES, (it // self.STAGES) & 1
+
+    @gluon.jit
+    def wait_ready(self, it):
+        """Wait until K block ``it`` has landed; returns its slot."""
+        s, phase = self.slot(it)
+        mbarrier.wait(self.ready.index(s), phase)
+        return s
+
+    @gluon.jit
+    def wait_empty(self, it):
+        """(the loader) Wait until K block ``it``'s slot is free; returns it. A fresh barrier has
+        completed no phase, so a wait for parity 1 passes at once on the first round."""
+        s, phase = self.slot(it)
+        mbarrier.wait(self.empty.index(s), phase ^ 1)
+        return s
+
+    @gluon.jit
+    def release(self, it):
+        """This consumer is done reading K block ``it``."""
+        mbarrier.arrive(self.empty.index(it % self.STAGES))
+
+
+@aggregate
+class Handoff:
+    """What the two consumers hand each other: PINGPONG's K-loop turns (``turn``, one mbarrier
+    per consumer) and SWIGLU's up product (``xchg``, an fp32 tile, with ``full`` / ``free``
+    mbarriers; an 8 x 8 placeholder otherwise)."""
+
+    turn: gl.shared_memory_descriptor
+    xchg: gl.shared_memory_descriptor
+    full: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, turn, xchg, full, free):
+        self.turn = turn
+        self.xchg = xchg
+        self.full = full
+        self.free = free
+
+    @gluon.jit
+    def take_turn(self, HALF: gl.constexpr, turns):
+        """Wait for this consumer's turn to run a K loop (its ``turns``-th); HALF 0 goes first."""
+        mbarrier.wait(self.turn.index(HALF), (turns & 1) ^ (1 - HALF))
+
+    @gluon.jit
+    def give_turn(self, HALF: gl.constexpr):
+        mbarrier.arrive(self.turn.index(1 - HALF))
+
+    @gluon.jit
+    def send(self, acc, count):
+        """(the up consumer) Hand its ``count``-th tile over."""
+        mbarrier.wait(self.free, (count & 1) ^ 1)
+        self.xchg.store(acc)
+        mbarrier.arrive(self.full)
+
+    @gluon.jit
+    def receive(self, count, layout: gl.constexpr):
+        """(the gate consumer) The up consumer's ``count``-th tile, in ``layout``."""
+        mbarrier.wait(self.full, count & 1)
+        up = self.xchg.load(layout)
+        mbarrier.arrive(self.free)
+        return up
+
+
+@aggregate
+class Staging:
+    """A dense consumer's way out: C's TMA descriptor over [M, N] and its staging buffer
+    [PARTS, rows, PART_N] in shared memory (0 and 0 for grouped tiles, which store through
+    pointers)."""
+
+    desc: tma.tensor_descriptor | gl.constexpr
+    smem: gl.shared_memory_descriptor | gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, desc, smem):
+        # (a constexpr_function receives the grouped placeholders as plain ints)
+        self.desc = desc if isinstance(desc, tma.tensor_descriptor) else gl.constexpr(desc)
+        self.smem = smem if isinstance(smem, gl.shared_memory_descriptor) else gl.constexpr(smem)
+
+
 @gluon.jit
-def _tile(tile, M, N, groups, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-          GROUPED: gl.constexpr):
+def _tile(tile, M, N, groups, t):
     """Output tile ``tile`` -> (group, first row, end row, fill, first column)."""
-    if GROUPED:
-        pid_m, pid_n = swizzle_tile(tile, gl.load(groups.count), gl.cdiv(N, BLOCK_N), GROUP_M)
+    if t.GROUPED:
+        pid_m, pid_n = swizzle_tile(tile, gl.load(groups.count), gl.cdiv(N, t.TILE_N), t.GROUP_M)
         entry = groups.sched + pid_m * 4
-        return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3), pid_n * BLOCK_N
+        return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3), pid_n * t.TILE_N
     else:
-        pid_m, pid_n = swizzle_tile(tile, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
-        return 0, pid_m * BLOCK_M, M, 0, pid_n * BLOCK_N
+        pid_m, pid_n = swizzle_tile(tile, gl.cdiv(M, t.BLOCK_M), gl.cdiv(N, t.TILE_N), t.GROUP_M)
+        return 0, pid_m * t.BLOCK_M, M, 0, pid_n * t.TILE_N
 
 
 @gluon.jit
-def _num_tiles(M, N, groups, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPED: gl.constexpr):
-    if GROUPED:
-        return gl.load(groups.count) * gl.cdiv(N, BLOCK_N)
+def _num_tiles(M, N, groups, t):
+    if t.GROUPED:
+        return gl.load(groups.count) * gl.cdiv(N, t.TILE_N)
     else:
-        return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        return gl.cdiv(M, t.BLOCK_M) * gl.cdiv(N, t.TILE_N)
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, groups,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, GROUPED: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr):
+def _load_partition(a_desc, b_desc, ring, M, N, K, groups, t):
     """The TMA loader: every K block of every tile this program owns, in the consumers' order.
     SWIGLU: a slot holds the tile's gate rows of W, then its up rows (N further on); SWAP
     alone: the tile's 2 * BLOCK_N rows of W, one consumer's BLOCK_N after the other's."""
-    TILE_N: gl.constexpr = _tile_n(BLOCK_N, SWIGLU, SWAP)
-    num_tiles = _num_tiles(M, N, groups, BLOCK_M, TILE_N, GROUPED)
-    k_blocks = gl.cdiv(K, BLOCK_K)
-    TWO: gl.constexpr = SWIGLU or SWAP
+    num_tiles = _num_tiles(M, N, groups, t)
+    k_blocks = gl.cdiv(K, t.BLOCK_K)
+    TWO: gl.constexpr = t.SWIGLU or t.SWAP
     nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if TWO else 1) * b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, TILE_N, GROUP_M, GROUPED)
+        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, t)
         if groups.b_cols is None:
             w_row = g * groups.b_rows + off_n
             w_col = 0
@@ -153,20 +302,19 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, group
             w_col = g * groups.b_cols
         if fill == 0:
             for kb in range(k_blocks):
-                s = it % STAGES
-                # a fresh barrier has completed no phase: waiting for parity 1 passes at once
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
+                s = ring.wait_empty(it)
+                ready = ring.ready.index(s)
+                mbarrier.expect(ready, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, kb * t.BLOCK_K], ready, ring.a.index(s))
                 if TWO:
-                    b = b_bufs.index(s)
-                    tma.async_copy_global_to_shared(b_desc, [w_row, w_col + kb * BLOCK_K], ready.index(s),
-                                                    b.slice(0, BLOCK_N, dim=0))
-                    tma.async_copy_global_to_shared(b_desc, [w_row + (N if SWIGLU else BLOCK_N), w_col + kb * BLOCK_K],
-                                                    ready.index(s), b.slice(BLOCK_N, BLOCK_N, dim=0))
+                    b = ring.b.index(s)
+                    tma.async_copy_global_to_shared(b_desc, [w_row, w_col + kb * t.BLOCK_K], ready,
+                                                    b.slice(0, t.BLOCK_N, dim=0))
+                    tma.async_copy_global_to_shared(b_desc, [w_row + (N if t.SWIGLU else t.BLOCK_N),
+                                                             w_col + kb * t.BLOCK_K], ready,
+                                                    b.slice(t.BLOCK_N, t.BLOCK_N, dim=0))
                 else:
-                    tma.async_copy_global_to_shared(b_desc, [w_row, w_col + kb * BLOCK_K], ready.index(s),
-                                                    b_bufs.index(s))
+                    tma.async_copy_global_to_shared(b_desc, [w_row, w_col + kb * t.BLOCK_K], ready, ring.b.index(s))
                 it += 1
 
 
@@ -218,137 +366,130 @@ def _promote(acc, raw, sa, sb, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, SWA
 
 
 @gluon.jit
-def _operands(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              SWIGLU: gl.constexpr, SWAP: gl.constexpr, PINGPONG: gl.constexpr):
-    """Wait for the K block in slot ``it % STAGES`` and return this consumer's wgmma operands
-    in it, (a [rows, BLOCK_K], b [BLOCK_K, cols]): its 64 rows of A (PINGPONG: all of them;
-    SWIGLU: all 64, and the gate (HALF 0) or up (HALF 1) rows of W). SWAP: W's rows are the
-    wgmma's M side and the tile's tokens its N side."""
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    if SWAP:
-        a = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
-        b = a_bufs.index(s)
-    elif SWIGLU:
-        a = a_bufs.index(s)
-        b = b_bufs.index(s).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
-    elif PINGPONG:
-        a = a_bufs.index(s)
-        b = b_bufs.index(s)
+def _operands(ring, it, HALF: gl.constexpr, t):
+    """Wait for K block ``it`` and return this consumer's wgmma operands in its slot,
+    (a [rows, BLOCK_K], b [BLOCK_K, cols]): its 64 rows of A (PINGPONG: all of them; SWIGLU:
+    all 64, and the gate (HALF 0) or up (HALF 1) rows of W). SWAP: W's rows are the wgmma's M
+    side and the tile's tokens its N side."""
+    s = ring.wait_ready(it)
+    if t.SWAP:
+        a = ring.b.index(s).slice(HALF * t.BLOCK_N, t.BLOCK_N, dim=0)
+        b = ring.a.index(s)
+    elif t.SWIGLU:
+        a = ring.a.index(s)
+        b = ring.b.index(s).slice(HALF * t.BLOCK_N, t.BLOCK_N, dim=0)
+    elif t.PINGPONG:
+        a = ring.a.index(s)
+        b = ring.b.index(s)
     else:
-        a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
-        b = b_bufs.index(s)
+        a = ring.a.index(s).slice(HALF * ROWS, ROWS, dim=0)
+        b = ring.b.index(s)
     return a, b.permute((1, 0))
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-           STAGES: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr, PINGPONG: gl.constexpr):
-    """Start the wgmma of the K block in slot ``it % STAGES`` on this consumer's part of the
-    tile (``_operands``) into a fresh accumulator, to be promoted."""
-    a, b = _operands(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
+def _issue(ring, it, HALF: gl.constexpr, t):
+    """Start the wgmma of K block ``it`` on this consumer's part of the tile (``_operands``)
+    into a fresh accumulator, to be promoted."""
+    a, b = _operands(ring, it, HALF, t)
     # use_acc=False ignores the accumulator's value; a zeros tensor kept live across the loop
     # would hold 64 more registers per thread
-    if SWAP:
-        zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, _acc_layout(BLOCK_M))
+    if t.SWAP:
+        zero = gl.zeros([t.BLOCK_N, t.BLOCK_M], gl.float32, _acc_layout(t.BLOCK_M))
     else:
-        zero = gl.zeros([_consumer_rows(BLOCK_M, SWIGLU, PINGPONG), BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
+        zero = gl.zeros([t.ACC_ROWS, t.BLOCK_N], gl.float32, _acc_layout(t.BLOCK_N))
     return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n,
-            HALF: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr, SWIGLU: gl.constexpr,
-            SWAP: gl.constexpr, PINGPONG: gl.constexpr):
+def _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n, HALF: gl.constexpr, t):
     """One consumer's K loop over a tile: groups of K_GROUP blocks, unrolled: issue block j's
     wgmma, wait until only it is in flight, promote block j-1. Returns (acc, it)."""
+    K_GROUP: gl.constexpr = t.K_GROUP
     groups = k_blocks // K_GROUP
     # Scales are loaded one K block ahead of their wgmma's issue (two ahead of their
     # promotion): an L2 round trip is about as long as one block's wgmma.
     last = k_blocks - 1
-    sa_n, sb_n = _block_scales(scales, sb_ptr, 0, rows, mask_m, off_m, cols, mask_n, SA_ROWS, SB_COLS)
+    sa_n, sb_n = _block_scales(scales, sb_ptr, 0, rows, mask_m, off_m, cols, mask_n, t.SA_ROWS, t.SB_COLS)
     for g in range(groups):
         kb = g * K_GROUP
         sa, sb = sa_n, sb_n
         sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
-                                   SA_ROWS, SB_COLS)
-        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
+                                   t.SA_ROWS, t.SB_COLS)
+        raw = _issue(ring, it, HALF, t)
         for j in gl.static_range(1, K_GROUP):
             next_sa, next_sb = sa_n, sb_n
             sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + j + 1, last), rows, mask_m, off_m, cols,
-                                       mask_n, SA_ROWS, SB_COLS)
-            next_raw = _issue(a_bufs, b_bufs, ready, it + j, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
+                                       mask_n, t.SA_ROWS, t.SB_COLS)
+            next_raw = _issue(ring, it + j, HALF, t)
             # block j - 1 is done once at most one wgmma (block j's) is in flight
             raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw, ))
-            mbarrier.arrive(empty.index((it + j - 1) % STAGES))
-            acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS, SWAP)
+            ring.release(it + j - 1)
+            acc = _promote(acc, raw, sa, sb, t.SA_ROWS, t.SB_COLS, t.SWAP)
             # Pass acc through a wait that lets block j run on: the promotion cannot then
             # sink below the next block's issue, where three raw tiles would be live (spills).
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             raw, sa, sb = next_raw, next_sa, next_sb
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
-        mbarrier.arrive(empty.index((it + K_GROUP - 1) % STAGES))
-        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS, SWAP)
+        ring.release(it + K_GROUP - 1)
+        acc = _promote(acc, raw, sa, sb, t.SA_ROWS, t.SB_COLS, t.SWAP)
         it += K_GROUP
     for kb in range(groups * K_GROUP, k_blocks):  # the K blocks left over, one at a time
         sa, sb = sa_n, sb_n
         sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
-                                   SA_ROWS, SB_COLS)
-        raw = _issue(a_bufs, b_bufs, ready, it, HALF, BLOCK_M, BLOCK_N, STAGES, SWIGLU, SWAP, PINGPONG)
+                                   t.SA_ROWS, t.SB_COLS)
+        raw = _issue(ring, it, HALF, t)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
-        mbarrier.arrive(empty.index(it % STAGES))
-        acc = _promote(acc, raw, sa, sb, SA_ROWS, SB_COLS, SWAP)
+        ring.release(it)
+        acc = _promote(acc, raw, sa, sb, t.SA_ROWS, t.SB_COLS, t.SWAP)
         it += 1
     return acc, it
 
 
 @gluon.jit
-def _k_loop_chained(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+def _k_loop_chained(acc, ring, it, k_blocks, HALF: gl.constexpr, t):
     """One consumer's K loop without promotion (FAST_ACC: no K-block scales, the whole K summed
     in the tensor core's accumulator): each block's wgmma adds into ``acc`` and runs while the
     next block's is issued; a slot is released once the wgmma after it has started."""
-    a, b = _operands(a_bufs, b_bufs, ready, it, HALF, BLOCK_N, STAGES, False, False, PINGPONG)
+    a, b = _operands(ring, it, HALF, t)
     acc = warpgroup_mma(a, b, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # a loop-carried tensor, still in flight
     for kb in range(1, k_blocks):
-        a, b = _operands(a_bufs, b_bufs, ready, it + kb, HALF, BLOCK_N, STAGES, False, False, PINGPONG)
+        a, b = _operands(ring, it + kb, HALF, t)
         acc = warpgroup_mma(a, b, acc, is_async=True)
         # block kb - 1 is done once at most one wgmma (block kb's) is in flight
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + kb - 1) % STAGES))
+        ring.release(it + kb - 1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(empty.index((it + k_blocks - 1) % STAGES))
+    ring.release(it + k_blocks - 1)
     return acc, it + k_blocks
 
 
 @gluon.jit
-def _k_loop_split(acc0, acc1, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols0,
-                  mask_n0, HALF: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr,
-                  STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+def _k_loop_split(acc0, acc1, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols0, mask_n0,
+                  HALF: gl.constexpr, t):
     """One consumer's promoting K loop over a 256-column tile held as two 128-column
     accumulators (SPLIT): per K block, each half's wgmma, then its promotion. A warpgroup keeps
     one raw half live, not two, so it waits for each wgmma before promoting: the other
     consumer's wgmmas keep the tensor cores busy meanwhile. Returns (acc0, acc1, it)."""
     for kb in range(k_blocks):
-        sa, sb0 = _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols0, mask_n0, SA_ROWS, SB_COLS)
+        sa, sb0 = _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols0, mask_n0, t.SA_ROWS, t.SB_COLS)
         sb1 = sb0
-        if SB_COLS > 1:  # 128x128 scale_b: the second half's column block is the next one
+        if t.SB_COLS > 1:  # 128x128 scale_b: the second half's column block is the next one
             sb1 = gl.load(sb_ptr + scales.b.stride1 + kb * scales.b.stride0)
-        a, _ = _operands(a_bufs, b_bufs, ready, it, HALF, 256, STAGES, False, False, PINGPONG)
-        w = b_bufs.index(it % STAGES)
+        a, _ = _operands(ring, it, HALF, t)
+        w = ring.b.index(it % t.STAGES)
         zero = gl.zeros([acc0.shape[0], 128], gl.float32, _acc_layout(128))
         raw = warpgroup_mma(a, w.slice(0, 128, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
-        acc0 = _promote(acc0, raw, sa, sb0, SA_ROWS, SB_COLS)
+        acc0 = _promote(acc0, raw, sa, sb0, t.SA_ROWS, t.SB_COLS)
         # pinned here: promoted below the next issue, two raw halves would be live (spills)
         acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
         zero = gl.zeros([acc1.shape[0], 128], gl.float32, _acc_layout(128))
         raw = warpgroup_mma(a, w.slice(128, 128, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
-        mbarrier.arrive(empty.index(it % STAGES))
-        acc1 = _promote(acc1, raw, sa, sb1, SA_ROWS, SB_COLS)
+        ring.release(it)
+        acc1 = _promote(acc1, raw, sa, sb1, t.SA_ROWS, t.SB_COLS)
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
         it += 1
     return acc0, acc1, it
@@ -395,134 +536,114 @@ def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr
 
 
 @gluon.jit
-def _consume_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, xchg, xchg_full, xchg_empty, C, M, N, K,
-                       scales, bias, groups,
-                       HALF: gl.constexpr, ACTIVATION: gl.constexpr, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, K_GROUP: gl.constexpr,
-                       GROUPED: gl.constexpr, SWIGLU: gl.constexpr, SWAP: gl.constexpr, PINGPONG: gl.constexpr,
-                       FAST_ACC: gl.constexpr):
+def _consume_partition(ring, handoff, out, C, M, N, K, scales, bias, groups, HALF: gl.constexpr, t):
     """One consumer warpgroup: its part of every tile, K loop and epilogue. Its part: rows
     HALF * 64 .. HALF * 64 + 63; with SWIGLU all 64 rows, HALF 0 the gate and HALF 1 the up
     product; with SWAP all BLOCK_M rows (tokens) and BLOCK_N features (the HALF-th BLOCK_N of
     the tile's; with SWIGLU the gate's or the up's), computed transposed. PINGPONG: every
     other tile whole (HALF 0 the program's even tiles), the other consumer's K blocks passed
-    over in the ring's count; the two K loops take turns (``turn``), so that one's epilogue
-    runs under the other's wgmmas and neither waits for a slot's fill more than one
+    over in the ring's count; the two K loops take turns (``handoff.turn``), so that one's
+    epilogue runs under the other's wgmmas and neither waits for a slot's fill more than one
     phase ahead (an mbarrier's parity cannot tell two phases apart)."""
-    TILE_N: gl.constexpr = _tile_n(BLOCK_N, SWIGLU, SWAP)
-    SPLIT: gl.constexpr = _split(BLOCK_N, FAST_ACC)
-    PART_N: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N  # columns per accumulator
-    if SWAP:  # the accumulator is [features, tokens]
-        layout: gl.constexpr = _acc_layout(BLOCK_M)
-        ACC_M: gl.constexpr = BLOCK_N
-        ACC_N: gl.constexpr = BLOCK_M
+    if t.SWAP:  # the accumulator is [features, tokens]
+        layout: gl.constexpr = _acc_layout(t.BLOCK_M)
+        ACC_M: gl.constexpr = t.BLOCK_N
+        ACC_N: gl.constexpr = t.BLOCK_M
     else:
-        layout: gl.constexpr = _acc_layout(PART_N)
-        ACC_M: gl.constexpr = _consumer_rows(BLOCK_M, SWIGLU, PINGPONG)
-        ACC_N: gl.constexpr = PART_N
-    num_tiles = _num_tiles(M, N, groups, BLOCK_M, TILE_N, GROUPED)
-    k_blocks = gl.cdiv(K, BLOCK_K)
+        layout: gl.constexpr = _acc_layout(t.PART_N)
+        ACC_M: gl.constexpr = t.ACC_ROWS
+        ACC_N: gl.constexpr = t.PART_N
+    num_tiles = _num_tiles(M, N, groups, t)
+    k_blocks = gl.cdiv(K, t.BLOCK_K)
     it = 0
-    swaps = 0  # SWIGLU: tiles whose up product went through ``xchg``
+    swaps = 0  # SWIGLU: tiles whose up product went through ``handoff.xchg``
     local = 0  # PINGPONG: this program's tiles so far
     turns = 0  # PINGPONG: this consumer's tiles so far
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, BLOCK_M, TILE_N, GROUP_M, GROUPED)
-        owner = local % 2 if PINGPONG else HALF
+        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, t)
+        owner = local % 2 if t.PINGPONG else HALF
         local += 1
         if owner != HALF:
             if fill == 0:
                 it += k_blocks  # the other consumer's tile: its K blocks go by in the ring
         else:
-            if SWAP:
-                if not SWIGLU:
-                    off_n = off_n + HALF * BLOCK_N  # this consumer's features
+            if t.SWAP:
+                if not t.SWIGLU:
+                    off_n = off_n + HALF * t.BLOCK_N  # this consumer's features
                 # the scales' index vectors follow the tokens, the accumulator's columns
-                rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+                rows = off_m + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(0, layout))
+                cols = off_n + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(1, layout))
             else:
-                if not (SWIGLU or PINGPONG):
+                if not (t.SWIGLU or t.PINGPONG):
                     off_m = off_m + HALF * ROWS
                 rows = off_m + gl.arange(0, ACC_M, layout=gl.SliceLayout(1, layout))
-                cols = off_n + gl.arange(0, PART_N, layout=gl.SliceLayout(0, layout))
+                cols = off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
             mask_m = rows < row_end
             mask_n = cols < N
             acc = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
-            if SPLIT:  # the tile's second 128 columns
+            if t.SPLIT:  # the tile's second 128 columns
                 acc1 = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
-            if PINGPONG:  # HALF 0 starts: a fresh barrier passes a wait for parity 1
-                mbarrier.wait(turn.index(HALF), (turns & 1) ^ (1 - HALF))
+            if t.PINGPONG:
+                handoff.take_turn(HALF, turns)
             if fill == 0:
-                if FAST_ACC:
-                    acc, it = _k_loop_chained(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, HALF, BLOCK_N, STAGES,
-                                              PINGPONG)
+                if t.FAST_ACC:
+                    acc, it = _k_loop_chained(acc, ring, it, k_blocks, HALF, t)
                 else:
                     # the tile's scale_b: its group's, and with SWIGLU the up rows' blocks after the gate's
                     sb_ptr = scales.b.ptr
-                    if SB_COLS > 1:
-                        sb_col = off_n // SB_COLS
-                        if SWIGLU:
-                            sb_col += HALF * gl.cdiv(N, SB_COLS)
+                    if t.SB_COLS > 1:
+                        sb_col = off_n // t.SB_COLS
+                        if t.SWIGLU:
+                            sb_col += HALF * gl.cdiv(N, t.SB_COLS)
                         sb_ptr += sb_col * scales.b.stride1
-                    if GROUPED and SB_COLS > 0:
+                    if t.GROUPED and t.SB_COLS > 0:
                         sb_ptr += g.to(gl.int64) * groups.scale_b_g
-                    if SPLIT:
-                        acc, acc1, it = _k_loop_split(acc, acc1, a_bufs, b_bufs, ready, empty, it, k_blocks, scales,
-                                                      sb_ptr, rows, mask_m, off_m, cols, mask_n, HALF, SA_ROWS,
-                                                      SB_COLS, STAGES, PINGPONG)
+                    if t.SPLIT:
+                        acc, acc1, it = _k_loop_split(acc, acc1, ring, it, k_blocks, scales, sb_ptr, rows, mask_m,
+                                                      off_m, cols, mask_n, HALF, t)
                     else:
-                        acc, it = _k_loop(acc, a_bufs, b_bufs, ready, empty, it, k_blocks, scales, sb_ptr, rows,
-                                          mask_m, off_m, cols, mask_n, HALF, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, STAGES,
-                                          K_GROUP, SWIGLU, SWAP, PINGPONG)
+                        acc, it = _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n,
+                                          HALF, t)
             elif fill == 2:
                 acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
-                if SPLIT:
+                if t.SPLIT:
                     acc1 = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
-            if PINGPONG:  # the other consumer's K loop may start
-                mbarrier.arrive(turn.index(1 - HALF))
+            if t.PINGPONG:  # the other consumer's K loop may start
+                handoff.give_turn(HALF)
                 turns += 1
-            if SWIGLU:
+            if t.SWIGLU:
                 if fill == 0:
                     if HALF == 1:  # hand the up product to the gate's warpgroup
-                        mbarrier.wait(xchg_empty, (swaps & 1) ^ 1)
-                        xchg.store(acc)
-                        mbarrier.arrive(xchg_full)
+                        handoff.send(acc, swaps)
                     else:
-                        mbarrier.wait(xchg_full, swaps & 1)
-                        up = xchg.load(layout)
-                        mbarrier.arrive(xchg_empty)
-                        acc = activate(acc, "silu") * up
+                        acc = activate(acc, "silu") * handoff.receive(swaps, layout)
                     swaps += 1
-
             # (grouped tiles store through pointers: no staging buffer)
-            _epilogue_store(acc, C, c_desc, c_smem if GROUPED else c_smem.index(0), off_m, off_n, row_end, N, g, fill,
-                            scales, bias, groups, HALF, ACTIVATION, GROUPED, SWIGLU, SWAP, True)
-            if SPLIT:
-                _epilogue_store(acc1, C, c_desc, c_smem if GROUPED else c_smem.index(1), off_m, off_n + PART_N,
-                                row_end, N, g, fill, scales, bias, groups, HALF, ACTIVATION, GROUPED, SWIGLU, SWAP,
-                                False)
-    if not GROUPED:
+            _epilogue_store(acc, C, out.desc, out.smem if t.GROUPED else out.smem.index(0), off_m, off_n, row_end, N,
+                            g, fill, scales, bias, groups, HALF, t, True)
+            if t.SPLIT:
+                _epilogue_store(acc1, C, out.desc, out.smem if t.GROUPED else out.smem.index(1), off_m,
+                                off_n + t.PART_N, row_end, N, g, fill, scales, bias, groups, HALF, t, False)
+    if not t.GROUPED:
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _epilogue_store(acc, C, c_desc, c_smem, off_m, off_n, row_end, N, g, fill, scales, bias, groups,
-                    HALF: gl.constexpr, ACTIVATION: gl.constexpr, GROUPED: gl.constexpr, SWIGLU: gl.constexpr,
-                    SWAP: gl.constexpr, FIRST: gl.constexpr):
+                    HALF: gl.constexpr, t, FIRST: gl.constexpr):
     """The epilogue and store of this consumer's accumulator ``acc`` (one part of its tile
     with SPLIT), whose element [0, 0] is C's [off_m, off_n]: core's epilogue, then a TMA
     store through ``c_smem`` (dense; FIRST: the tile's first part waits for the last tile's
     stores), or masked pointer stores of the group's rows (GROUPED; fill tiles as they are)."""
-    if SWAP:  # back to [tokens, features]: a register relabelling, no data moves
+    if t.SWAP:  # back to [tokens, features]: a register relabelling, no data moves
         acc = gl.permute(acc, (1, 0))
     layout: gl.constexpr = acc.type.layout
     rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     mask_m = rows < row_end
     mask_n = cols < N
-    if GROUPED:
-        if HALF == 0 or not SWIGLU:
+    if t.GROUPED:
+        if HALF == 0 or not t.SWIGLU:
             out_rows = rows
             if groups.scatter is not None:
                 out_rows = gl.load(groups.scatter + rows, mask=mask_m, other=0)
@@ -533,13 +654,13 @@ def _epilogue_store(acc, C, c_desc, c_smem, off_m, off_n, row_end, N, g, fill, s
                 bias_g = Vector(None if bias.ptr is None else bias.ptr + g64 * groups.bias_g, bias.stride)
                 sn = scales.n
                 sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * groups.scale_b_g, sn.stride)
-                acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION,
+                acc = epilogue(acc, rows, cols, mask_m, mask_n, t.ACTIVATION,
                                Scales(scales.a, scales.b, scales.m, sn_g, scales.out), bias_g, groups.weight, out_rows)
             if scales.out.ptr is not None:
                 acc = _quantize_rows(acc, scales.out, out_rows, off_n, N, mask_m, mask_n, C.ptr.dtype.element_ty)
             _store_rows(C, acc, off_m, off_n, row_end, N, groups.scatter)
     else:
-        acc = epilogue(acc, rows, cols, mask_m, mask_n, ACTIVATION, scales, bias)
+        acc = epilogue(acc, rows, cols, mask_m, mask_n, t.ACTIVATION, scales, bias)
         if FIRST:
             tma.store_wait(pendings=0)  # the previous tile's stores have left c_smem
         c_smem.store(acc.to(c_desc.dtype))
@@ -625,41 +746,35 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     for h in gl.static_range(2):
         mbarrier.init(turn.index(h), count=1)
     xchg_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    xchg_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    xchg_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(xchg_full, count=1)
-    mbarrier.init(xchg_empty, count=1)
+    mbarrier.init(xchg_free, count=1)
+    # SWIGLU's up product crosses between the warpgroups in an fp32 tile (a placeholder otherwise)
+    XROWS: gl.constexpr = (BLOCK_N if SWAP else ROWS) if SWIGLU else 8
+    XCOLS: gl.constexpr = (BLOCK_M if SWAP else BLOCK_N) if SWIGLU else 8
+    xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     out_dtype: gl.constexpr = C.ptr.dtype.element_ty
-    if GROUPED:
-        # Grouped tiles store through pointers: no C descriptor or staging tiles. SWIGLU's
-        # up product crosses between the warpgroups in an fp32 tile (a placeholder otherwise).
-        c_desc = 0
-        c_smem0 = 0
-        c_smem1 = 0
-        XROWS: gl.constexpr = (BLOCK_N if SWAP else ROWS) if SWIGLU else 8
-        XCOLS: gl.constexpr = (BLOCK_M if SWAP else BLOCK_N) if SWIGLU else 8
-        xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if GROUPED:  # grouped tiles store through pointers: no C descriptor or staging tiles
+        out0 = Staging(0, 0)
+        out1 = Staging(0, 0)
     else:
         # each consumer stages its accumulators (two with SPLIT) for TMA stores
         C_ROWS: gl.constexpr = _consumer_rows(BLOCK_M, SWIGLU, PINGPONG)
         PARTS: gl.constexpr = 2 if _split(BLOCK_N, FAST_ACC) else 1
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N // PARTS], out_dtype)
         c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [C_ROWS, BLOCK_N // PARTS], c_layout)
-        c_smem0 = gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout)
-        c_smem1 = gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout)
-        xchg = 0
+        out0 = Staging(c_desc, gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout))
+        out1 = Staging(c_desc, gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout))
 
-    # Partition arguments are written inline: a tuple bound to a name first turns its
-    # constexprs into runtime values (Gluon 3.6).
+    t = Tiling(ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP,
+               PINGPONG, FAST_ACC)
+    ring = Ring(a_bufs, b_bufs, ready, empty, STAGES)
+    handoff = Handoff(turn, xchg, xchg_full, xchg_free)
     gl.warp_specialize([
-        (_consume_partition, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem0, xchg, xchg_full, xchg_empty, C, M, N, K,
-                              scales, bias, groups, 0, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
-                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP, PINGPONG, FAST_ACC)),
-        (_consume_partition, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem1, xchg, xchg_full, xchg_empty, C, M, N, K,
-                              scales, bias, groups, 1, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K,
-                              GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP, PINGPONG, FAST_ACC)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, groups, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, STAGES, GROUPED, SWIGLU, SWAP)),
+        (_consume_partition, (ring, handoff, out0, C, M, N, K, scales, bias, groups, 0, t)),
+        (_consume_partition, (ring, handoff, out1, C, M, N, K, scales, bias, groups, 1, t)),
+        (_load_partition, (a_desc, b_desc, ring, M, N, K, groups, t)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
