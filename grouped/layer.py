@@ -13,7 +13,8 @@ from torch import nn
 
 from ..core import checks
 from ..core.matmul import linear, matmul
-from .moe import check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn, sort_by_expert
+from .moe import moe_ffn
+from .moe_steps import check_expert_scales, check_expert_weights, check_layer_tensors, sort_by_expert
 from .moe_train import check_fp8_training
 from .ops import grouped_matmul
 from .routing import route
