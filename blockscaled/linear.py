@@ -14,7 +14,7 @@ from ..core.dispatch import Cached, Op, Workspace, first_order_only, wants_grad
 from ..core.runtime import INTERPRET, cdiv, empty_strided
 from ..core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from .matmul import run_blockscaled, scaled_record
-from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, _transposed_empty, quantize_fp8, quantize_launch
+from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, quantize_fp8, quantize_launch, transposed_empty
 
 
 E4M3 = torch.float8_e4m3fn
@@ -114,7 +114,7 @@ def _fp8_linear_backward(ctx, dy):
     need_x, need_w = ctx.needs_input_grad[:2]
     q_xt = s_xt = None
     if weight.dtype == E4M3:
-        q_wt, s_w = _transposed_empty(*weight.t().shape, E4M3, weight.device).copy_(weight.t()), weight_scale
+        q_wt, s_w = transposed_empty(*weight.t().shape, E4M3, weight.device).copy_(weight.t()), weight_scale
     else:  # the registered quantiser (under torch.compile too)
         _, s_w, q_wt, _ = QUANTIZE_T_OP(weight, str(BLOCKS), E4M3, False, False)
     if need_w:
@@ -150,8 +150,8 @@ def _fp8_linear_train_record(x, weight, bias):
 
 def _fp8_linear_train_fake(x, weight, bias):
     (M, K), N = x.shape, weight.shape[0]
-    return (x.new_empty((M, N)), _transposed_empty(K, M, E4M3, None, x),
-            x.new_empty((cdiv(M, SCALE_BLOCK), K), dtype=torch.float32), _transposed_empty(K, N, E4M3, None, x),
+    return (x.new_empty((M, N)), transposed_empty(K, M, E4M3, None, x),
+            x.new_empty((cdiv(M, SCALE_BLOCK), K), dtype=torch.float32), transposed_empty(K, N, E4M3, None, x),
             x.new_empty((cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)), dtype=torch.float32))
 
 
