@@ -14,7 +14,7 @@ from ..core.dispatch import Cached, Op, Workspace, first_order_only, wants_grad
 from ..core.runtime import INTERPRET, cdiv, empty_strided
 from ..core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
 from .matmul import run_blockscaled, scaled_record
-from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, _transposed_empty, quantize_fp8, quantize_launch
+from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, quantize_fp8, quantize_launch, transposed_empty
 
 
 E4M3 = torch.float8_e4m3fn
@@ -114,7 +114,7 @@ def _fp8_linear_backward(ctx, dy):
     need_x, need_w = ctx.needs_input_grad[:2]
     q_xt = s_xt = None
     if weight.dtype == E4M3:
-        q_wt, s_w = _transposed_empty(*weight.t().shape, E4M3, weight.device).copy_(weight.t()), weight_scale
+        q_wt, s_w = transposed_empty(*weight.t().shape, E4M3, weight.device).copy_(weight.t()), weight_scale
     else:  # the registered quantiser (under torch.compile too)
         _, s_w, q_wt, _ = QUANTIZE_T_OP(weight, str(BLOCKS), E4M3, False, False)
     if need_w:
@@ -150,8 +150,8 @@ def _fp8_linear_train_record(x, weight, bias):
 
 def _fp8_linear_train_fake(x, weight, bias):
     (M, K), N = x.shape, weight.shape[0]
-    return (x.new_empty((M, N)), _transposed_empty(K, M, E4M3, None, x),
-            x.new_empty((cdiv(M, SCALE_BLOCK), K), dtype=torch.float32), _transposed_empty(K, N, E4M3, None, x),
+    return (x.new_empty((M, N)), transposed_empty(K, M, E4M3, None, x),
+            x.new_empty((cdiv(M, SCALE_BLOCK), K), dtype=torch.float32), transposed_empty(K, N, E4M3, None, x),
             x.new_empty((cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)), dtype=torch.float32))
 
 
@@ -367,11 +367,25 @@ def _forward_route(args):
 _FORWARD = Cached(4, _forward_route)
 
 
+# fp8_training's conversions of the module types of the packages built on blockscaled/, which it
+# cannot import: type -> convert(module), called in place on every picked module of that type.
+# grouped/layer.py registers MoEFFN's (importing onegemm imports grouped/, so it is always there).
+_FP8_TRAINING_CONVERSIONS: dict[type, Callable[[nn.Module], None]] = {}
+
+
+def register_fp8_training(module_type: type, convert: Callable[[nn.Module], None]) -> None:
+    """Have fp8_training call ``convert(m)`` on every picked module ``m`` that is a
+    ``module_type`` (before it visits m's children): how a layer of a package above
+    blockscaled/ (grouped/'s MoEFFN) trains in FP8 under fp8_training."""
+    _FP8_TRAINING_CONVERSIONS[module_type] = convert
+
+
 def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
     """Swap every nn.Linear in ``module`` (itself included) for a trainable Fp8Linear, in place
     where it sits, and return the module: forward, dgrad and wgrad then run in FP8. Every
     onegemm.MoEFFN in it trains its routed experts in FP8 too (moe_ffn's ``fp8_training``:
-    forward and input-gradient GEMMs; a layer whose experts cannot is a ValueError).
+    forward and input-gradient GEMMs; a layer whose experts cannot is a ValueError), by the
+    conversion grouped/layer.py registers (register_fp8_training).
 
     module_filter_fn(layer, fully_qualified_name) -> bool picks the layers to convert (default:
     all), as torchao's convert_to_float8_training takes it: keep a model's output head in high
@@ -383,15 +397,14 @@ def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str],
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise checks.bad_type("module_filter_fn", "a callable (module, fqn) -> bool, or None", module_filter_fn)
 
-    from ..grouped.layer import MoEFFN  # grouped/ builds on blockscaled/: imported when used
-
     def swap(m: nn.Module, fqn: str) -> nn.Module:
         picked = module_filter_fn is None or module_filter_fn(m, fqn)
         if type(m) is nn.Linear and picked:
             return Fp8Linear.from_linear(m, trainable=True)
-        if isinstance(m, MoEFFN) and picked:
-            m.check_fp8_training()
-            m.fp8_training = True
+        if picked:
+            for module_type, convert in _FP8_TRAINING_CONVERSIONS.items():
+                if isinstance(m, module_type):
+                    convert(m)
         for name, child in m.named_children():
             new = swap(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:

@@ -194,7 +194,7 @@ def _scale_storage(block: Granularity, M: int, K: int, device):
     return empty(shape, dtype=torch.float32, device=device)
 
 
-def _transposed_empty(K: int, M: int, dtype: torch.dtype, device, fake_like=None):
+def transposed_empty(K: int, M: int, dtype: torch.dtype, device, fake_like=None):
     """q_t [K, M] with rows padded to a multiple of 16 bytes (a [K, M] view of [K, M rounded up
     to 16]): a GEMM reads it K-major through TMA, which needs 16-byte aligned rows, whatever
     the token count M. ``fake_like``: a fake tensor to allocate like (torch.compile)."""
@@ -272,7 +272,7 @@ def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow
 
 
 def _transposer(M: int, K: int, dtype: torch.dtype, device):
-    """transpose_kernel's call for a row-major fp8 q [M, K]: q -> q.t() as ``_transposed_empty``
+    """transpose_kernel's call for a row-major fp8 q [M, K]: q -> q.t() as ``transposed_empty``
     (rows padded to 16 bytes), moved as bytes (the bits are the copy's, on every device)."""
     def grid(plan):
         return (cdiv(M, plan.meta["BLOCK_R"]), cdiv(K, plan.meta["BLOCK_C"]))
@@ -282,14 +282,14 @@ def _transposer(M: int, K: int, dtype: torch.dtype, device):
 
     def trial(plan):  # autotuning's launch, on buffers of its own (allocated only if it runs)
         TRANSPOSE.launch(plan, grid(plan), args(empty((M, K), dtype=torch.uint8, device=device),
-                                                _transposed_empty(K, M, dtype, device).view(torch.uint8)))
+                                                transposed_empty(K, M, dtype, device).view(torch.uint8)))
 
     plan = TRANSPOSE.plan_for(Request(configs.PrepKey("transpose", configs.m_bucket(M * K, 1 << 24)), {}, device, None,
                                       trial))
     launch = Launch(TRANSPOSE, plan, grid(plan), args)
 
     def run(q):
-        q_t = _transposed_empty(K, M, dtype, device)
+        q_t = transposed_empty(K, M, dtype, device)
         launch(q.view(torch.uint8), q_t.view(torch.uint8))
         return q_t
 
@@ -303,7 +303,7 @@ def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
 
     def outputs():
         return (empty((M, K), dtype=dtype, device=device), _scale_storage(ROW_BLOCKS, M, K, device),
-                _transposed_empty(K, M, dtype, device), _scale_storage(ROW_BLOCKS, K, M, device))
+                transposed_empty(K, M, dtype, device), _scale_storage(ROW_BLOCKS, K, M, device))
 
     out0 = outputs()
     strides = (*x.stride(), K, *out0[1].stride(), out0[2].stride(0), *out0[3].stride())
@@ -439,7 +439,7 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, transposed=
             out = ()
             for i, (m, k) in enumerate(((M, K), (K, M))[:1 + transposed]):
                 ones = torch.ones(_scale_shape(block, m, k), device=x.device)
-                q = _transposed_empty(m, k, dtype, x.device) if i else torch.empty((m, k), dtype=dtype, device=x.device)
+                q = transposed_empty(m, k, dtype, x.device) if i else torch.empty((m, k), dtype=dtype, device=x.device)
                 out += (q, _scale_view(ones, block).contiguous())
             return out
         return run
@@ -453,7 +453,7 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, transposed=
             if not transposed:
                 return out
             q_t, scale_t = _quantize_torch(x.t(), block, dtype, pow2_scale)
-            return (*out, _transposed_empty(K, M, dtype, x.device).copy_(q_t), scale_t)
+            return (*out, transposed_empty(K, M, dtype, x.device).copy_(q_t), scale_t)
     else:
         quantize = _triton_quantizer(x, block, dtype, pow2_scale, transposed)
         if not check_finite:
@@ -487,7 +487,7 @@ def _quantize_fake(x, block, dtype, pow2_scale, check_finite, transposed=False):
     out = ()
     for i, (m, k) in enumerate(((M, K), (K, M))[:1 + transposed]):
         shape = _scale_shape(gran, m, k)
-        out += (_transposed_empty(m, k, dtype, None, x) if i else x.new_empty((m, k), dtype=dtype),
+        out += (transposed_empty(m, k, dtype, None, x) if i else x.new_empty((m, k), dtype=dtype),
                 x.new_empty(shape[::-1] if gran == ROW_BLOCKS else shape, dtype=torch.float32))
     return out
 

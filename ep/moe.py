@@ -25,7 +25,8 @@ from ..core.matmul import matmul
 from ..core.runtime import INTERPRET, cdiv
 from ..core.scaling import SCALE_BLOCK
 from ..grouped.loading import read_layer
-from ..grouped.moe import _check_moe, check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn
+from ..grouped.moe import moe_ffn
+from ..grouped.moe_steps import check_expert_scales, check_expert_weights, check_layer_tensors, check_moe
 from ..grouped.routing import route
 from .comm import all_gather, all_to_all, alone, reduce_scatter, resolve_group
 
@@ -77,10 +78,10 @@ def ep_moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, group=None, stra
     if fp8:
         checks.check_not_differentiable("ep_moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                         topk_weights=topk_weights)
-        _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,))
+        check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,))
         check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
     else:
-        _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+        check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     strategy = choose_strategy(strategy, x.shape[0])
     out_dtype, x_scale = x.dtype, None
     if fp8:  # quantised once, before the send: fp8 bytes on the wire

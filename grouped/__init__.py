@@ -1,14 +1,16 @@
 """onegemm.grouped: grouped GEMMs (torch._grouped_mm semantics, list mode) and the MoE expert FFN.
 
-Kernels: kernels.py; the public ops: ops.py (grouped_matmul), moe.py (sort_by_expert, moe_ffn,
-quantize_experts), routing.py (route), layer.py (MoEFFN) and loading.py (MoEFFN's checkpoint
-reading); the stored test layers (bf16 and its FP8 twin): data/, made by make_layer.py.
+Kernels: kernels.py; the public ops: ops.py (grouped_matmul), moe.py (moe_ffn, quantize_experts),
+moe_steps.py (sort_by_expert, and the steps moe.py, moe_train.py and ep/ share), routing.py
+(route), layer.py (MoEFFN) and loading.py (MoEFFN's checkpoint reading); the stored test layers
+(bf16 and its FP8 twin): data/, made by make_layer.py.
 """
 
 from pathlib import Path
 
 from .layer import MoEFFN
-from .moe import moe_ffn, quantize_experts, sort_by_expert
+from .moe import moe_ffn, quantize_experts
+from .moe_steps import sort_by_expert
 from .routing import route
 from .ops import grouped_matmul
 

@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..blockscaled.linear import register_fp8_training
 from ..core import checks
 from ..core.matmul import linear, matmul
-from .moe import check_expert_scales, check_expert_weights, check_layer_tensors, moe_ffn, sort_by_expert
+from .moe import moe_ffn
+from .moe_steps import check_expert_scales, check_expert_weights, check_layer_tensors, sort_by_expert
 from .moe_train import check_fp8_training
 from .ops import grouped_matmul
 from .routing import route
@@ -274,3 +276,13 @@ def _check_shared(w_gate_up, w_down, gate, gate_weight) -> None:
         checks.check_shape("shared_gate", gate, (1, H), f"[1, H] = [1, {H}]")
     checks.check_same_device(gate_weight=gate_weight, shared_w_gate_up=w_gate_up, shared_w_down=w_down,
                              shared_gate=gate)
+
+
+def _train_in_fp8(layer: MoEFFN) -> None:
+    """onegemm.fp8_training's conversion of a MoEFFN: its routed experts train in FP8 (moe_ffn's
+    fp8_training), once check_fp8_training lets them."""
+    layer.check_fp8_training()
+    layer.fp8_training = True
+
+
+register_fp8_training(MoEFFN, _train_in_fp8)

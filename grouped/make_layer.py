@@ -56,7 +56,7 @@ def make() -> dict[str, torch.Tensor]:
 
 def make_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The layer's experts in FP8 (128x128 blocks) under DeepSeek-V3's names; router as it is."""
-    from onegemm import quantize_fp8
+    from ..blockscaled.quantize import quantize_fp8
 
     out = {"gate.weight": tensors["gate.weight"]}
     for key, w in tensors.items():

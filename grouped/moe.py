@@ -16,115 +16,16 @@ from typing import Optional
 import torch
 
 from ..core import checks, configs
-from ..core.dispatch import Launch, Op, Step, Workspace, wants_grad
-from ..core.launch import Launcher, Request
+from ..core.dispatch import Op, Step, Workspace, wants_grad
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
-from ..core.runtime import INTERPRET, cdiv, empty, empty_strided, next_pow2
+from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
 from ..core.scaling import BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
-from ..core.tiles import Routing
-from .configs import SORT_MAX_PAIRS, SortKey
-from .kernels import NO_GROUPED_SCALES, grouped_scales, sort_by_expert_kernel
+from .kernels import NO_GROUPED_SCALES, grouped_scales
+from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, expert_gemm, expert_launch,
+                        expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
+from .moe_train import MOE_FP8_TRAIN
+from .ops import combine, combine_launch, gather_quantize, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
-from .ops import (combine, combine_launch, gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles,
-                  swiglu_backward, swiglu_forward)
-
-
-def sort_by_expert(topk_ids, num_experts: int):
-    """Sort the (token, slot) pairs by expert, on the device.
-
-    topk_ids [T, k] -> (pair int32 [T*k], token int32 [T*k], offs int32 [E]): row r of the
-    sorted order is pair ``pair[r]`` (= t*k + j) of token ``token[r]`` (= pair // k); expert
-    e owns rows [offs[e-1], offs[e]). The sort is stable, so the order (and the result) is the
-    same on every run. Ids outside [0, E) (e.g. experts on another rank under expert
-    parallelism) sort past offs[-1], where the grouped GEMM writes zeros: they contribute 0.
-    Up to SORT_MAX_PAIRS pairs one Triton program sorts them (one launch); more go through
-    torch.sort. Both are stable, so both give the same order.
-    """
-    return _sorter(topk_ids, num_experts)(topk_ids)
-
-
-SORT = Launcher(sort_by_expert_kernel, "sort")
-
-
-def _sort_step(topk_ids, E: int):
-    """``sort_by_expert``'s step for ids of topk_ids' signature: a Launch (the one-program sort)
-    or a Step (torch.sort) whose builder takes (ids, pair, token, offs), the three outputs
-    given (a record's workspace parts)."""
-    T, k = topk_ids.shape
-    P = T * k
-    if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
-        e_block = next_pow2(E + 1)
-        plan = SORT.plan_for(Request(SortKey(e_block),
-                                     dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))), topk_ids.device))
-        return Launch(SORT, plan, (1,), lambda ids, pair, token, offs: (ids.view(-1), pair, token, offs, P, E, k))
-    experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)
-
-    def sort(ids, pair, token, offs):
-        flat = ids.reshape(-1)
-        # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
-        flat = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
-        sorted_ids, order = torch.sort(flat, stable=True)
-        pair.copy_(order)
-        torch.floor_divide(order, k, out=token)
-        # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
-        torch.searchsorted(sorted_ids, experts, right=True, out_int32=True, out=offs)
-
-    return Step(sort)
-
-
-def _sort_parts(P: int, E: int) -> tuple:
-    """The sort's outputs (pair, token, offs) as Workspace parts."""
-    return ((P,), torch.int32), ((P,), torch.int32), ((E,), torch.int32)
-
-
-def _sorter(topk_ids, E: int):
-    """``sort_by_expert`` for ids of topk_ids' signature, as a callable ids -> (pair, token, offs)
-    (the three in one allocation: each torch.empty costs the host more than a view)."""
-    T, k = topk_ids.shape
-    workspace = Workspace(topk_ids.device, *_sort_parts(T * k, E))
-    step = _sort_step(topk_ids, E)
-
-    def sort(ids):
-        parts = workspace.parts(workspace.new())
-        step(ids, *parts)
-        return parts
-
-    return sort
-
-
-def check_expert_weights(w_gate_up, w_down, H: int) -> None:
-    """w_gate_up [E, 2I, H] (E >= 1, gate rows then up rows) and w_down [E, H, I]."""
-    E, two_i, H1 = w_gate_up.shape
-    if H1 != H or two_i % 2 or E == 0:
-        raise checks.bad_shape("w_gate_up", f"[E, 2I, H] = [E >= 1, 2I, {H}] (gate rows then up rows)", w_gate_up.shape)
-    checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
-
-
-def check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale=None, w_down_scale=None) -> bool:
-    """A layer's router gate_weight [E, H] (a float dtype) and its experts: 3-D, in the router's
-    dtype or float8_e4m3fn when scales are given or the experts are fp8. Returns whether FP8."""
-    checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
-    fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
-        isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
-    expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
-    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
-    checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
-    return fp8
-
-
-def _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None, x_dtypes=checks.FLOAT_DTYPES):
-    """The checks every moe_ffn makes; the weights have x's dtype unless ``weight_dtypes``."""
-    checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
-    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=weight_dtypes or (x.dtype,))
-    checks.check_tensor("w_down", w_down, ndim=3, dtypes=weight_dtypes or (x.dtype,))
-    checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
-    checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
-    T, H = x.shape
-    check_expert_weights(w_gate_up, w_down, H)
-    if topk_ids.shape[0] != T:
-        raise checks.bad_shape("topk_ids", f"[T, k] with T = {T} (x's rows)", topk_ids.shape)
-    checks.check_shape("topk_weights", topk_weights, topk_ids.shape, f"[T, k] = {list(topk_ids.shape)} (topk_ids' shape)")
-    checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
 def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
@@ -203,7 +104,7 @@ def _moe_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids):
     """moe_ffn's full path for its arguments' signature: the checks, then the sort's and both
     GEMMs' launches made once, as one callable of the five tensors."""
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
@@ -232,7 +133,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     and the callable returns (y, h_pre): the backward keeps h_pre rather than recomputing
     GEMM1, the largest of the expert GEMMs.
     """
-    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
+    T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
     device, dtype = x.device, _out_dtype(x)
     if P == 0:
         if keep_pre:
@@ -244,7 +145,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
     # Every intermediate in one allocation (core/dispatch.py Workspace): the sort's outputs,
     # x's fp8 copy and its scales stored [kh, T], h and its scales stored [ki, P], y_pairs.
-    parts = dict(zip(("pair", "token", "offs"), _sort_parts(P, E)))
+    parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
     if quantize_x:
         parts.update(xq=((T, H), w_gate_up.dtype), xs=((kh, T), torch.float32))
     parts["h"] = ((P, I), h_dtype)
@@ -265,7 +166,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         v = views(buffer)
         return ids, v["pair"], v["token"], v["offs"]
 
-    sort = _sort_step(topk_ids, E).on(sort_tensors)
+    sort = sort_step(topk_ids, E).on(sort_tensors)
     quantize = None
     if quantize_x:
         if INTERPRET:  # the quantiser's torch path (blockscaled/quantize.py: the interpreter's fp8 cast of NaN)
@@ -310,15 +211,15 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     v = views(workspace.new())
     a1, weights = (v["xq"] if quantize_x else x), topk_weights.to(torch.float32).contiguous()
     if keep_pre:
-        gemm1 = _expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],
-                               a_rows=v["token"]).on(gemm1_tensors)
+        gemm1 = expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],
+                              a_rows=v["token"]).on(gemm1_tensors)
     else:
-        gemm1 = _expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True,
-                               scales=scales1(v, x_scale, w_gate_up_scale),
-                               **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
+        gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True,
+                              scales=scales1(v, x_scale, w_gate_up_scale),
+                              **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
         gemm1 = gemm1.on(lambda buffer, *rest: gemm1_tensors(None, buffer, *rest))
-    gemm2 = _expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
-                           scales=scales2(v, w_down_scale), **(dict(scaling=BLOCKWISE) if fp8 else {})).on(gemm2_tensors)
+    gemm2 = expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
+                          scales=scales2(v, w_down_scale), **(dict(scaling=BLOCKWISE) if fp8 else {})).on(gemm2_tensors)
     combine = combine_launch(v["y_pairs"], topk_ids, E, dtype).on(combine_tensors)
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
@@ -340,27 +241,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     return run
 
 
-def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> None:
-    """FP8 experts (float8_e4m3fn [E, 2I, H] / [E, H, I], shapes already checked) and their
-    fp32 128x128 block scales [E, 2 * ceil(I/128), ceil(H/128)] / [E, ceil(H/128), ceil(I/128)]."""
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        checks.check_tensor(name, w, ndim=3, dtypes=(torch.float8_e4m3fn,))
-    for name, t, weight in (("w_gate_up_scale", w_gate_up_scale, "w_gate_up"), ("w_down_scale", w_down_scale, "w_down")):
-        if t is None:
-            raise checks.bad_value(name, f"the fp32 128x128 block scales of the fp8 {weight} (a checkpoint's "
-                                   "weight_scale_inv)", None)
-        checks.check_tensor(name, t, ndim=3, dtypes=(torch.float32,))
-    E, two_i, H = w_gate_up.shape
-    kh, ki = cdiv(H, SCALE_BLOCK), cdiv(two_i // 2, SCALE_BLOCK)
-    checks.check_shape("w_gate_up_scale", w_gate_up_scale, (E, 2 * ki, kh),
-                       f"[E, 2 * ceil(I/128), ceil(H/128)] = {[E, 2 * ki, kh]} (gate blocks, then up blocks)")
-    checks.check_shape("w_down_scale", w_down_scale, (E, kh, ki), f"[E, ceil(H/128), ceil(I/128)] = {[E, kh, ki]}")
-    checks.check_same_device(w_gate_up=w_gate_up, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
-
-
 def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
     x_dtypes = checks.FLOAT_DTYPES if x_scale is None else (torch.float8_e4m3fn,)
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,), x_dtypes=x_dtypes)
+    check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,), x_dtypes=x_dtypes)
     check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
     if x_scale is not None:
         checks.check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,))
@@ -389,10 +272,10 @@ def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scal
     checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
                                     topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
                                     w_down_scale=w_down_scale, x_scale=x_scale)
-    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
+    T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
     mode = gluon_grouped_mode(w_gate_up, P, E) if P else None
     if mode is not None and gluon_grouped_mode(w_down, P, E) == mode:
-        sort = _sorter(topk_ids, E)
+        sort = sorter(topk_ids, E)
 
         def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
             pair, token, offs = sort(topk_ids)
@@ -446,36 +329,6 @@ def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale,
     return torch.empty_like(x, dtype=_out_dtype(x))
 
 
-def _moe_sizes(x, w_gate_up, topk_ids):
-    """(T, H, E, I, k, P): tokens, hidden size, experts, intermediate size, top-k, pairs."""
-    T, H = x.shape
-    E, two_i, _ = w_gate_up.shape
-    k = topk_ids.shape[1]
-    return T, H, E, two_i // 2, k, T * k
-
-
-def _expert_gemm(a, w, c, offs, **kwargs):
-    """c[r] = a[r] @ w[e].T for the rows r of expert e (2D x 3D, offs over rows; ``kwargs``:
-    ragged_launch's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
-    launch = _expert_launch(a, w, c, offs, **kwargs)
-    launch.launcher.launch(launch.plan, launch.grid, launch.build(
-        c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_GROUPED_SCALES)))
-
-
-def _expert_launch(a, w, c, offs, **kwargs):
-    """``_expert_gemm``'s launch for operands shaped like these: a core/dispatch.py Launch whose
-    builder takes (c, a, w, offs, a_rows, c_rows, weight, scales)."""
-    wt = w.transpose(1, 2)
-    G, N, K, M = w.shape[0], c.shape[1], a.shape[1], c.shape[0]
-    strides = ((0, a.stride(0), a.stride(1)), tuple(wt.stride()), (0, c.stride(0), c.stride(1)))
-
-    def build(c, a, w, offs, a_rows, c_rows, weight, scales):
-        return ragged_args(a, w.transpose(1, 2), c, None, offs, strides, Routing(a_rows, c_rows, weight), scales, G, M, N, K)
-
-    return ragged_launch(a, wt, c, offs, ragged="M", G=G, M=M, N=N, K=K, strides_a=strides[0], strides_b=strides[1],
-                         strides_c=strides[2], rows_per_group=M // G, build=build, **kwargs)
-
-
 def _moe_train_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return MOE_TRAIN.direct(x, w_gate_up, w_down, topk_weights, topk_ids)
@@ -484,12 +337,12 @@ def _moe_train_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
 def _moe_train_record(x, w_gate_up, w_down, topk_weights, topk_ids):
     """moe_ffn's forward when it records gradients -> (y, h_pre): ``_moe_pipeline`` keeping
     GEMM1's fp32 pre-activation for the backward."""
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, keep_pre=True)
 
 
 def _moe_train_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     P = topk_ids.shape[0] * topk_ids.shape[1]
     return torch.empty_like(x), x.new_empty((P, w_gate_up.shape[1]), dtype=torch.float32)
 
@@ -508,7 +361,7 @@ def _moe_train_backward(ctx, dy, _):
 
 
 def _moe_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
-    _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     return torch.empty_like(x)
 
 
@@ -549,7 +402,7 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
     x[token] (one [P, H] copy) instead of the gathering kernel, which autograd cannot see
     into; every other step is already a differentiable op.
     """
-    T, H, E, I, k, P = _moe_sizes(x, w_gate_up, topk_ids)
+    T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
     if P == 0:
         return torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down), torch.zeros_like(topk_weights)
     pair, token, offs = sort_by_expert(topk_ids, E)
@@ -574,26 +427,17 @@ def _moe_grads(dy, x, w_gate_up, w_down, topk_weights, topk_ids, differentiable:
     else:  # the gathers and the scatter inside the GEMMs, the activation's backward in one pass
         if h_pre is None:
             h_pre = empty((P, 2 * I), dtype=x.dtype, device=x.device)
-            _expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
+            expert_gemm(x, w_gate_up, h_pre, offs, a_rows=token)
         dh_u = empty((P, I), dtype=torch.float32, device=x.device)
-        _expert_gemm(dy_x, w_down.transpose(1, 2), dh_u, offs, a_rows=token)
+        expert_gemm(dy_x, w_down.transpose(1, 2), dh_u, offs, a_rows=token)
         dh_pre, h_w, dw_s = swiglu_backward(h_pre, dh_u, w_s.contiguous(), x.dtype)
         dweights = torch.empty(P, device=x.device, dtype=torch.float32)
         dweights[pair] = dw_s
         dx_pairs = empty((P, H), dtype=torch.float32, device=x.device)
-        _expert_gemm(dh_pre, w_gate_up.transpose(1, 2), dx_pairs, offs, c_rows=pair)
+        expert_gemm(dh_pre, w_gate_up.transpose(1, 2), dx_pairs, offs, c_rows=pair)
         dx = combine(dx_pairs, topk_ids, E, x.dtype)
     dw13, dw2 = expert_weight_grads(dh_pre, dy_x, x, h_w, token, offs, w_gate_up.dtype, w_down.dtype)
     return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
-
-
-def expert_weight_grads(dh_pre, dy, x, h_w, token, offs, w13_dtype, w2_dtype):
-    """The experts' weight gradients over the sorted rows (2D x 2D grouped GEMMs, ragged K):
-    dW13_e = dh_pre_e^T @ x[token]_e and dW2_e = dy[token]_e^T @ h_w_e, where h_w = w * h (the
-    routing weight on h's rows, as swiglu_backward writes it: no weighted copy of dy's rows)."""
-    dw13 = grouped_matmul(dh_pre.t(), x[token], offs, out_dtype=w13_dtype)
-    dw2 = grouped_matmul(dy[token].t(), h_w, offs, out_dtype=w2_dtype)
-    return dw13, dw2
 
 
 def _moe_backward_fake(dy, x, w_gate_up, w_down, topk_weights, topk_ids, h_pre=None):
@@ -607,5 +451,3 @@ MOE_TRAIN = Op("moe_ffn_train", _moe_train_impl, _moe_train_fake, _moe_train_set
 # FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
 # be traced on every bf16 call too), without a gradient.
 MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake, record=_moe_fp8_record, tensors=8)
-
-from .moe_train import MOE_FP8_TRAIN  # noqa: E402 (it imports this module's helpers)

@@ -26,8 +26,8 @@ from ..core import checks, configs
 from ..core.dispatch import Op, first_order_only
 from ..core.runtime import cdiv, empty
 from ..core.scaling import BLOCKS, BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
-from . import moe  # (moe_ffn, which imports this module last, owns the shared MoE steps)
 from .kernels import grouped_scales
+from .moe_steps import check_moe, expert_gemm, expert_weight_grads, moe_sizes, sort_by_expert, sorter
 from .ops import combine, gather_quantize, row_tiles, swiglu_backward, swiglu_quantize
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
 
@@ -79,8 +79,8 @@ def fp8_expert_gemm(a, a_scale, experts: Experts, c, offs, scatter=None, weight=
         run_wgmma_grouped(a, experts.w, c, lambda block_m: row_tiles(offs, E, P, block_m), a_scale, experts.scale,
                           N=N, key=key, scatter=scatter, weight=weight)
     else:
-        moe._expert_gemm(a, experts.w, c, offs, c_rows=scatter, weight=weight,
-                         scales=grouped_scales(a=a_scale, b=experts.scale), scaling=BLOCKWISE)
+        expert_gemm(a, experts.w, c, offs, c_rows=scatter, weight=weight,
+                    scales=grouped_scales(a=a_scale, b=experts.scale), scaling=BLOCKWISE)
 
 
 def _quantize_rows(t):
@@ -111,8 +111,8 @@ def _train_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
 
 def _train_record(x, w_gate_up, w_down, topk_weights, topk_ids):
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
-    T, H, E, I, k, P = moe._moe_sizes(x, w_gate_up, topk_ids)
-    sort = moe._sorter(topk_ids, E)
+    T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
+    sort = sorter(topk_ids, E)
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids):
         q13, s13, q13_t = quantize_experts_pair(w_gate_up)
@@ -146,7 +146,7 @@ def _train_fake(x, w_gate_up, w_down, topk_weights, topk_ids):
 
 
 def _check(x, w_gate_up, w_down, topk_weights, topk_ids):
-    moe._check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     check_fp8_training(w_gate_up)
 
 
@@ -179,7 +179,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor
         return (torch.zeros_like(x), x.new_zeros((E, two_i, H), dtype=w13_dtype),
                 x.new_zeros((E, H, I), dtype=w2_dtype), torch.zeros_like(topk_weights))
     w13_t, w2_t = side_by_side(q13_t, s13, E), side_by_side(q2_t, s2, E)
-    pair, token, offs = moe.sort_by_expert(topk_ids, E)
+    pair, token, offs = sort_by_expert(topk_ids, E)
     w_s = topk_weights.reshape(-1)[pair].float().contiguous()
     dy_x = dy.to(x.dtype)
     dyq, dys = gather_quantize(dy_x, token, E4M3, offs)
@@ -192,7 +192,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor
     dx_pairs = empty((P, H), dtype=torch.float32, device=x.device)
     fp8_expert_gemm(dhq, dhs, w13_t, dx_pairs, offs, scatter=pair)
     dx = combine(dx_pairs, topk_ids, E, x.dtype)
-    dw13, dw2 = moe.expert_weight_grads(dh_pre, dy_x, x, h_w, token, offs, w13_dtype, w2_dtype)
+    dw13, dw2 = expert_weight_grads(dh_pre, dy_x, x, h_w, token, offs, w13_dtype, w2_dtype)
     return dx, dw13, dw2, dweights.view(T, k).to(topk_weights.dtype)
 
 

@@ -1,0 +1,177 @@
+"""The MoE steps that moe_ffn's forward (moe.py), its FP8 training (moe_train.py) and expert
+parallelism (ep/moe.py) share: the input checks, the sizes, the routing sort, the expert GEMM
+over sorted rows and the experts' weight gradients.
+
+Below all three (it imports none of them), so none imports another's private helpers and
+moe.py and moe_train.py do not import each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import checks
+from ..core.dispatch import Launch, Step, Workspace
+from ..core.launch import Launcher, Request
+from ..core.runtime import cdiv, next_pow2
+from ..core.scaling import SCALE_BLOCK
+from ..core.tiles import Routing
+from .configs import SORT_MAX_PAIRS, SortKey
+from .kernels import NO_GROUPED_SCALES, sort_by_expert_kernel
+from .ops import grouped_matmul, ragged_args, ragged_launch
+
+
+def sort_by_expert(topk_ids, num_experts: int):
+    """Sort the (token, slot) pairs by expert, on the device.
+
+    topk_ids [T, k] -> (pair int32 [T*k], token int32 [T*k], offs int32 [E]): row r of the
+    sorted order is pair ``pair[r]`` (= t*k + j) of token ``token[r]`` (= pair // k); expert
+    e owns rows [offs[e-1], offs[e]). The sort is stable, so the order (and the result) is the
+    same on every run. Ids outside [0, E) (e.g. experts on another rank under expert
+    parallelism) sort past offs[-1], where the grouped GEMM writes zeros: they contribute 0.
+    Up to SORT_MAX_PAIRS pairs one Triton program sorts them (one launch); more go through
+    torch.sort. Both are stable, so both give the same order.
+    """
+    return sorter(topk_ids, num_experts)(topk_ids)
+
+
+# The one-program sort (sort_step takes it up to SORT_MAX_PAIRS pairs).
+SORT = Launcher(sort_by_expert_kernel, "sort")
+
+
+def sort_step(topk_ids, E: int):
+    """``sort_by_expert``'s step for ids of topk_ids' signature: a Launch (the one-program sort)
+    or a Step (torch.sort) whose builder takes (ids, pair, token, offs), the three outputs
+    given (a record's workspace parts)."""
+    T, k = topk_ids.shape
+    P = T * k
+    if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
+        e_block = next_pow2(E + 1)
+        plan = SORT.plan_for(Request(SortKey(e_block),
+                                     dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))), topk_ids.device))
+        return Launch(SORT, plan, (1,), lambda ids, pair, token, offs: (ids.view(-1), pair, token, offs, P, E, k))
+    experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)
+
+    def sort(ids, pair, token, offs):
+        flat = ids.reshape(-1)
+        # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
+        flat = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
+        sorted_ids, order = torch.sort(flat, stable=True)
+        pair.copy_(order)
+        torch.floor_divide(order, k, out=token)
+        # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
+        torch.searchsorted(sorted_ids, experts, right=True, out_int32=True, out=offs)
+
+    return Step(sort)
+
+
+def sort_parts(P: int, E: int) -> tuple:
+    """The sort's outputs (pair, token, offs) as Workspace parts."""
+    return ((P,), torch.int32), ((P,), torch.int32), ((E,), torch.int32)
+
+
+def sorter(topk_ids, E: int):
+    """``sort_by_expert`` for ids of topk_ids' signature, as a callable ids -> (pair, token, offs)
+    (the three in one allocation: each torch.empty costs the host more than a view)."""
+    T, k = topk_ids.shape
+    workspace = Workspace(topk_ids.device, *sort_parts(T * k, E))
+    step = sort_step(topk_ids, E)
+
+    def sort(ids):
+        parts = workspace.parts(workspace.new())
+        step(ids, *parts)
+        return parts
+
+    return sort
+
+
+def check_expert_weights(w_gate_up, w_down, H: int) -> None:
+    """w_gate_up [E, 2I, H] (E >= 1, gate rows then up rows) and w_down [E, H, I]."""
+    E, two_i, H1 = w_gate_up.shape
+    if H1 != H or two_i % 2 or E == 0:
+        raise checks.bad_shape("w_gate_up", f"[E, 2I, H] = [E >= 1, 2I, {H}] (gate rows then up rows)", w_gate_up.shape)
+    checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
+
+
+def check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale=None, w_down_scale=None) -> bool:
+    """A layer's router gate_weight [E, H] (a float dtype) and its experts: 3-D, in the router's
+    dtype or float8_e4m3fn when scales are given or the experts are fp8. Returns whether FP8."""
+    checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    fp8 = w_gate_up_scale is not None or w_down_scale is not None or (
+        isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype in checks.FP8_DTYPES)
+    expert_dtypes = (torch.float8_e4m3fn,) if fp8 else (gate_weight.dtype,)
+    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=expert_dtypes)
+    checks.check_tensor("w_down", w_down, ndim=3, dtypes=expert_dtypes)
+    return fp8
+
+
+def check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None, x_dtypes=checks.FLOAT_DTYPES):
+    """The checks every moe_ffn makes; the weights have x's dtype unless ``weight_dtypes``."""
+    checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
+    checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=weight_dtypes or (x.dtype,))
+    checks.check_tensor("w_down", w_down, ndim=3, dtypes=weight_dtypes or (x.dtype,))
+    checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
+    checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    T, H = x.shape
+    check_expert_weights(w_gate_up, w_down, H)
+    if topk_ids.shape[0] != T:
+        raise checks.bad_shape("topk_ids", f"[T, k] with T = {T} (x's rows)", topk_ids.shape)
+    checks.check_shape("topk_weights", topk_weights, topk_ids.shape, f"[T, k] = {list(topk_ids.shape)} (topk_ids' shape)")
+    checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
+
+
+def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> None:
+    """FP8 experts (float8_e4m3fn [E, 2I, H] / [E, H, I], shapes already checked) and their
+    fp32 128x128 block scales [E, 2 * ceil(I/128), ceil(H/128)] / [E, ceil(H/128), ceil(I/128)]."""
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        checks.check_tensor(name, w, ndim=3, dtypes=(torch.float8_e4m3fn,))
+    for name, t, weight in (("w_gate_up_scale", w_gate_up_scale, "w_gate_up"), ("w_down_scale", w_down_scale, "w_down")):
+        if t is None:
+            raise checks.bad_value(name, f"the fp32 128x128 block scales of the fp8 {weight} (a checkpoint's "
+                                   "weight_scale_inv)", None)
+        checks.check_tensor(name, t, ndim=3, dtypes=(torch.float32,))
+    E, two_i, H = w_gate_up.shape
+    kh, ki = cdiv(H, SCALE_BLOCK), cdiv(two_i // 2, SCALE_BLOCK)
+    checks.check_shape("w_gate_up_scale", w_gate_up_scale, (E, 2 * ki, kh),
+                       f"[E, 2 * ceil(I/128), ceil(H/128)] = {[E, 2 * ki, kh]} (gate blocks, then up blocks)")
+    checks.check_shape("w_down_scale", w_down_scale, (E, kh, ki), f"[E, ceil(H/128), ceil(I/128)] = {[E, kh, ki]}")
+    checks.check_same_device(w_gate_up=w_gate_up, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+
+
+def moe_sizes(x, w_gate_up, topk_ids):
+    """(T, H, E, I, k, P): tokens, hidden size, experts, intermediate size, top-k, pairs."""
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    k = topk_ids.shape[1]
+    return T, H, E, two_i // 2, k, T * k
+
+
+def expert_gemm(a, w, c, offs, **kwargs):
+    """c[r] = a[r] @ w[e].T for the rows r of expert e (2D x 3D, offs over rows; ``kwargs``:
+    ragged_launch's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
+    launch = expert_launch(a, w, c, offs, **kwargs)
+    launch.launcher.launch(launch.plan, launch.grid, launch.build(
+        c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_GROUPED_SCALES)))
+
+
+def expert_launch(a, w, c, offs, **kwargs):
+    """``expert_gemm``'s launch for operands shaped like these: a core/dispatch.py Launch whose
+    builder takes (c, a, w, offs, a_rows, c_rows, weight, scales)."""
+    wt = w.transpose(1, 2)
+    G, N, K, M = w.shape[0], c.shape[1], a.shape[1], c.shape[0]
+    strides = ((0, a.stride(0), a.stride(1)), tuple(wt.stride()), (0, c.stride(0), c.stride(1)))
+
+    def build(c, a, w, offs, a_rows, c_rows, weight, scales):
+        return ragged_args(a, w.transpose(1, 2), c, None, offs, strides, Routing(a_rows, c_rows, weight), scales, G, M, N, K)
+
+    return ragged_launch(a, wt, c, offs, ragged="M", G=G, M=M, N=N, K=K, strides_a=strides[0], strides_b=strides[1],
+                         strides_c=strides[2], rows_per_group=M // G, build=build, **kwargs)
+
+
+def expert_weight_grads(dh_pre, dy, x, h_w, token, offs, w13_dtype, w2_dtype):
+    """The experts' weight gradients over the sorted rows (2D x 2D grouped GEMMs, ragged K):
+    dW13_e = dh_pre_e^T @ x[token]_e and dW2_e = dy[token]_e^T @ h_w_e, where h_w = w * h (the
+    routing weight on h's rows, as swiglu_backward writes it: no weighted copy of dy's rows)."""
+    dw13 = grouped_matmul(dh_pre.t(), x[token], offs, out_dtype=w13_dtype)
+    dw2 = grouped_matmul(dy[token].t(), h_w, offs, out_dtype=w2_dtype)
+    return dw13, dw2
