@@ -531,6 +531,27 @@ def test_compile_fullgraph_equals_eager(fn, args, backend, device):
         assert torch.equal(g.float(), w.float()) or (backend == "inductor" and torch.allclose(g.float(), w.float()))
 
 
+def test_compile_refuses_gradients_through_fp8_moe_like_eager(device):
+    """FP8 experts have no gradient: torch.compile, torch.func.grad and the registered op itself
+    raise the eager call's ValueError (Dynamo used to trace the op, then fail in the backend:
+    "no autograd formula was registered"). The error comes before any backend: aot_eager only."""
+    torch._dynamo.reset()
+    x, w13, s13, w2, s2, weights, ids = _moe_fp8(device)
+
+    def fn(x):
+        return onegemm.moe_ffn(x, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)
+
+    with pytest.raises(ValueError) as eager:
+        fn(leaf(x))
+    assert str(eager.value).startswith("x must be free of requires_grad: moe_ffn with fp8 experts has no gradient")
+    for call in (lambda: torch.compile(fn, backend="aot_eager")(leaf(x)),
+                 lambda: torch.func.grad(lambda x: fn(x).sum())(x),
+                 lambda: torch.ops.onegemm.moe_ffn_fp8(leaf(x), w13, w2, weights, ids, s13, s2)):
+        with pytest.raises(ValueError) as got:
+            call()
+        assert str(got.value) == str(eager.value)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_trains_moe_fp8_like_eager(backend, device):
     """moe_ffn(fp8_training=True) traced whole (forward and its FP8 backward): the same bits."""
