@@ -1,6 +1,6 @@
-"""python -m onegemm: run the stored MoE layer's expert FFN through grouped_matmul.
+"""python -m onegemm: onegemm's main job, its MoE layers and GEMMs next to torch.
 
-The main job. It loads the Mixtral-style layer shipped in grouped/data/ (8 experts, hidden 256,
+It loads the Mixtral-style layer shipped in grouped/data/ (8 experts, hidden 256,
 intermediate 512, bf16), routes a batch of random tokens (top-2), runs the expert FFN through
 onegemm's grouped kernels (gather + SwiGLU GEMM, routing-weighted down GEMM, fixed-order
 combine) and compares it with plain torch: errors against a float64 reference of the same
@@ -25,6 +25,7 @@ small there and the timings only say that it ran (they are not performance numbe
 from __future__ import annotations
 
 import argparse
+import textwrap
 import time
 
 import torch
@@ -32,6 +33,24 @@ import torch
 import onegemm
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER
 from onegemm.testing import calc_diff, moe_ffn_torch
+
+
+# The job's parts in the order it runs them: what --help lists.
+PARTS = (
+    "the stored MoE layer (grouped/data/mixtral_tiny.safetensors, Mixtral-style, bf16) through onegemm's grouped "
+    "kernels: its error against float64 next to torch bf16's, its time next to torch's",
+    "with --fp8, the layer's FP8 twin (DeepSeek-V3's format): calc_diff against the float64 layer",
+    "on a GPU only, the expert FFN at Qwen3-30B-A3B's size (random weights), timed next to torch",
+    "a DeepSeek-V3-shaped layer (random weights, the real router, a shared expert) next to transformers' "
+    "DeepseekV3MoE holding the same tensors (skipped without transformers)",
+    "the core GEMM, onegemm.matmul, at an LLM linear's shape: error and time next to torch.matmul",
+)
+DESCRIPTION = "\n".join(
+    ["python -m onegemm: onegemm's main job, in parts:"]
+    + [textwrap.fill(part, 100, initial_indent=f"  {i}. ", subsequent_indent="     ", break_on_hyphens=False)
+       for i, part in enumerate(PARTS, 1)]
+    + [textwrap.fill("Without a GPU the kernels run under Triton's CPU interpreter: small sizes, and the timings only "
+                     "say that it ran.", 100)])
 
 
 def rel_err(out, ref) -> float:
@@ -147,7 +166,8 @@ def deepseek_section(T: int, device: str, dtype: torch.dtype, sizes: dict) -> bo
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m onegemm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m onegemm", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=positive_int, default=None,
                         help="batch size T for the stored layer (default: 4096 on a GPU, 128 interpreted)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random tokens and weights (default: 0)")

@@ -33,6 +33,16 @@ def test_main_job_help_describes_every_option(capsys):
     assert "--tokens" in out and "--seed" in out and "seed of the random" in out and "--fp8" in out
 
 
+def test_main_job_help_names_every_part(capsys):
+    """Each part of the job, not only the first (the stored layer)."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    description = " ".join(capsys.readouterr().out.split("options:")[0].split())
+    for part in ("mixtral_tiny.safetensors", "with --fp8, the layer's FP8 twin", "Qwen3-30B-A3B",
+                 "DeepSeek-V3-shaped layer", "DeepseekV3MoE", "the core GEMM, onegemm.matmul"):
+        assert part in description, part
+
+
 def test_bench_scripts_help_without_a_gpu():
     """Every benchmark script answers --help on any machine (none touches the GPU at import).
     The scripts start side by side: each is a fresh Python importing torch."""
