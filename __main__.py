@@ -1,6 +1,6 @@
-"""python -m onegemm: run the stored MoE layer's expert FFN through grouped_matmul.
+"""python -m onegemm: onegemm's main job, its MoE layers and GEMMs next to torch.
 
-The main job. It loads the Mixtral-style layer shipped in grouped/data/ (8 experts, hidden 256,
+It loads the Mixtral-style layer shipped in grouped/data/ (8 experts, hidden 256,
 intermediate 512, bf16), routes a batch of random tokens (top-2), runs the expert FFN through
 onegemm's grouped kernels (gather + SwiGLU GEMM, routing-weighted down GEMM, fixed-order
 combine) and compares it with plain torch: errors against a float64 reference of the same
@@ -25,6 +25,7 @@ small there and the timings only say that it ran (they are not performance numbe
 from __future__ import annotations
 
 import argparse
+import textwrap
 import time
 
 import torch
@@ -32,6 +33,36 @@ import torch
 import onegemm
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER
 from onegemm.testing import calc_diff, moe_ffn_torch
+
+
+# The job's parts in the order it runs them: what --help lists.
+PARTS = (
+    "the stored MoE layer (grouped/data/mixtral_tiny.safetensors, Mixtral-style, bf16) through onegemm's grouped "
+    "kernels: its error against float64 next to torch bf16's, its time next to torch's",
+    "with --fp8, the layer's FP8 twin (DeepSeek-V3's format): calc_diff against the float64 layer",
+    "on a GPU only, the expert FFN at Qwen3-30B-A3B's size (random weights), timed next to torch",
+    "a DeepSeek-V3-shaped layer (random weights, the real router, a shared expert) next to transformers' "
+    "DeepseekV3MoE holding the same tensors (skipped without transformers)",
+    "the core GEMM, onegemm.matmul, at an LLM linear's shape: error and time next to torch.matmul",
+)
+DESCRIPTION = "\n".join(
+    ["python -m onegemm: onegemm's main job, in parts:"]
+    + [textwrap.fill(part, 100, initial_indent=f"  {i}. ", subsequent_indent="     ", break_on_hyphens=False)
+       for i, part in enumerate(PARTS, 1)]
+    + [textwrap.fill("Without a GPU the kernels run under Triton's CPU interpreter: small sizes, and the timings only "
+                     "say that it ran.", 100)])
+
+# Triton's CPU interpreter truncates fp32 -> bf16 where a GPU, like torch, rounds to nearest
+# (docs/interpreter.md): that alone makes onegemm's bf16 error there about twice torch's.
+TRUNCATION_NOTE = ("  (onegemm's about twice torch's: Triton's CPU interpreter truncates fp32 -> bf16 where torch and "
+                   "a GPU round to nearest; docs/interpreter.md)")
+
+
+def bf16_errors(ours: tuple, theirs: tuple, gpu: bool) -> str:
+    """onegemm's and torch's bf16 errors, (label, error) each, one line each; under the
+    interpreter a third line says why onegemm's is about twice torch's."""
+    lines = [f"  {label}: {err:.2e}" for label, err in (ours, theirs)]
+    return "\n".join(lines if gpu else [*lines, TRUNCATION_NOTE])
 
 
 def rel_err(out, ref) -> float:
@@ -147,7 +178,8 @@ def deepseek_section(T: int, device: str, dtype: torch.dtype, sizes: dict) -> bo
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m onegemm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m onegemm", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=positive_int, default=None,
                         help="batch size T for the stored layer (default: 4096 on a GPU, 128 interpreted)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random tokens and weights (default: 0)")
@@ -188,8 +220,9 @@ def run(args) -> int:
     same_experts = (ids.long().sort(-1).values == ids64.sort(-1).values).all(-1).float().mean().item()
     print(f"routing: {100 * same_experts:.2f}% of tokens pick the same experts as float64 logits")
     print("expert FFN, relative Frobenius error against float64 torch on the same routing:")
-    print(f"  onegemm MoEFFN (grouped_matmul kernels): {rel_err(y, ref):.2e}")
-    print(f"  torch {x.dtype} ({'torch._grouped_mm' if gpu else 'torch.mm per expert'}): {rel_err(torch_bf16, ref):.2e}")
+    print(bf16_errors(("onegemm MoEFFN (grouped_matmul kernels)", rel_err(y, ref)),
+                      (f"torch {x.dtype} ({'torch._grouped_mm' if gpu else 'torch.mm per expert'})",
+                       rel_err(torch_bf16, ref)), gpu))
     print(f"  bitwise identical on a rerun: {torch.equal(layer(x), y)}")
 
     ok_fp8 = fp8_section(x, weights, ids, layer, gpu) if args.fp8 else True
@@ -228,8 +261,8 @@ def run(args) -> int:
     w = (torch.randn(N, K, device=device) * K**-0.5).to(torch.bfloat16)
     c = onegemm.matmul(a, w.t())
     c_ref = a.double() @ w.double().t()
-    print(f"\ncore GEMM [{M}, {K}] @ [{K}, {N}] bf16 (weight as W.t()):")
-    print(f"  error vs float64: onegemm.matmul {rel_err(c, c_ref):.2e}, torch.matmul {rel_err(a @ w.t(), c_ref):.2e}")
+    print(f"\ncore GEMM [{M}, {K}] @ [{K}, {N}] bf16 (weight as W.t()), relative error against float64:")
+    print(bf16_errors(("onegemm.matmul", rel_err(c, c_ref)), ("torch.matmul", rel_err(a @ w.t(), c_ref)), gpu))
     if gpu:
         print(timing_line("onegemm.matmul vs torch.matmul", lambda: onegemm.matmul(a, w.t()), lambda: a @ w.t(), 2 * M * N * K))
     else:

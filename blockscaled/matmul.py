@@ -121,11 +121,15 @@ def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma, u
     return scaling, checks.resolve_out_dtype(out_dtype, a.dtype)
 
 
+def _no_grad(a, b, scale_a, scale_b, bias, *rest) -> None:
+    checks.check_not_differentiable("blockscaled_matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+
+
 def blockscaled_record(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, use_fast_accum=False,
                        config=None) -> Record:
     """blockscaled_matmul's full path: its checks and decisions, as a Record (core/dispatch.py)."""
     scaling, out_dtype = _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma, use_fast_accum)
-    checks.check_not_differentiable("blockscaled_matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    _no_grad(a, b, scale_a, scale_b, bias)
     return scaled_record(a, b, scale_a, scale_b, scaling, out_dtype, bias, activation, config, tma, use_fast_accum)
 
 
@@ -140,7 +144,8 @@ def _blockscaled_fake(a, b, scale_a, scale_b, bias, out_dtype, activation, tma, 
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake, record=blockscaled_record, tensors=5)
+BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake, record=blockscaled_record, tensors=5,
+                    no_grad=_no_grad)
 
 
 def run_blockscaled(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None, activation=None, config=None,

@@ -16,6 +16,8 @@ failure.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -199,6 +201,39 @@ def check_int(name: str, value, low: int | None = None, high: int | None = None,
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise bad_value(name, f"an int {bounds}{' ' + what if what else ''}", value)
+
+
+def check_path(name: str, value, what: str) -> None:
+    """A str or os.PathLike (``what``: the file or folder it names). Anything else would reach
+    the file system and come back as an unreadable file named by its repr ("None: ...")."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise bad_type(name, f"a str or os.PathLike ({what})", value)
+
+
+def resolve_device(name: str, device) -> torch.device:
+    """A device where onegemm's kernels run (None: the default one): CUDA, or the CPU under the
+    interpreter. Checked here because torch's own errors for a device the machine lacks
+    (an AssertionError, "Torch not compiled with CUDA enabled") name neither the argument
+    nor what to pass."""
+    if device is None:
+        return torch.device("cpu" if INTERPRET else "cuda")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise bad_type(name, "None, a str, an int (a CUDA ordinal) or a torch.device", device)
+    try:
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as e:
+        raise bad_value(name, "a device such as 'cuda', 'cuda:1' or 'cpu'", repr(device)) from e
+    if INTERPRET:
+        if d.type != "cpu":
+            raise bad_value(name, "'cpu' or None under Triton's interpreter (TRITON_INTERPRET=1: the kernels read "
+                            "host memory)", repr(device))
+        return d
+    if d.type != "cuda":
+        raise bad_value(name, "a CUDA device or None (the kernels run on the GPU)", repr(device))
+    n = torch.cuda.device_count()
+    if d.index is not None and d.index >= n:
+        raise bad_value(name, f"a CUDA device this machine has (cuda:0 to cuda:{n - 1})", repr(device))
+    return d
 
 
 def check_choice(name: str, value, choices) -> None:

@@ -376,6 +376,18 @@ def first_order_only(backward: Callable, op: str) -> Callable:
     return wrapped
 
 
+def _refuse(no_grad: Callable, inputs: tuple) -> None:
+    # setup_context runs only where autograd records the call, inside the op's forward, where
+    # grad mode is off: back on, for the check's own test of it.
+    with torch.enable_grad():
+        no_grad(*inputs)
+
+
+def _no_backward(ctx, *grads):
+    raise AssertionError("an op without gradients was differentiated: its no_grad check let an input requiring grad "
+                         "through (a onegemm bug)")
+
+
 class Op:
     """One onegemm op in its three forms (module docstring).
 
@@ -396,11 +408,15 @@ class Op:
     second forward GEMM). ``differentiable``: the names of the leading tensor arguments
     whose fp8 dtype rules gradients out. A cached call's autograd route passes its
     ``setup_context`` the ``tensors`` leading arguments alone: it may read only those.
+    ``no_grad`` (an op without gradients): its check of ``args`` (checks.check_not_differentiable),
+    which the record runs; the registered op's routes run it first too, and its autograd rule
+    runs it, so torch.compile raises the eager call's ValueError, not Dynamo's "no autograd
+    formula was registered" from tracing a backward the op does not have.
     """
 
     def __init__(self, name: str, impl: Callable, fake: Callable, setup_context: Callable | None = None,
                  backward: Callable | None = None, *, record: Callable | None = None, tensors: int = 0,
-                 activation: int | None = None, differentiable: tuple = ()):
+                 activation: int | None = None, differentiable: tuple = (), no_grad: Callable | None = None):
         self.name = name
         self.impl = impl
         self.custom = torch.library.custom_op(f"onegemm::{name}", impl, mutates_args=())
@@ -440,6 +456,9 @@ class Op:
             # which a Function without setup_context skips, and functorch's unwrapping of dead
             # wrappers, which ``Cached`` has done before any record is built).
             self.recorded_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, self.recorded)
+        self.no_grad = no_grad
+        if no_grad is not None:
+            self.custom.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: _refuse(no_grad, inputs))
         self.record = record
         self.tensors = tensors
         self.activation = activation
@@ -462,6 +481,8 @@ class Op:
             checks.check_activation(act)
             rest = rest[: i - n] + (None,) + rest[i - n + 1:]
         if custom:
+            if self.no_grad is not None:  # raised where Dynamo traces, the eager ValueError reaches the caller
+                self.no_grad(*args)
             apply = self.custom
         else:
             run = self.record(*args[:n], *rest)  # the checks, before any attribute of a wrong argument is read

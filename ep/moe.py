@@ -22,7 +22,7 @@ from torch import nn
 from ..blockscaled.quantize import quantize_fp8
 from ..core import checks
 from ..core.matmul import matmul
-from ..core.runtime import INTERPRET, cdiv
+from ..core.runtime import cdiv
 from ..core.scaling import SCALE_BLOCK
 from ..grouped.loading import read_layer
 from ..grouped.moe import moe_ffn
@@ -331,6 +331,7 @@ class EPMoEFFN(nn.Module):
         has none of them."""
         _, world, rank = resolve_group(group)
         checks.check_int("top_k", top_k, 1, what="(the experts per token)")
+        device = checks.resolve_device("device", device)
 
         def mine(E):
             local = _local_experts(E, world, f" ({path}: {E} experts in the router)")
@@ -341,7 +342,6 @@ class EPMoEFFN(nn.Module):
         if extra:
             raise checks.in_file(path, f"holds {extra} under prefix {prefix!r}: EPMoEFFN runs a softmax router and "
                                        "routed SwiGLU experts only")
-        device = ("cpu" if INTERPRET else "cuda") if device is None else device
         layer = {k: v.to(device) for k, v in layer.items()}
         return cls(layer.pop("gate_weight"), layer.pop("w_gate_up"), layer.pop("w_down"), top_k, renormalize,
                    group=group, strategy=strategy, **layer)

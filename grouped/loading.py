@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ..core import checks
-from ..core.runtime import INTERPRET, cdiv
+from ..core.runtime import cdiv
 from ..core.scaling import SCALE_BLOCK
 
 # An expert's (gate, up, down) weight names, and what the errors call them.
@@ -299,10 +299,6 @@ def _shared(keys: LayerKeys, gate) -> dict:
     return out
 
 
-def _default_device(device):
-    return ("cpu" if INTERPRET else "cuda") if device is None else device
-
-
 def _build(cls, tensors: dict, device, **options):
     return cls(**{k: v.to(device) for k, v in tensors.items()}, **options)
 
@@ -310,6 +306,7 @@ def _build(cls, tensors: dict, device, **options):
 def read_layer(path, prefix: str = "", *, experts=None) -> dict:
     """One safetensors file's MoE block under ``prefix`` as MoEFFN's tensor arguments (CPU),
     every key accounted for (``parse_layer``; ``experts``: its expert range option)."""
+    checks.check_path("path", path, "the safetensors file")
     if not isinstance(prefix, str):
         raise checks.bad_type("prefix", "a str", prefix)
     with ExitStack() as stack:
@@ -322,6 +319,7 @@ def read_layer(path, prefix: str = "", *, experts=None) -> dict:
 def read_file_layer(cls, path, prefix, top_k, renormalize, device, routing):
     """MoEFFN.from_safetensors."""
     checks.check_int("top_k", top_k, 1, what="(the experts per token)")
+    device = checks.resolve_device("device", device)  # before the file is read
     layer = read_layer(path, prefix)
     if "correction_bias" in layer and routing.get("scoring") != "sigmoid":
         raise checks.in_file(path, f"tensor {prefix + 'gate.e_score_correction_bias'!r} is a correction bias "
@@ -330,7 +328,7 @@ def read_file_layer(cls, path, prefix, top_k, renormalize, device, routing):
                                    "MoEFFN.from_pretrained")
     if "w_gate_up_bias" in layer and routing.get("swiglu_limit") is None:
         raise checks.in_file(path, f"tensor {prefix + 'experts.gate_up_proj_bias'!r}: {GPT_OSS_SWIGLU}")
-    return _build(cls, layer, _default_device(device), top_k=top_k, renormalize=renormalize, **routing)
+    return _build(cls, layer, device, top_k=top_k, renormalize=renormalize, **routing)
 
 
 # ---- Hugging Face model folders ----
@@ -492,6 +490,8 @@ def _check_with_config(tensors_, cfg, model_type, options, *, prefix, where, con
 
 def read_pretrained_layer(cls, path, layer, device):
     """MoEFFN.from_pretrained."""
+    checks.check_path("path", path, "the model folder")
+    device = checks.resolve_device("device", device)
     folder = Path(path)
     config_path = folder / "config.json"
     try:
@@ -522,13 +522,15 @@ def read_pretrained_layer(cls, path, layer, device):
         tensors_ = parse_layer(LayerKeys(tensors, prefix, folder))
     _check_with_config(tensors_, cfg, model_type, options, prefix=prefix, where=folder, config_path=config_path,
                        config_name="config.json", block=f"layer {layer} ({prefix!r})")
-    return _build(cls, tensors_, _default_device(device), **options)
+    return _build(cls, tensors_, device, **options)
 
 
 def read_state_dict_layer(cls, state_dict, config, prefix, device):
     """MoEFFN.from_state_dict."""
     if not isinstance(state_dict, dict):
         raise checks.bad_type("state_dict", "a dict of tensors (a module's state_dict())", state_dict)
+    if device is not None:  # None: the tensors' own device
+        device = checks.resolve_device("device", device)
     if not isinstance(prefix, str):
         raise checks.bad_type("prefix", "a str", prefix)
     if hasattr(config, "to_dict"):  # a transformers config

@@ -265,13 +265,17 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return MOE_FP8.direct(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
 
 
+def _moe_fp8_no_grad(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+    checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
+                                    topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
+                                    w_down_scale=w_down_scale, x_scale=x_scale)
+
+
 def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
     """The FP8 moe_ffn's full path for its arguments' signature: the checks, then the Gluon
     pipeline (on sm_90, ``wgmma.gluon_grouped_mode``) or the Triton body's (_moe_pipeline)."""
     _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
-    checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
-                                    topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
-                                    w_down_scale=w_down_scale, x_scale=x_scale)
+    _moe_fp8_no_grad(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
     mode = gluon_grouped_mode(w_gate_up, P, E) if P else None
     if mode is not None and gluon_grouped_mode(w_down, P, E) == mode:
@@ -450,4 +454,4 @@ MOE_TRAIN = Op("moe_ffn_train", _moe_train_impl, _moe_train_fake, _moe_train_set
                record=_moe_train_record, tensors=5)
 # FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
 # be traced on every bf16 call too), without a gradient.
-MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake, record=_moe_fp8_record, tensors=8)
+MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake, record=_moe_fp8_record, tensors=8, no_grad=_moe_fp8_no_grad)

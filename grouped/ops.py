@@ -295,8 +295,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
             return GROUPED_FP8.call(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
         return GROUPED.call(a, b, offs, bias, activation, out_dtype, check_offs, tma)
     if fp8:
-        checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a,
-                                        scale_b=scale_b, bias=bias)
+        _fp8_no_grad(a, b, offs, scale_a, scale_b, bias)
     begin(config, a, b, bias)
     record = grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config, scale_a, scale_b)
     return record(a, b, offs, scale_a, scale_b, bias) if fp8 else record(a, b, offs, bias)
@@ -404,6 +403,11 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
     return scales, scaling
 
 
+def _fp8_no_grad(a, b, offs, scale_a, scale_b, bias) -> None:
+    checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a, scale_b=scale_b,
+                                    bias=bias)
+
+
 def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config=None, scale_a=None,
                    scale_b=None) -> Record:
     """grouped_matmul's tensor modes: the full path (checks and decisions) as a Record
@@ -417,8 +421,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
                                                             scale_a, scale_b)
     fp8 = scales is not None
     if fp8:
-        checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a,
-                                        scale_b=scale_b, bias=bias)
+        _fp8_no_grad(a, b, offs, scale_a, scale_b, bias)
     # offs values are read on every call (check_offs, or offs on the CPU); the rest is metadata.
     check = None if bound is None else (lambda a, b, offs, *rest: check_offs_values(offs, *bound))
     device = a.device
@@ -536,7 +539,8 @@ GROUPED = Op("grouped_mm", _grouped_impl, _grouped_fake, _grouped_setup, _groupe
              differentiable=("a", "b"), record=grouped_record)
 # The FP8 (scaled) 2D x 3D call: its own registered op, without a gradient.
 GROUPED_FP8 = Op("grouped_mm_fp8", _grouped_fp8_impl, _grouped_fp8_fake, tensors=6,
-                 record=lambda a, b, offs, sa, sb, bias, *rest: grouped_record(a, b, offs, bias, *rest, None, sa, sb))
+                 record=lambda a, b, offs, sa, sb, bias, *rest: grouped_record(a, b, offs, bias, *rest, None, sa, sb),
+                 no_grad=lambda a, b, offs, sa, sb, bias, *rest: _fp8_no_grad(a, b, offs, sa, sb, bias))
 
 
 def _list_mode(As, Bs, activation, out_dtype, config):

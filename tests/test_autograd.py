@@ -531,6 +531,56 @@ def test_compile_fullgraph_equals_eager(fn, args, backend, device):
         assert torch.equal(g.float(), w.float()) or (backend == "inductor" and torch.allclose(g.float(), w.float()))
 
 
+def _no_grad_moe_fp8(d):
+    x, w13, s13, w2, s2, weights, ids = _moe_fp8(d)
+    return (lambda x: onegemm.moe_ffn(x, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2), x,
+            lambda x: torch.ops.onegemm.moe_ffn_fp8(x, w13, w2, weights, ids, s13, s2))
+
+
+def _no_grad_blockscaled(d):
+    (qa, sa), (qb, sb) = onegemm.quantize_fp8(_r(17, 24, d=d)), onegemm.quantize_fp8(_r(9, 24, d=d), (128, 128))
+    return (lambda bias: onegemm.blockscaled_matmul(qa, qb.t(), sa, sb.t(), bias=bias), _r(9, d=d),
+            lambda bias: torch.ops.onegemm.blockscaled_mm(qa, qb.t(), sa, sb.t(), bias, None, None, None))
+
+
+def _no_grad_grouped_fp8(d):
+    a, b = _r(6, 32, d=d).to(torch.float8_e4m3fn), _r(2, 32, 16, d=d).to(torch.float8_e4m3fn)
+    sa, sb, offs = torch.ones(6, 1, device=d), torch.ones(2, 1, 16, device=d), torch.tensor([2, 6], dtype=torch.int32, device=d)
+    return (lambda bias: onegemm.grouped_matmul(a, b, offs, bias=bias, scale_a=sa, scale_b=sb), _r(2, 16, d=d),
+            lambda bias: torch.ops.onegemm.grouped_mm_fp8(a, b, offs, sa, sb, bias, None, None, None, None))
+
+
+# (inputs(device) -> (the public call of one tensor, that tensor, the registered op's call), the
+# eager error's start): the ops without gradients.
+NO_GRAD_CASES = [
+    pytest.param(_no_grad_moe_fp8, "x must be free of requires_grad: moe_ffn with fp8 experts has no gradient",
+                 id="moe_ffn fp8"),
+    pytest.param(_no_grad_blockscaled, "bias must be free of requires_grad: blockscaled_matmul has no gradient",
+                 id="blockscaled_matmul"),
+    pytest.param(_no_grad_grouped_fp8, "bias must be free of requires_grad: grouped_matmul with scales (fp8) has no "
+                 "gradient", id="grouped_matmul fp8"),
+]
+
+
+@pytest.mark.parametrize("inputs,start", NO_GRAD_CASES)
+def test_compile_refuses_gradients_like_eager(inputs, start, device):
+    """An op without gradients, given a tensor that requires grad: torch.compile, torch.func.grad
+    and the registered op itself raise the eager call's ValueError (Dynamo used to trace the op,
+    then fail in the backend: "no autograd formula was registered"). The error comes before any
+    backend: aot_eager only."""
+    torch._dynamo.reset()
+    fn, t, op = inputs(device)
+    with pytest.raises(ValueError) as eager:
+        fn(leaf(t))
+    assert str(eager.value).startswith(start), str(eager.value)
+    for call in (lambda: torch.compile(fn, backend="aot_eager")(leaf(t)),
+                 lambda: torch.func.grad(lambda t: fn(t).float().sum())(t),
+                 lambda: op(leaf(t))):
+        with pytest.raises(ValueError) as got:
+            call()
+        assert str(got.value) == str(eager.value)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_trains_moe_fp8_like_eager(backend, device):
     """moe_ffn(fp8_training=True) traced whole (forward and its FP8 backward): the same bits."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onegemm.__main__ import DEEPSEEK_TINY, deepseek_section, main
+from onegemm.__main__ import DEEPSEEK_TINY, TRUNCATION_NOTE, bf16_errors, deepseek_section, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +31,26 @@ def test_main_job_help_describes_every_option(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "--tokens" in out and "--seed" in out and "seed of the random" in out and "--fp8" in out
+
+
+def test_main_job_help_names_every_part(capsys):
+    """Each part of the job, not only the first (the stored layer)."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    description = " ".join(capsys.readouterr().out.split("options:")[0].split())
+    for part in ("mixtral_tiny.safetensors", "with --fp8, the layer's FP8 twin", "Qwen3-30B-A3B",
+                 "DeepSeek-V3-shaped layer", "DeepseekV3MoE", "the core GEMM, onegemm.matmul"):
+        assert part in description, part
+
+
+def test_main_job_says_why_interpreted_bf16_errors_are_twice_torchs():
+    """Under the interpreter the error lines say that its truncating bf16 stores (not onegemm's
+    arithmetic) double the error; on a GPU they are the two errors alone."""
+    rows = ("onegemm.matmul", 3.30e-3), ("torch.matmul", 1.66e-3)
+    assert bf16_errors(*rows, gpu=True) == "  onegemm.matmul: 3.30e-03\n  torch.matmul: 1.66e-03"
+    assert bf16_errors(*rows, gpu=False) == bf16_errors(*rows, gpu=True) + "\n" + TRUNCATION_NOTE
+    assert "twice torch's" in TRUNCATION_NOTE and "interpreter truncates fp32 -> bf16" in TRUNCATION_NOTE
+    assert "docs/interpreter.md" in TRUNCATION_NOTE
 
 
 def test_bench_scripts_help_without_a_gpu():

@@ -229,6 +229,16 @@ def test_ep_layer_refuses_what_it_cannot_run(tmp_path, one_rank):
         onegemm.EPMoEFFN.from_safetensors(path, top_k=2)
 
 
+def test_ep_layer_names_a_wrong_path_or_device(one_rank):
+    """MoEFFN.from_safetensors's checks: the argument named, not torch's AssertionError for a
+    device without CUDA or an unreadable file called "None"."""
+    wrong, want = ("cuda", "'cpu' or None under Triton's interpreter") if onegemm.INTERPRET else ("cpu", "a CUDA device")
+    with pytest.raises(ValueError, match=f"^device must be {want}"):
+        onegemm.EPMoEFFN.from_safetensors(STORED_FP8_LAYER, device=wrong)
+    with pytest.raises(TypeError, match=r"^path must be a str or os.PathLike \(the safetensors file\), got NoneType"):
+        onegemm.EPMoEFFN.from_safetensors(None)
+
+
 def test_choose_strategy_rule():
     assert choose_strategy("auto", ALLGATHER_MAX_TOKENS) == "allgather"
     assert choose_strategy("auto", ALLGATHER_MAX_TOKENS + 1) == "alltoall"

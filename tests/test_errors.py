@@ -149,6 +149,36 @@ def test_from_safetensors_bad_file(case, make, match, tmp_path, device):
     assert str(path) in str(err.value)
 
 
+# ---- MoEFFN's loaders: a wrong path or device names the argument ----
+
+
+# A device torch knows but the kernels do not run on: torch's own error would be an
+# AssertionError ("Torch not compiled with CUDA enabled") or the layer's check of gate_weight.
+WRONG_DEVICE = "cuda" if onegemm.INTERPRET else "cpu"
+WHERE_KERNELS_RUN = "'cpu' or None under Triton's interpreter" if onegemm.INTERPRET else "a CUDA device or None"
+LOADERS = {
+    "from_safetensors": lambda **kw: onegemm.MoEFFN.from_safetensors(kw.pop("path", STORED_LAYER), **kw),
+    "from_pretrained": lambda **kw: onegemm.MoEFFN.from_pretrained(kw.pop("path", STORED_LAYER.parent), 0, **kw),
+    "from_state_dict": lambda **kw: onegemm.MoEFFN.from_state_dict({}, {}, **kw),
+}
+LOADER_ARGS = [
+    ("from_safetensors", dict(path=None), TypeError, "path must be a str or os.PathLike (the safetensors file), got NoneType"),
+    ("from_pretrained", dict(path=None), TypeError, "path must be a str or os.PathLike (the model folder), got NoneType"),
+    *((loader, dict(device=WRONG_DEVICE), ValueError, f"device must be {WHERE_KERNELS_RUN}") for loader in LOADERS),
+    ("from_safetensors", dict(device="gpu"), ValueError, "device must be a device such as 'cuda', 'cuda:1' or 'cpu', got 'gpu'"),
+    ("from_safetensors", dict(device=1.0), TypeError,
+     "device must be None, a str, an int (a CUDA ordinal) or a torch.device, got float"),
+]
+
+
+@pytest.mark.parametrize("loader,kwargs,exc,start", LOADER_ARGS,
+                         ids=[f"{row[0]}-{'-'.join(f'{k}={v}' for k, v in row[1].items())}" for row in LOADER_ARGS])
+def test_moeffn_loaders_name_path_and_device(loader, kwargs, exc, start):
+    with pytest.raises(exc) as err:
+        LOADERS[loader](**kwargs)
+    assert str(err.value).startswith(start), str(err.value)
+
+
 # ---- Fp8Linear under a module dtype cast ----
 
 
