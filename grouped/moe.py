@@ -108,6 +108,86 @@ def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids):
     return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
+class _Intermediates:
+    """moe_ffn's intermediates for one call signature: where each lives in the call's one
+    workspace (core/dispatch.py Workspace: the sort's pair / token / offs, x's fp8 copy ``xq``
+    and its 1x128 scales ``xs`` stored [kh, T], h and its scales ``hs`` stored [ki, P],
+    ``y_pairs``), and the tensors each step of the pipeline takes from it, in its launch
+    builder's order (each step's ``.on``)."""
+
+    def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool):
+        T, H, E, I, k, P = sizes
+        kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
+        parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
+        if quantize_x:
+            parts.update(xq=((T, H), fp8_dtype), xs=((kh, T), torch.float32))
+        parts["h"] = ((P, I), h_dtype)
+        if fp8:
+            parts["hs"] = ((ki, P), torch.float32)
+        parts["y_pairs"] = ((P, H), dtype)
+        self.names = tuple(parts)
+        self.workspace = Workspace(device, *parts.values())
+        self.fp8, self.quantize_x = fp8, quantize_x
+        self._h = self.names.index("h")
+
+    def views(self, buffer) -> dict:
+        out = dict(zip(self.names, self.workspace.parts(buffer)))
+        for name in ("xs", "hs"):  # 1x128 scales: [rows, kb] views of their [kb, rows] storage
+            if name in out:
+                out[name] = out[name].t()
+        return out
+
+    def h(self, buffer):
+        """h's part alone (the training forward's SwiGLU writes it)."""
+        return self.workspace.part(buffer, self._h)
+
+    def sort_tensors(self, ids, buffer):
+        v = self.views(buffer)
+        return ids, v["pair"], v["token"], v["offs"]
+
+    def quantize_tensors(self, x, buffer):
+        v = self.views(buffer)
+        return x, v["xq"], v["xs"]
+
+    def scales1(self, v, x_scale, w_gate_up_scale):
+        """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel), W13's, h's (written)."""
+        if not self.fp8:
+            return NO_GROUPED_SCALES
+        return grouped_scales(a=v["xs"] if self.quantize_x else x_scale, b=w_gate_up_scale.transpose(1, 2), out=v["hs"])
+
+    def scales2(self, v, w_down_scale):
+        return grouped_scales(a=v["hs"], b=w_down_scale.transpose(1, 2)) if self.fp8 else NO_GROUPED_SCALES
+
+    def gemm1_tensors(self, c, buffer, x, x_scale, w_gate_up, w_gate_up_scale):
+        """GEMM1's: h (or the pre-activation ``c``) of x's rows token[r] (gathered)."""
+        v = self.views(buffer)
+        return ((v["h"] if c is None else c), v["xq"] if self.quantize_x else x, w_gate_up, v["offs"], v["token"],
+                None, None, self.scales1(v, x_scale, w_gate_up_scale))
+
+    def fused_gemm1_tensors(self, buffer, *rest):
+        return self.gemm1_tensors(None, buffer, *rest)
+
+    def gemm2_tensors(self, buffer, w_down, w_down_scale, weights):
+        """GEMM2's: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) (scattered)."""
+        v = self.views(buffer)
+        return v["y_pairs"], v["h"], w_down, v["offs"], None, v["pair"], weights.view(-1), self.scales2(v, w_down_scale)
+
+    def combine_tensors(self, out, buffer, ids):
+        return out, self.views(buffer)["y_pairs"], ids
+
+
+def _x_quantizer(x, dtype):
+    """The step that writes x's fp8 copy and 1x128 scales (builder: (x, q, scale))."""
+    if not INTERPRET:
+        return quantize_launch(x, ROW_BLOCKS, dtype, False)
+
+    def torch_quantize(x, q, scale):  # the quantiser's torch path (blockscaled/quantize.py: the interpreter's fp8 cast of NaN)
+        for part, value in zip((q, scale), QUANTIZE_FP8(x, (1, SCALE_BLOCK), dtype, False, False, False)):
+            part.copy_(value)
+
+    return Step(torch_quantize)
+
+
 def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
                   keep_pre=False):
     """The sort, GEMM1 (gather + SwiGLU), GEMM2 (routing weight, scatter) and the combine:
@@ -133,7 +213,8 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     and the callable returns (y, h_pre): the backward keeps h_pre rather than recomputing
     GEMM1, the largest of the expert GEMMs.
     """
-    T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
+    sizes = moe_sizes(x, w_gate_up, topk_ids)
+    T, H, E, I, k, P = sizes
     device, dtype = x.device, _out_dtype(x)
     if P == 0:
         if keep_pre:
@@ -142,95 +223,36 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     fp8 = w_gate_up_scale is not None
     quantize_x = fp8 and x_scale is None
     h_dtype = w_gate_up.dtype if fp8 else dtype
-    kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
-    # Every intermediate in one allocation (core/dispatch.py Workspace): the sort's outputs,
-    # x's fp8 copy and its scales stored [kh, T], h and its scales stored [ki, P], y_pairs.
-    parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
-    if quantize_x:
-        parts.update(xq=((T, H), w_gate_up.dtype), xs=((kh, T), torch.float32))
-    parts["h"] = ((P, I), h_dtype)
-    if fp8:
-        parts["hs"] = ((ki, P), torch.float32)
-    parts["y_pairs"] = ((P, H), dtype)
-    workspace = Workspace(device, *parts.values())
-    h_part = list(parts).index("h")
-
-    def views(buffer) -> dict:
-        out = dict(zip(parts, workspace.parts(buffer)))
-        for name in ("xs", "hs"):  # 1x128 scales: [rows, kb] views of their [kb, rows] storage
-            if name in out:
-                out[name] = out[name].t()
-        return out
-
-    def sort_tensors(ids, buffer):
-        v = views(buffer)
-        return ids, v["pair"], v["token"], v["offs"]
-
-    sort = sort_step(topk_ids, E).on(sort_tensors)
-    quantize = None
-    if quantize_x:
-        if INTERPRET:  # the quantiser's torch path (blockscaled/quantize.py: the interpreter's fp8 cast of NaN)
-            def torch_quantize(x, q, scale):
-                for part, value in zip((q, scale), QUANTIZE_FP8(x, (1, SCALE_BLOCK), w_gate_up.dtype, False, False, False)):
-                    part.copy_(value)
-            quantize = Step(torch_quantize)
-        else:
-            quantize = quantize_launch(x, ROW_BLOCKS, w_gate_up.dtype, False)
-
-        def quantize_tensors(x, buffer):
-            v = views(buffer)
-            return x, v["xq"], v["xs"]
-
-        quantize = quantize.on(quantize_tensors)
-
-    def scales1(v, x_scale, w_gate_up_scale):
-        """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel), W13's, h's (written)."""
-        if not fp8:
-            return NO_GROUPED_SCALES
-        return grouped_scales(a=v["xs"] if quantize_x else x_scale, b=w_gate_up_scale.transpose(1, 2), out=v["hs"])
-
-    def scales2(v, w_down_scale):
-        return grouped_scales(a=v["hs"], b=w_down_scale.transpose(1, 2)) if fp8 else NO_GROUPED_SCALES
-
-    def gemm1_tensors(c, buffer, x, x_scale, w_gate_up, w_gate_up_scale):
-        """GEMM1's builder's tensors: h (or the pre-activation ``c``) of x's rows token[r]."""
-        v = views(buffer)
-        return ((v["h"] if c is None else c), v["xq"] if quantize_x else x, w_gate_up, v["offs"], v["token"], None, None,
-                scales1(v, x_scale, w_gate_up_scale))
-
-    def gemm2_tensors(buffer, w_down, w_down_scale, weights):
-        """GEMM2's: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T)."""
-        v = views(buffer)
-        return v["y_pairs"], v["h"], w_down, v["offs"], None, v["pair"], weights.view(-1), scales2(v, w_down_scale)
-
-    def combine_tensors(out, buffer, ids):
-        return out, views(buffer)["y_pairs"], ids
-
+    inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x)
+    sort = sort_step(topk_ids, E).on(inter.sort_tensors)
+    quantize = _x_quantizer(x, w_gate_up.dtype).on(inter.quantize_tensors) if quantize_x else None
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
     fp32_weights = topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
-    v = views(workspace.new())
+    v = inter.views(inter.workspace.new())
     a1, weights = (v["xq"] if quantize_x else x), topk_weights.to(torch.float32).contiguous()
     if keep_pre:
         gemm1 = expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],
-                              a_rows=v["token"]).on(gemm1_tensors)
+                              a_rows=v["token"]).on(inter.gemm1_tensors)
     else:
         gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True,
-                              scales=scales1(v, x_scale, w_gate_up_scale),
+                              scales=inter.scales1(v, x_scale, w_gate_up_scale),
                               **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
-        gemm1 = gemm1.on(lambda buffer, *rest: gemm1_tensors(None, buffer, *rest))
+        gemm1 = gemm1.on(inter.fused_gemm1_tensors)
     gemm2 = expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
-                          scales=scales2(v, w_down_scale), **(dict(scaling=BLOCKWISE) if fp8 else {})).on(gemm2_tensors)
-    combine = combine_launch(v["y_pairs"], topk_ids, E, dtype).on(combine_tensors)
+                          scales=inter.scales2(v, w_down_scale),
+                          **(dict(scaling=BLOCKWISE) if fp8 else {})).on(inter.gemm2_tensors)
+    combine = combine_launch(v["y_pairs"], topk_ids, E, dtype).on(inter.combine_tensors)
+    new_buffer = inter.workspace.new
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
-        buffer = workspace.new()
+        buffer = new_buffer()
         sort(topk_ids, buffer)
         if quantize is not None:
             quantize(x, buffer)
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
             gemm1(h_pre, buffer, x, x_scale, w_gate_up, w_gate_up_scale)
-            swiglu_forward(h_pre, h_dtype, out=workspace.part(buffer, h_part))
+            swiglu_forward(h_pre, h_dtype, out=inter.h(buffer))
         else:
             gemm1(buffer, x, x_scale, w_gate_up, w_gate_up_scale)
         gemm2(buffer, w_down, w_down_scale, topk_weights if fp32_weights else topk_weights.to(torch.float32).contiguous())
