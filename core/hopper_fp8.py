@@ -111,7 +111,24 @@ def _consumer_rows(block_m, swiglu, pingpong):
 @aggregate
 class Tiling:
     """The body's tile options (the kernel's constexprs) and what follows from them: what each
-    partition reads instead of fifteen flat arguments."""
+    partition reads instead of fifteen flat arguments.
+
+    SWIGLU (GROUPED): W holds each group's gate rows then its up rows (b_rows = 2N); C gets
+       silu(gate) * up. The two consumers compute the gate and the up product of the same 64
+       rows, and the up one hands its tile over through shared memory (``xchg``).
+    SWAP (GROUPED, decode): each tile is computed transposed, C^T = W_g @ A^T, so that W's
+       rows fill wgmma's 64-row M side and the few tokens of a group its N side (BLOCK_M =
+       16, 32 or 64 tokens per tile); each consumer takes BLOCK_N of the tile's features (with
+       SWIGLU: the gate's or the up's BLOCK_N = 128).
+    FAST_ACC (SA_ROWS = 0 only): no promotion, each consumer's K loop chains its wgmmas into
+       one fp32 accumulator (torch._scaled_mm's use_fast_accum), up to 64 x 256 per consumer.
+    PINGPONG (dense or GROUPED): each consumer computes every other tile whole (BLOCK_M = 64
+       or 128 rows), their K loops in turns (mbarriers ``turn``), one's epilogue under the
+       other's wgmmas.
+    SPLIT (BLOCK_N = 256 with a promoting loop, SB_COLS != 1): each consumer's 64 x 256 as two
+       128-column accumulators, each block's halves issued and promoted in turn.
+    K_GROUP: K blocks per unrolled group of the promoting K loop; STAGES: ring slots.
+    """
 
     ACTIVATION: gl.constexpr
     SA_ROWS: gl.constexpr   # rows of A per K-block scale: 1, 128, or 0 (epilogue scales)
@@ -545,14 +562,6 @@ def _consume_partition(ring, handoff, out, C, M, N, K, scales, bias, groups, HAL
     over in the ring's count; the two K loops take turns (``handoff.turn``), so that one's
     epilogue runs under the other's wgmmas and neither waits for a slot's fill more than one
     phase ahead (an mbarrier's parity cannot tell two phases apart)."""
-    if t.SWAP:  # the accumulator is [features, tokens]
-        layout: gl.constexpr = _acc_layout(t.BLOCK_M)
-        ACC_M: gl.constexpr = t.BLOCK_N
-        ACC_N: gl.constexpr = t.BLOCK_M
-    else:
-        layout: gl.constexpr = _acc_layout(t.PART_N)
-        ACC_M: gl.constexpr = t.ACC_ROWS
-        ACC_N: gl.constexpr = t.PART_N
     num_tiles = _num_tiles(M, N, groups, t)
     k_blocks = gl.cdiv(K, t.BLOCK_K)
     it = 0
@@ -567,65 +576,81 @@ def _consume_partition(ring, handoff, out, C, M, N, K, scales, bias, groups, HAL
             if fill == 0:
                 it += k_blocks  # the other consumer's tile: its K blocks go by in the ring
         else:
-            if t.SWAP:
-                if not t.SWIGLU:
-                    off_n = off_n + HALF * t.BLOCK_N  # this consumer's features
-                # the scales' index vectors follow the tokens, the accumulator's columns
-                rows = off_m + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(0, layout))
-                cols = off_n + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(1, layout))
-            else:
-                if not (t.SWIGLU or t.PINGPONG):
-                    off_m = off_m + HALF * ROWS
-                rows = off_m + gl.arange(0, ACC_M, layout=gl.SliceLayout(1, layout))
-                cols = off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
-            mask_m = rows < row_end
-            mask_n = cols < N
-            acc = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
-            if t.SPLIT:  # the tile's second 128 columns
-                acc1 = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
-            if t.PINGPONG:
-                handoff.take_turn(HALF, turns)
-            if fill == 0:
-                if t.FAST_ACC:
-                    acc, it = _k_loop_chained(acc, ring, it, k_blocks, HALF, t)
-                else:
-                    # the tile's scale_b: its group's, and with SWIGLU the up rows' blocks after the gate's
-                    sb_ptr = scales.b.ptr
-                    if t.SB_COLS > 1:
-                        sb_col = off_n // t.SB_COLS
-                        if t.SWIGLU:
-                            sb_col += HALF * gl.cdiv(N, t.SB_COLS)
-                        sb_ptr += sb_col * scales.b.stride1
-                    if t.GROUPED and t.SB_COLS > 0:
-                        sb_ptr += g.to(gl.int64) * groups.scale_b_g
-                    if t.SPLIT:
-                        acc, acc1, it = _k_loop_split(acc, acc1, ring, it, k_blocks, scales, sb_ptr, rows, mask_m,
-                                                      off_m, cols, mask_n, HALF, t)
-                    else:
-                        acc, it = _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n,
-                                          HALF, t)
-            elif fill == 2:
-                acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
-                if t.SPLIT:
-                    acc1 = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
-            if t.PINGPONG:  # the other consumer's K loop may start
-                handoff.give_turn(HALF)
-                turns += 1
-            if t.SWIGLU:
-                if fill == 0:
-                    if HALF == 1:  # hand the up product to the gate's warpgroup
-                        handoff.send(acc, swaps)
-                    else:
-                        acc = activate(acc, "silu") * handoff.receive(swaps, layout)
-                    swaps += 1
-            # (grouped tiles store through pointers: no staging buffer)
-            _epilogue_store(acc, C, out.desc, out.smem if t.GROUPED else out.smem.index(0), off_m, off_n, row_end, N,
-                            g, fill, scales, bias, groups, HALF, t, True)
-            if t.SPLIT:
-                _epilogue_store(acc1, C, out.desc, out.smem if t.GROUPED else out.smem.index(1), off_m,
-                                off_n + t.PART_N, row_end, N, g, fill, scales, bias, groups, HALF, t, False)
+            it, swaps, turns = _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_end, fill,
+                                             off_n, k_blocks, it, swaps, turns, HALF, t)
     if not t.GROUPED:
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_end, fill, off_n, k_blocks, it, swaps,
+                  turns, HALF: gl.constexpr, t):
+    """This consumer's part of one tile (``_tile``'s g, off_m, row_end, fill, off_n): its K
+    loop from ring block ``it``, the SwiGLU hand-over, the epilogue and store. Returns the
+    ring count, SWIGLU's hand-overs and PINGPONG's turns after it."""
+    if t.SWAP:  # the accumulator is [features, tokens]
+        layout: gl.constexpr = _acc_layout(t.BLOCK_M)
+        ACC_M: gl.constexpr = t.BLOCK_N
+        ACC_N: gl.constexpr = t.BLOCK_M
+        if not t.SWIGLU:
+            off_n = off_n + HALF * t.BLOCK_N  # this consumer's features
+        # the scales' index vectors follow the tokens, the accumulator's columns
+        rows = off_m + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(0, layout))
+        cols = off_n + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(1, layout))
+    else:
+        layout: gl.constexpr = _acc_layout(t.PART_N)
+        ACC_M: gl.constexpr = t.ACC_ROWS
+        ACC_N: gl.constexpr = t.PART_N
+        if not (t.SWIGLU or t.PINGPONG):
+            off_m = off_m + HALF * ROWS
+        rows = off_m + gl.arange(0, ACC_M, layout=gl.SliceLayout(1, layout))
+        cols = off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
+    mask_m = rows < row_end
+    mask_n = cols < N
+    acc = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
+    if t.SPLIT:  # the tile's second 128 columns
+        acc1 = gl.zeros([ACC_M, ACC_N], gl.float32, layout)
+    if t.PINGPONG:
+        handoff.take_turn(HALF, turns)
+    if fill == 0:
+        if t.FAST_ACC:
+            acc, it = _k_loop_chained(acc, ring, it, k_blocks, HALF, t)
+        else:
+            # the tile's scale_b: its group's, and with SWIGLU the up rows' blocks after the gate's
+            sb_ptr = scales.b.ptr
+            if t.SB_COLS > 1:
+                sb_col = off_n // t.SB_COLS
+                if t.SWIGLU:
+                    sb_col += HALF * gl.cdiv(N, t.SB_COLS)
+                sb_ptr += sb_col * scales.b.stride1
+            if t.GROUPED and t.SB_COLS > 0:
+                sb_ptr += g.to(gl.int64) * groups.scale_b_g
+            if t.SPLIT:
+                acc, acc1, it = _k_loop_split(acc, acc1, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols,
+                                              mask_n, HALF, t)
+            else:
+                acc, it = _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n, HALF, t)
+    elif fill == 2:
+        acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
+        if t.SPLIT:
+            acc1 = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
+    if t.PINGPONG:  # the other consumer's K loop may start
+        handoff.give_turn(HALF)
+        turns += 1
+    if t.SWIGLU:
+        if fill == 0:
+            if HALF == 1:  # hand the up product to the gate's warpgroup
+                handoff.send(acc, swaps)
+            else:
+                acc = activate(acc, "silu") * handoff.receive(swaps, layout)
+            swaps += 1
+    # (grouped tiles store through pointers: no staging buffer)
+    _epilogue_store(acc, C, out.desc, out.smem if t.GROUPED else out.smem.index(0), off_m, off_n, row_end, N, g, fill,
+                    scales, bias, groups, HALF, t, True)
+    if t.SPLIT:
+        _epilogue_store(acc1, C, out.desc, out.smem if t.GROUPED else out.smem.index(1), off_m, off_n + t.PART_N,
+                        row_end, N, g, fill, scales, bias, groups, HALF, t, False)
+    return it, swaps, turns
 
 
 @gluon.jit
@@ -695,20 +720,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
        Operand over C's own 1x128 scales [M, ceil(N/128)] (written; GROUPED).
     bias: Vector over [N] (GROUPED: group g's at + g * groups.bias_g) or a None pointer.
     groups: Groups (GROUPED) or DENSE. ACTIVATION as tiles.activate.
-    SWIGLU (GROUPED): W holds each group's gate rows then its up rows (b_rows = 2N); C gets
-       silu(gate) * up. The two consumers compute the gate and the up product of the same 64
-       rows, and the up one hands its tile over through shared memory (``xchg``).
-    SWAP (GROUPED, decode): each tile is computed transposed, C^T = W_g @ A^T, so that W's
-       rows fill wgmma's 64-row M side and the few tokens of a group its N side (BLOCK_M =
-       16, 32 or 64 tokens per tile); each consumer takes BLOCK_N of the tile's features (with
-       SWIGLU: the gate's or the up's BLOCK_N = 128).
-    FAST_ACC (SA_ROWS = 0 only): no promotion, each consumer's K loop chains its wgmmas into
-       one fp32 accumulator (torch._scaled_mm's use_fast_accum), up to 64 x 256 per consumer.
-    PINGPONG (dense or GROUPED): each consumer computes every other tile whole (BLOCK_M = 64
-       or 128 rows), their K loops in turns (mbarriers ``turn``), one's epilogue under the
-       other's wgmmas.
-    SPLIT (BLOCK_N = 256 with a promoting loop, SB_COLS != 1): each consumer's 64 x 256 as two
-       128-column accumulators, each block's halves issued and promoted in turn.
+    The options (SWIGLU, SWAP, FAST_ACC, PINGPONG, SPLIT, K_GROUP, STAGES): ``Tiling``.
     BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU; tokens with SWAP), BLOCK_K = 128
     (one scale block per K step); BLOCK_N <= 128 per accumulator when SB_COLS = 128.
     CONSUMER_REGS: registers per thread of the worker consumer.
@@ -724,58 +736,73 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     gl.static_assert(SB_COLS <= 1 or SB_COLS % (BLOCK_N // (2 if _split(BLOCK_N, FAST_ACC) else 1)) == 0)
     gl.static_assert(not _split(BLOCK_N, FAST_ACC) or (BLOCK_N == 256 and SB_COLS != 1 and not (SWIGLU or SWAP)))
     gl.static_assert(GROUPED or not SWIGLU)
-    dtype: gl.constexpr = A.ptr.dtype.element_ty
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], B.ptr.dtype.element_ty)
-    a_desc = tma.make_tensor_descriptor(A.ptr, [M, K], [A.stride0, 1], [BLOCK_M, BLOCK_K], a_layout)
-    if groups.b_cols is None:
-        b_desc = tma.make_tensor_descriptor(B.ptr, [groups.G * groups.b_rows, K], [B.stride1, 1], [BLOCK_N, BLOCK_K],
-                                            b_layout)
-    else:
-        b_desc = tma.make_tensor_descriptor(B.ptr, [groups.b_rows, groups.G * groups.b_cols], [B.stride1, 1],
-                                            [BLOCK_N, BLOCK_K], b_layout)
-    B_TILE: gl.constexpr = (2 if SWIGLU or SWAP else 1) * BLOCK_N
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(B.ptr.dtype.element_ty, [STAGES, B_TILE, BLOCK_K], b_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1 if PINGPONG else 2)  # one arrival per consumer reading it
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's K-loop order
-    for h in gl.static_range(2):
-        mbarrier.init(turn.index(h), count=1)
-    xchg_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    xchg_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(xchg_full, count=1)
-    mbarrier.init(xchg_free, count=1)
-    # SWIGLU's up product crosses between the warpgroups in an fp32 tile (a placeholder otherwise)
-    XROWS: gl.constexpr = (BLOCK_N if SWAP else ROWS) if SWIGLU else 8
-    XCOLS: gl.constexpr = (BLOCK_M if SWAP else BLOCK_N) if SWIGLU else 8
-    xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-    out_dtype: gl.constexpr = C.ptr.dtype.element_ty
+    t = Tiling(ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP,
+               PINGPONG, FAST_ACC)
+    a_desc, b_desc, ring = _ring(A, B, M, K, groups, t)
+    handoff = _handoff(t)
     if GROUPED:  # grouped tiles store through pointers: no C descriptor or staging tiles
         out0 = Staging(0, 0)
         out1 = Staging(0, 0)
     else:
-        # each consumer stages its accumulators (two with SPLIT) for TMA stores
-        C_ROWS: gl.constexpr = _consumer_rows(BLOCK_M, SWIGLU, PINGPONG)
-        PARTS: gl.constexpr = 2 if _split(BLOCK_N, FAST_ACC) else 1
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N // PARTS], out_dtype)
-        c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [C_ROWS, BLOCK_N // PARTS], c_layout)
-        out0 = Staging(c_desc, gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout))
-        out1 = Staging(c_desc, gl.allocate_shared_memory(out_dtype, [PARTS, C_ROWS, BLOCK_N // PARTS], c_layout))
-
-    t = Tiling(ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP,
-               PINGPONG, FAST_ACC)
-    ring = Ring(a_bufs, b_bufs, ready, empty, STAGES)
-    handoff = Handoff(turn, xchg, xchg_full, xchg_free)
+        out0, out1 = _staging(C, M, N, t)
     gl.warp_specialize([
         (_consume_partition, (ring, handoff, out0, C, M, N, K, scales, bias, groups, 0, t)),
         (_consume_partition, (ring, handoff, out1, C, M, N, K, scales, bias, groups, 1, t)),
         (_load_partition, (a_desc, b_desc, ring, M, N, K, groups, t)),
     ], [4, 1], [CONSUMER_REGS, 40])
+
+
+@gluon.jit
+def _ring(A, B, M, K, groups, t):
+    """A's and W's TMA descriptors and the ring's slots and barriers (``Ring``)."""
+    dtype: gl.constexpr = A.ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([t.BLOCK_M, t.BLOCK_K], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([t.BLOCK_N, t.BLOCK_K], B.ptr.dtype.element_ty)
+    a_desc = tma.make_tensor_descriptor(A.ptr, [M, K], [A.stride0, 1], [t.BLOCK_M, t.BLOCK_K], a_layout)
+    if groups.b_cols is None:
+        b_desc = tma.make_tensor_descriptor(B.ptr, [groups.G * groups.b_rows, K], [B.stride1, 1],
+                                            [t.BLOCK_N, t.BLOCK_K], b_layout)
+    else:
+        b_desc = tma.make_tensor_descriptor(B.ptr, [groups.b_rows, groups.G * groups.b_cols], [B.stride1, 1],
+                                            [t.BLOCK_N, t.BLOCK_K], b_layout)
+    B_TILE: gl.constexpr = (2 if t.SWIGLU or t.SWAP else 1) * t.BLOCK_N
+    a_bufs = gl.allocate_shared_memory(dtype, [t.STAGES, t.BLOCK_M, t.BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(B.ptr.dtype.element_ty, [t.STAGES, B_TILE, t.BLOCK_K], b_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(t.STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1 if t.PINGPONG else 2)  # one arrival per consumer reading it
+    return a_desc, b_desc, Ring(a_bufs, b_bufs, ready, empty, t.STAGES)
+
+
+@gluon.jit
+def _handoff(t):
+    """PINGPONG's turn barriers and SWIGLU's fp32 up tile with its barriers (``Handoff``)."""
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for h in gl.static_range(2):
+        mbarrier.init(turn.index(h), count=1)
+    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(full, count=1)
+    mbarrier.init(free, count=1)
+    XROWS: gl.constexpr = (t.BLOCK_N if t.SWAP else ROWS) if t.SWIGLU else 8  # an 8 x 8 placeholder otherwise
+    XCOLS: gl.constexpr = (t.BLOCK_M if t.SWAP else t.BLOCK_N) if t.SWIGLU else 8
+    xchg = gl.allocate_shared_memory(gl.float32, [XROWS, XCOLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    return Handoff(turn, xchg, full, free)
+
+
+@gluon.jit
+def _staging(C, M, N, t):
+    """Each dense consumer's way out (``Staging``): C's descriptor and a buffer for its
+    accumulators (two with SPLIT), stored by TMA."""
+    out_dtype: gl.constexpr = C.ptr.dtype.element_ty
+    PARTS: gl.constexpr = 2 if t.SPLIT else 1
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([t.ACC_ROWS, t.PART_N], out_dtype)
+    c_desc = tma.make_tensor_descriptor(C.ptr, [M, N], [C.stride0, 1], [t.ACC_ROWS, t.PART_N], c_layout)
+    out0 = Staging(c_desc, gl.allocate_shared_memory(out_dtype, [PARTS, t.ACC_ROWS, t.PART_N], c_layout))
+    out1 = Staging(c_desc, gl.allocate_shared_memory(out_dtype, [PARTS, t.ACC_ROWS, t.PART_N], c_layout))
+    return out0, out1
 
 
 # ---------------------------------------------------------------------------- host side
