@@ -191,6 +191,41 @@ def main(argv=None) -> int:
         return run(args)
 
 
+def qwen3_section(T, device):
+    """A real model's experts on a GPU: Qwen3-30B-A3B (128 experts, hidden 2048, intermediate
+    768, top-8), random weights scaled like trained ones, against torch."""
+    E2, H2, I2, k2 = 128, 2048, 768, 8
+    x2 = torch.randn(T, H2, device=device, dtype=torch.bfloat16)
+    gu2 = torch.randn(E2, 2 * I2, H2, device=device, dtype=torch.bfloat16) * H2**-0.5
+    dn2 = torch.randn(E2, H2, I2, device=device, dtype=torch.bfloat16) * I2**-0.5
+    w2, i2 = onegemm.route(torch.randn(T, E2, device=device), k2)
+    y2, p2 = onegemm.moe_ffn(x2, gu2, dn2, w2, i2), moe_ffn_torch(x2, gu2, dn2, w2, i2, use_grouped_mm=True)
+    print(f"  Qwen3-30B-A3B experts ({E2} x [{2 * I2}, {H2}] / [{H2}, {I2}], top-{k2}), {T} tokens: "
+          f"onegemm vs torch relative difference {rel_err(y2, p2):.2e}")
+    print(timing_line("Qwen3-30B-A3B experts", lambda: onegemm.moe_ffn(x2, gu2, dn2, w2, i2),
+                      lambda: moe_ffn_torch(x2, gu2, dn2, w2, i2, use_grouped_mm=True),
+                      2 * T * k2 * 3 * H2 * I2))
+
+
+def core_gemm_section(T, device, gpu) -> float:
+    """The core GEMM everything is built on, at an LLM linear's shape on a GPU (the down
+    projection of a 14336-wide MLP: Llama-3-8B, Mixtral's experts) over the batch; returns
+    onegemm's relative error against float64."""
+    M, N, K = (T, 4096, 14336) if gpu else (128, 256, 256)
+    a = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) * K**-0.5).to(torch.bfloat16)
+    c = onegemm.matmul(a, w.t())
+    c_ref = a.double() @ w.double().t()
+    print(f"\ncore GEMM [{M}, {K}] @ [{K}, {N}] bf16 (weight as W.t()), relative error against float64:")
+    print(bf16_errors(("onegemm.matmul", rel_err(c, c_ref)), ("torch.matmul", rel_err(a @ w.t(), c_ref)), gpu))
+    if gpu:
+        print(timing_line("onegemm.matmul vs torch.matmul", lambda: onegemm.matmul(a, w.t()), lambda: a @ w.t(), 2 * M * N * K))
+    else:
+        t_c, t_t = wall_ms(lambda: onegemm.matmul(a, w.t())), wall_ms(lambda: a @ w.t())
+        print(f"  time: onegemm.matmul {t_c:.1f} ms (interpreted), torch.matmul {t_t:.1f} ms")
+    return rel_err(c, c_ref)
+
+
 def run(args) -> int:
     gpu = not onegemm.INTERPRET
     device = "cuda" if gpu else "cpu"
@@ -236,39 +271,13 @@ def run(args) -> int:
         print(f"  onegemm.moe_ffn: {wall_ms(one):9.1f} ms, torch: {wall_ms(peer):9.1f} ms (interpreted)")
 
     if gpu:
-        # A real model's experts: Qwen3-30B-A3B (128 experts, hidden 2048, intermediate 768,
-        # top-8), random weights scaled like trained ones.
-        E2, H2, I2, k2 = 128, 2048, 768, 8
-        x2 = torch.randn(T, H2, device=device, dtype=torch.bfloat16)
-        gu2 = torch.randn(E2, 2 * I2, H2, device=device, dtype=torch.bfloat16) * H2**-0.5
-        dn2 = torch.randn(E2, H2, I2, device=device, dtype=torch.bfloat16) * I2**-0.5
-        w2, i2 = onegemm.route(torch.randn(T, E2, device=device), k2)
-        y2, p2 = onegemm.moe_ffn(x2, gu2, dn2, w2, i2), moe_ffn_torch(x2, gu2, dn2, w2, i2, use_grouped_mm=True)
-        print(f"  Qwen3-30B-A3B experts ({E2} x [{2 * I2}, {H2}] / [{H2}, {I2}], top-{k2}), {T} tokens: "
-              f"onegemm vs torch relative difference {rel_err(y2, p2):.2e}")
-        print(timing_line("Qwen3-30B-A3B experts", lambda: onegemm.moe_ffn(x2, gu2, dn2, w2, i2),
-                          lambda: moe_ffn_torch(x2, gu2, dn2, w2, i2, use_grouped_mm=True),
-                          2 * T * k2 * 3 * H2 * I2))
-        del x2, gu2, dn2
+        qwen3_section(T, device)
 
     ok_deepseek = (deepseek_section(T, device, torch.bfloat16, DEEPSEEK_V3) if gpu
                    else deepseek_section(min(T, 16), device, torch.float32, DEEPSEEK_TINY))
 
-    # The core GEMM everything is built on, at an LLM linear's shape on a GPU: the down
-    # projection of a 14336-wide MLP (Llama-3-8B, Mixtral's experts) over the batch.
-    M, N, K = (T, 4096, 14336) if gpu else (128, 256, 256)
-    a = torch.randn(M, K, device=device).to(torch.bfloat16)
-    w = (torch.randn(N, K, device=device) * K**-0.5).to(torch.bfloat16)
-    c = onegemm.matmul(a, w.t())
-    c_ref = a.double() @ w.double().t()
-    print(f"\ncore GEMM [{M}, {K}] @ [{K}, {N}] bf16 (weight as W.t()), relative error against float64:")
-    print(bf16_errors(("onegemm.matmul", rel_err(c, c_ref)), ("torch.matmul", rel_err(a @ w.t(), c_ref)), gpu))
-    if gpu:
-        print(timing_line("onegemm.matmul vs torch.matmul", lambda: onegemm.matmul(a, w.t()), lambda: a @ w.t(), 2 * M * N * K))
-    else:
-        t_c, t_t = wall_ms(lambda: onegemm.matmul(a, w.t())), wall_ms(lambda: a @ w.t())
-        print(f"  time: onegemm.matmul {t_c:.1f} ms (interpreted), torch.matmul {t_t:.1f} ms")
-    ok = rel_err(y, ref) < 2e-2 and rel_err(c, c_ref) < 1e-2
+    c_err = core_gemm_section(T, device, gpu)
+    ok = rel_err(y, ref) < 2e-2 and c_err < 1e-2
     print("\nOK" if ok and ok_fp8 and ok_deepseek else "\nFAILED: error above the bf16 bound (2e-2)" if not ok
           else "\nFAILED: FP8 layer's calc_diff above 5e-3" if not ok_fp8
           else "\nFAILED: the DeepSeek-V3-shaped layer's error above the bound (or 1.5x transformers' on a GPU)")
