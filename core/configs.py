@@ -7,22 +7,16 @@ families' policy beside its ops and registers them: grouped/configs.py (ragged, 
 route and the MoE helpers), blockscaled/configs.py (the Triton body's fp8 tiles, the
 quantisers, the transpose). For each call the launcher (core/launch.py) asks, in order, for
 
-1. the config the caller forced (``config=``);
-2. a tuned config for the call's key: the table shipped for this GPU (core/tuned/<GPU>.json,
-   written by bench/tune.py) or the user's own tuning cache (``onegemm.autotune``);
-3. with autotuning switched on: the fastest of ``candidates(key)`` in GPU time, which is then
-   stored in the user's cache;
-4. otherwise ``heuristic(key)``: one config from the shape, at once, with no timing.
-
-Under Triton's interpreter every family runs its one small ``interpret`` config (timing means
-nothing there, and cost grows with programs x K steps).
+the config the caller forced (``config=``); a tuned config for the call's key (the table
+shipped for this GPU, core/tuned/<GPU>.json, or the user's tuning cache); with autotuning on,
+the fastest of ``candidates(key)`` in GPU time (then cached); else ``heuristic(key)``, at once.
+Under Triton's interpreter every family runs its one small ``interpret`` config.
 
 A key is a NamedTuple of what the choice depends on (dtype, M bucket, N, K, layout, the load
-flavours and schedules the call allows); its ``str`` form names it in the tables. A config is
-a ``triton.Config`` whose kwargs are the kernel's tile constexprs (BLOCK_M, BLOCK_N, BLOCK_K,
-GROUP_M) plus the options a family takes: USE_TMA (tensor-descriptor loads), PERSISTENT and
-PROGRAMS_PER_SM (the persistent schedule), SPLIT_K, WARP_SPECIALIZE. docs/tuning.md says how
-these choices were measured.
+flavours and schedules the call allows); its ``str`` names it in the tables. A config is a
+``triton.Config`` of the kernel's tile constexprs plus the options a family takes (USE_TMA,
+PERSISTENT, PROGRAMS_PER_SM, SPLIT_K, WARP_SPECIALIZE). docs/tuning.md says how these choices
+were measured.
 """
 
 from __future__ import annotations
