@@ -346,10 +346,9 @@ def matmul_heuristic(key: MatmulKey, sms: int) -> triton.Config:
     return with_meta(base, **kw)
 
 
-# The sm_90 Gluon body of the same tiles (core/hopper_fp8.py): 128-row tiles of two 64-row
-# consumer warpgroups, one scale block per K step, a TMA ring of STAGES slots, the K loop
-# unrolled by K_GROUP blocks. A per-column scale (128x1, the weight gradient's) costs each
-# thread BLOCK_N / 4 more registers per K block: 128-wide tiles then spill unless K_GROUP = 1.
+# The sm_90 Gluon body (core/hopper_fp8.py; its options: hopper_fp8.Tiling). A per-column scale
+# (128x1, the weight gradient's) costs BLOCK_N / 4 registers per K block: 128-wide tiles then
+# spill unless K_GROUP = 1.
 
 
 class WgmmaKey(NamedTuple):
@@ -447,12 +446,11 @@ def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
         return next(c for c in (wgmma_cfg(bn, st, 2, bm=bt) for st in (8, 6, 4)) if _wgmma_fits(c, key.out, key.mode))
     if key.mode == "swiglu":
         return wgmma_cfg(128, 4, 2, bm=64)
-    narrow = key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tile_count(key.m, key.n, 128, 128) < sms)
     if key.fast_accum:
         wide = key.mode == "dense" and tile_count(key.m, key.n, 128, 256) >= sms
         return wgmma_cfg(256, 3, 1) if wide and _wgmma_fits(wgmma_cfg(256, 3, 1), key.out) else wgmma_cfg(128, 4, 1)
-    if narrow:
-        return wgmma_cfg(64, 6, 4)
+    if key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tile_count(key.m, key.n, 128, 128) < sms):
+        return wgmma_cfg(64, 6, 4)  # narrow: 128-wide tiles would leave SMs idle, or spill with 128x1 scales
     return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))
 
 
