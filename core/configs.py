@@ -484,9 +484,8 @@ class Family(NamedTuple):
     interpret: object        # the interpreter's triton.Config, or key -> triton.Config
 
 
-# By name: a launcher (core/launch.py) names its family, and the tables file configs under it.
-# core's own families; each package registers its own beside its ops (grouped/configs.py,
-# blockscaled/configs.py).
+# By name (launchers name their family, the tables file configs under it): core's own here;
+# grouped/configs.py and blockscaled/configs.py register theirs.
 FAMILIES = {f.name: f for f in (
     Family("matmul", matmul_candidates, matmul_heuristic, MATMUL_INTERPRET),
     # never under the interpreter (Gluon has no interpreter): its "interpret" config is unused
