@@ -263,9 +263,9 @@ def run(quick: bool):
     if dg is not None and math.isfinite(vs_deepgemm):  # no figure from a run without DeepGEMM
         large = [r["vs DeepGEMM"] for r in speed if r["M"] >= 2048]
         timed = sum(math.isfinite(v) for v in large)
-        figures.append(dict(name="blockscaled_vs_deepgemm_large_m", value=vs_deepgemm,
-                            peer=f"DeepGEMM {getattr(dg, '__version__', '?')} fp8_gemm_nt 1x128 x 128x128, bf16 out, GPU time, M >= 2048"
-                                 + (f" ({timed} of {len(large)} shapes; it refused the others)" if timed < len(large) else "")))
+        peer = f"DeepGEMM {getattr(dg, '__version__', '?')} fp8_gemm_nt 1x128 x 128x128, bf16 out, GPU time, M >= 2048"
+        peer += f" ({timed} of {len(large)} shapes; it refused the others)" if timed < len(large) else ""
+        figures.append(dict(name="blockscaled_vs_deepgemm_large_m", value=vs_deepgemm, peer=peer))
     update_summary(figures)
     path = plot_ratios("blockscaled", labels, series, "speed-up (peer time / onegemm time)",
                        f"blockscaled_matmul (1x128 x 128x128) vs cuBLAS{' and DeepGEMM' if dg else ''} on "

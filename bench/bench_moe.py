@@ -155,6 +155,22 @@ def peer_ms(peer, case, prepare, like, timer):
     return timer(call)
 
 
+def blocked_and_deepgemm(case, x, w, offs, device, timer, deepgemm=None):
+    """onegemm.grouped_matmul FP8 (1x128 x 128x128 of x [rows, K] and w [G, N, K], int32 end
+    offsets) checked against float64 on the CPU, then DeepGEMM on the same fp8 values and
+    scales: deepgemm(qa, sa, qw, sw) makes its layout, (call, real) as peer_ms takes them (None:
+    DeepGEMM absent). Returns (onegemm ms, DeepGEMM ms or NaN)."""
+    qa, sa, qw, sw = quantize_blocks(x, w)
+    fn = lambda: onegemm.grouped_matmul(qa, qw.transpose(1, 2), offs, scale_a=sa, scale_b=sw.transpose(1, 2))  # noqa: E731
+    ours = fn()
+    if device == "cpu":
+        check_blocked(ours, qa, sa, qw, sw, offs, f"{case} 1x128 x 128x128")
+    t_ours = timer(fn)
+    if deepgemm is None:
+        return t_ours, math.nan
+    return t_ours, peer_ms("DeepGEMM", case, lambda: deepgemm(qa, sa, qw, sw), ours[:int(offs[-1])], timer)
+
+
 def deepgemm_contiguous(dg, qa, sa, qw, sw, offs):
     """DeepGEMM's m_grouped_fp8_gemm_nt_contiguous on the rows onegemm reads unpadded, in its
     layout: each group's rows start at a multiple of get_mk_alignment_for_contiguous_layout()
@@ -195,18 +211,9 @@ def measure(name, E, N, K, rows, device, timer, dg=None):
         t_bf16 = timer(lambda: torch._grouped_mm(xb, wb.transpose(1, 2), offs=offs))
     else:
         t_bf16 = math.nan
-    # 1x128 x 128x128
-    qa, sa, qw, sw = quantize_blocks(x, w)
-    blocked = lambda: onegemm.grouped_matmul(qa, qw.transpose(1, 2), offs, scale_a=sa, scale_b=sw.transpose(1, 2))  # noqa: E731
-    ours = blocked()
-    if device == "cpu":
-        check_blocked(ours, qa, sa, qw, sw, offs, f"{name} 1x128 x 128x128")
-    t_blocked = timer(blocked)
-    # DeepGEMM, the same fp8 values and scales on its padded layout
-    t_dg = math.nan
-    if dg is not None:
-        t_dg = peer_ms("DeepGEMM", name, lambda: deepgemm_contiguous(dg, qa, sa, qw, sw, offs), ours[:int(offs[-1])], timer)
-    del ours
+    # 1x128 x 128x128, and DeepGEMM on the same fp8 values and scales in its padded layout
+    t_blocked, t_dg = blocked_and_deepgemm(name, x, w, offs, device, timer,
+                                           None if dg is None else lambda *q: deepgemm_contiguous(dg, *q, offs))
     # row-wise x per-channel
     qr, sr = onegemm.quantize_fp8(x, "row")
     amax = w.abs().amax(dim=2).clamp_min(1e-12)  # [E, N]
@@ -280,19 +287,11 @@ def measure_decode(name, G, m, N, K, device, timer, dg=None):
     torch.manual_seed(1000 * G + m)
     x = torch.randn(sum(sizes), K, device=device)
     w = torch.randn(G, N, K, device=device) * K**-0.5
-    qa, sa, qw, sw = quantize_blocks(x, w)
-    del x, w
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-    fn = lambda: onegemm.grouped_matmul(qa, qw.transpose(1, 2), offs, scale_a=sa, scale_b=sw.transpose(1, 2))  # noqa: E731
-    ours = fn()
-    if device == "cpu":
-        check_blocked(ours, qa, sa, qw, sw, offs, f"decode {name} G{G} m{m}")
-    t_ours = timer(fn)
-    t_dg = math.nan
-    if dg is not None:  # expected_m as DeepGEMM's own tests pass it: 1.2x the mean rows per group
-        t_dg = peer_ms("DeepGEMM", f"decode {name} G{G} m{m}",
-                       lambda: deepgemm_masked(dg, qa, sa, qw, sw, sizes, int(1.2 * m)), ours, timer)
-    weight_bytes = qw.numel() * qw.element_size() + sw.numel() * sw.element_size()  # what both must read
+    # expected_m as DeepGEMM's own tests pass it: 1.2x the mean rows per group
+    t_ours, t_dg = blocked_and_deepgemm(f"decode {name} G{G} m{m}", x, w, offs, device, timer,
+                                        None if dg is None else lambda *q: deepgemm_masked(dg, *q, sizes, int(1.2 * m)))
+    weight_bytes = G * N * K + 4 * G * -(-N // 128) * -(-K // 128)  # fp8 weights and fp32 scales: what both must read
     row = {"gemm": name, "G": G, "rows": sum(sizes), "max rows": max(sizes), "N": N, "K": K,
            "onegemm us": t_ours * 1e3, "DeepGEMM us": t_dg * 1e3,
            "onegemm weight TB/s": weight_bytes / (t_ours * 1e-3) / 1e12,
@@ -439,12 +438,13 @@ def main():
                  peer="torch._scaled_grouped_mm row-wise fp8, the same row-wise x per-channel scales (GPU time)",
                  value=geomean([r["rowwise_vs_scaled_grouped_mm"] for r in rows]))]
     if dg is not None:  # no DeepGEMM figure from a run without it, or where it refused every case
+        version = getattr(dg, "__version__", "?")
         for name, ratios, peer in [
                 ("grouped_fp8_vs_deepgemm_contiguous", [r["blocked_vs_DeepGEMM"] for r in rows],
-                 f"DeepGEMM {getattr(dg, '__version__', '?')} m_grouped_fp8_gemm_nt_contiguous, 1x128 x 128x128 on its 128-row padded "
+                 f"DeepGEMM {version} m_grouped_fp8_gemm_nt_contiguous, 1x128 x 128x128 on its 128-row padded "
                  "layout (GPU time, prefill expert GEMMs)"),
                 ("grouped_fp8_decode_vs_deepgemm_masked", [r["vs DeepGEMM"] for r in decode_rows],
-                 f"DeepGEMM {getattr(dg, '__version__', '?')} m_grouped_fp8_gemm_nt_masked, 1x128 x 128x128 (GPU time, decode: 8-32 "
+                 f"DeepGEMM {version} m_grouped_fp8_gemm_nt_masked, 1x128 x 128x128 (GPU time, decode: 8-32 "
                  "groups of 16-128 rows at N 4096 K 7168 and the models' expert GEMMs)")]:
             timed = [v for v in ratios if math.isfinite(v)]
             if timed:
