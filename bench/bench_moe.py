@@ -1,7 +1,12 @@
-"""FP8 MoE on the H200: the FP8 expert FFN against bf16, and the FP8 grouped GEMM against torch.
+"""FP8 MoE on the H200: the FP8 expert FFN against bf16, and the FP8 grouped GEMM against torch and DeepGEMM.
 
     python bench/bench_moe.py           # H200: bench/results/moe_fp8.md
     python bench/bench_moe.py --quick   # CPU interpreter: every path once, tiny shapes, no files
+    # DeepGEMM's columns need `import deep_gemm` to work (else one line says why, and they are
+    # nan). Here, copy DeepGEMM into the ignored .peers/, which travels with the working tree:
+    mkdir -p .peers && cp -r ../shared/peers/deepgemm .peers/ && chmod -R u+w .peers/deepgemm
+    # then on the GPU machine, from the checkout (build.sh writes .peers/deepgemm/dg_env.sh):
+    bash .peers/deepgemm/build.sh > $OUT/dg_build.log 2>&1 && source .peers/deepgemm/dg_env.sh && python3 bench/bench_moe.py --part gemm
 
 Part 1, the expert FFN: onegemm.moe_ffn with FP8 experts (e4m3, 128x128 weight scales, 1x128
 activations quantised inside the pipeline) against moe_ffn in bf16 and the plain-torch bf16
@@ -13,10 +18,18 @@ the expert weight bytes it reads. Each FP8 output is checked against bf16 (calc_
 
 Part 2, the GEMM: onegemm.grouped_matmul with fp8 e4m3 operands and its two scale conventions,
 1x128 x 128x128 (DeepSeek's blocks) and row-wise x per-channel, against torch._grouped_mm in
-bf16, torch._scaled_grouped_mm (row-wise x per-channel, where this torch has it) and plain
-torch (torch._scaled_mm per group in a Python loop), in GPU time on the same models' expert
-GEMMs at prefill, tokens spread evenly over the experts. Each
-result is checked against the dequantised float64 reference first.
+bf16, torch._scaled_grouped_mm (row-wise x per-channel, where this torch has it), plain
+torch (torch._scaled_mm per group in a Python loop) and DeepGEMM's
+m_grouped_fp8_gemm_nt_contiguous (1x128 x 128x128, the same fp8 values and scales, on its
+layout: each group's rows padded to a multiple of 128, m_indices naming each row's group, -1 on
+padding), in GPU time on the same models' expert GEMMs at prefill, tokens spread evenly over the
+experts; TFLOP/s count the real rows only. Then (section 3) decode: 8-32 groups of 16-128 rows
+(each group's rows 0.7-1.3x the mean), at N = 4096, K = 7168 and at the models' expert GEMMs,
+onegemm.grouped_matmul on the packed real rows against DeepGEMM's m_grouped_fp8_gemm_nt_masked
+on [G, max_m, K] with masked_m the real rows per group, as TB/s of the fp8 weights and their
+scales read. Each onegemm result is checked against the dequantised float64 reference first
+(CPU) and each DeepGEMM output against onegemm's on the same inputs (calc_diff < 1e-3: else
+its cell is blank, with the reason printed); DeepGEMM's layouts are made outside the timed calls.
 """
 
 from __future__ import annotations
@@ -27,7 +40,8 @@ import time
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
-from common import bench_ms, geomean, header, markdown_table, update_summary, write_results
+from common import (bench_ms, differs, geomean, header, import_deepgemm, kept_sections, markdown_table, run_or_reason,
+                    update_summary, write_results)
 from onegemm.testing import (
     assert_close,
     calc_diff,
@@ -112,7 +126,82 @@ def inputs(E, N, K, rows, device):
     return x, w, offs
 
 
-def measure(name, E, N, K, rows, device, timer):
+def quantize_blocks(x, w):
+    """x [rows, K] in 1x128 blocks and each expert of w [G, N, K] in 128x128 blocks: (qa, sa, qw, sw),
+    sa [rows, K/128], sw [G, N/128, K/128] contiguous."""
+    qa, sa = onegemm.quantize_fp8(x)
+    qw, sw = (torch.stack(t) for t in zip(*[onegemm.quantize_fp8(w[g], (128, 128)) for g in range(w.shape[0])]))
+    return qa, sa, qw, sw
+
+
+def check_blocked(ours, qa, sa, qw, sw, offs, what):
+    """onegemm's FP8 grouped output against the dequantised float64 reference (the CPU runs)."""
+    ref = grouped_mm_ref(dequantize_ref(qa, sa, 1, 128),
+                         torch.stack([dequantize_ref(qw[g], sw[g], 128, 128) for g in range(qw.shape[0])]).transpose(1, 2), offs)
+    assert_close(ours, ref, 1e-2, what)
+
+
+def peer_ms(peer, case, prepare, like, timer):
+    """A peer's GPU time on one case, or NaN with the reason printed: prepare() makes its inputs
+    once, outside the timed call, and returns (call, real) where real(call()) is the output's
+    real rows in onegemm's order; they must match ``like``, onegemm's output (common.differs)."""
+    made, why = run_or_reason(prepare)
+    if made is not None:
+        call, real = made
+        _, why = run_or_reason(call, lambda out: differs(real(out), like))
+    if why is not None:
+        print(f"  {peer} refused {case}: {why}", flush=True)
+        return math.nan
+    return timer(call)
+
+
+def blocked_and_deepgemm(case, x, w, offs, device, timer, deepgemm=None):
+    """onegemm.grouped_matmul FP8 (1x128 x 128x128 of x [rows, K] and w [G, N, K], int32 end
+    offsets) checked against float64 on the CPU, then DeepGEMM on the same fp8 values and
+    scales: deepgemm(qa, sa, qw, sw) makes its layout, (call, real) as peer_ms takes them (None:
+    DeepGEMM absent). Returns (onegemm ms, DeepGEMM ms or NaN)."""
+    qa, sa, qw, sw = quantize_blocks(x, w)
+    fn = lambda: onegemm.grouped_matmul(qa, qw.transpose(1, 2), offs, scale_a=sa, scale_b=sw.transpose(1, 2))  # noqa: E731
+    ours = fn()
+    if device == "cpu":
+        check_blocked(ours, qa, sa, qw, sw, offs, f"{case} 1x128 x 128x128")
+    t_ours = timer(fn)
+    if deepgemm is None:
+        return t_ours, math.nan
+    return t_ours, peer_ms("DeepGEMM", case, lambda: deepgemm(qa, sa, qw, sw), ours[:int(offs[-1])], timer)
+
+
+def deepgemm_contiguous(dg, qa, sa, qw, sw, offs):
+    """DeepGEMM's m_grouped_fp8_gemm_nt_contiguous on the rows onegemm reads unpadded, in its
+    layout: each group's rows start at a multiple of get_mk_alignment_for_contiguous_layout()
+    (128), padding rows zero; m_indices [M_pad] int32 holds each row's group, -1 on padding;
+    A's scales [M_pad, K/128] in its TMA-aligned MN-major layout; B the [G, N, K] experts
+    (K-major) with their [G, N/128, K/128] scales. Returns (call, real): call() writes and
+    returns D [M_pad, N] bf16."""
+    align, K = dg.get_mk_alignment_for_contiguous_layout(), qa.shape[1]
+    ends = offs.tolist()
+    sizes = [e - s for s, e in zip([0] + ends[:-1], ends)]
+    starts = [0]
+    for m in sizes:
+        starts.append(starts[-1] + -(-m // align) * align)
+    rows = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, sizes)]).to(qa.device)
+    m_indices = torch.full((starts[-1],), -1, dtype=torch.int32)
+    for g, (s, m) in enumerate(zip(starts, sizes)):
+        m_indices[s:s + m] = g
+    a = torch.zeros(starts[-1], K, dtype=torch.uint8, device=qa.device)
+    a[rows] = qa[:ends[-1]].view(torch.uint8)  # byte copies: fp8 index_put is not everywhere
+    scale = torch.zeros(starts[-1], sa.shape[1], device=qa.device)
+    scale[rows] = sa[:ends[-1]]
+    a, scale, m_indices = a.view(qa.dtype), dg.get_mn_major_tma_aligned_tensor(scale), m_indices.to(qa.device)
+    b, out = (qw, sw.contiguous()), torch.empty(starts[-1], qw.shape[1], device=qa.device, dtype=torch.bfloat16)
+
+    def call():
+        dg.m_grouped_fp8_gemm_nt_contiguous((a, scale), b, out, m_indices)
+        return out
+    return call, lambda d: d[rows]
+
+
+def measure(name, E, N, K, rows, device, timer, dg=None):
     x, w, offs = inputs(E, N, K, rows, device)
     row = dict(gemm=name, E=E, N=N, K=K, rows=rows)
     flop = 2 * rows * N * K
@@ -122,15 +211,9 @@ def measure(name, E, N, K, rows, device, timer):
         t_bf16 = timer(lambda: torch._grouped_mm(xb, wb.transpose(1, 2), offs=offs))
     else:
         t_bf16 = math.nan
-    # 1x128 x 128x128
-    qa, sa = onegemm.quantize_fp8(x)
-    qw, sw = (torch.stack(t) for t in zip(*[onegemm.quantize_fp8(w[g], (128, 128)) for g in range(E)]))
-    blocked = lambda: onegemm.grouped_matmul(qa, qw.transpose(1, 2), offs, scale_a=sa, scale_b=sw.transpose(1, 2))  # noqa: E731
-    if device == "cpu":
-        ref = grouped_mm_ref(dequantize_ref(qa, sa, 1, 128),
-                             torch.stack([dequantize_ref(qw[g], sw[g], 128, 128) for g in range(E)]).transpose(1, 2), offs)
-        assert_close(blocked(), ref, 1e-2, f"{name} 1x128 x 128x128")
-    t_blocked = timer(blocked)
+    # 1x128 x 128x128, and DeepGEMM on the same fp8 values and scales in its padded layout
+    t_blocked, t_dg = blocked_and_deepgemm(name, x, w, offs, device, timer,
+                                           None if dg is None else lambda *q: deepgemm_contiguous(dg, *q, offs))
     # row-wise x per-channel
     qr, sr = onegemm.quantize_fp8(x, "row")
     amax = w.abs().amax(dim=2).clamp_min(1e-12)  # [E, N]
@@ -155,10 +238,64 @@ def measure(name, E, N, K, rows, device, timer):
         loop = lambda: [torch._scaled_mm(qr[s:e], qc[g].t(), sr[s:e], sc[g][None, :], out_dtype=torch.bfloat16)  # noqa: E731
                         for g, (s, e) in enumerate(bounds)]
         t_loop = timer(loop)
-    row.update(fp8_blocked_TFLOPs=flop / (t_blocked * 1e-3) / 1e12, blocked_vs_bf16=t_bf16 / t_blocked,
+    row.update(fp8_blocked_TFLOPs=flop / (t_blocked * 1e-3) / 1e12, DeepGEMM_TFLOPs=flop / (t_dg * 1e-3) / 1e12,
+               blocked_vs_DeepGEMM=t_dg / t_blocked, blocked_vs_bf16=t_bf16 / t_blocked,
                blocked_vs_scaled_grouped_mm=t_scaled / t_blocked,
                rowwise_vs_bf16=t_bf16 / t_row, rowwise_vs_scaled_grouped_mm=t_scaled / t_row,
                rowwise_vs_torch_scaled_mm_loop=t_loop / t_row)
+    print(row, flush=True)
+    return row
+
+
+# Decode, (name, groups, mean rows per group, N, K): the FP8-decode issue's N = 4096, K = 7168 at
+# 8-32 groups of 16-128 rows, then each model's expert GEMMs (SHAPES) at 16 and 128 rows over
+# min(E, 32) groups (its experts a decode step hits). DeepSeek-V3 EP8's gate_up is the first.
+DECODE_GEMMS = [("N4096 K7168", G, m, 4096, 7168) for G, m in ((8, 16), (8, 128), (16, 32), (16, 64), (32, 16), (32, 128))] + [
+    (name, min(E, 32), m, N, K) for name, E, N, K, _ in SHAPES if (N, K) != (4096, 7168) for m in (16, 128)]
+QUICK_DECODE = [("tiny", 3, 5, 136, 200)]
+
+
+def deepgemm_masked(dg, qa, sa, qw, sw, sizes, expected_m):
+    """DeepGEMM's m_grouped_fp8_gemm_nt_masked on the real rows onegemm reads packed, in its
+    layout: A [G, max_m, K] (group g's sizes[g] rows first, zeros after; max_m the largest group
+    rounded up to 128) with scales [G, max_m, K/128] in its TMA-aligned MN-major layout,
+    masked_m [G] int32 = sizes; B the [G, N, K] experts (K-major) with their [G, N/128, K/128]
+    scales. Returns (call, real): call() writes and returns D [G, max_m, N] bf16."""
+    G, K, max_m = len(sizes), qa.shape[1], -(-max(sizes) // 128) * 128
+    a = torch.zeros(G, max_m, K, dtype=torch.uint8, device=qa.device)
+    scale = torch.zeros(G, max_m, sa.shape[1], device=qa.device)
+    start = 0
+    for g, m in enumerate(sizes):
+        a[g, :m] = qa[start:start + m].view(torch.uint8)
+        scale[g, :m] = sa[start:start + m]
+        start += m
+    a, scale = a.view(qa.dtype), dg.get_mn_major_tma_aligned_tensor(scale)
+    masked_m = torch.tensor(sizes, dtype=torch.int32, device=qa.device)
+    b, out = (qw, sw.contiguous()), torch.empty(G, max_m, qw.shape[1], device=qa.device, dtype=torch.bfloat16)
+
+    def call():
+        dg.m_grouped_fp8_gemm_nt_masked((a, scale), b, out, masked_m, expected_m)
+        return out
+    return call, lambda d: torch.cat([d[g, :m] for g, m in enumerate(sizes)])
+
+
+def measure_decode(name, G, m, N, K, device, timer, dg=None):
+    """onegemm's FP8 grouped GEMM at decode (1x128 x 128x128, the packed real rows, int32 end
+    offsets) against DeepGEMM's masked GEMM on the same fp8 values, as TB/s of the weights."""
+    rng = torch.Generator().manual_seed(1000 * G + m)
+    sizes = [max(1, round(m * (0.7 + 0.6 * u))) for u in torch.rand(G, generator=rng).tolist()]
+    torch.manual_seed(1000 * G + m)
+    x = torch.randn(sum(sizes), K, device=device)
+    w = torch.randn(G, N, K, device=device) * K**-0.5
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    # expected_m as DeepGEMM's own tests pass it: 1.2x the mean rows per group
+    t_ours, t_dg = blocked_and_deepgemm(f"decode {name} G{G} m{m}", x, w, offs, device, timer,
+                                        None if dg is None else lambda *q: deepgemm_masked(dg, *q, sizes, int(1.2 * m)))
+    weight_bytes = G * N * K + 4 * G * -(-N // 128) * -(-K // 128)  # fp8 weights and fp32 scales: what both must read
+    row = {"gemm": name, "G": G, "rows": sum(sizes), "max rows": max(sizes), "N": N, "K": K,
+           "onegemm us": t_ours * 1e3, "DeepGEMM us": t_dg * 1e3,
+           "onegemm weight TB/s": weight_bytes / (t_ours * 1e-3) / 1e12,
+           "DeepGEMM weight TB/s": weight_bytes / (t_dg * 1e-3) / 1e12, "vs DeepGEMM": t_dg / t_ours}
     print(row, flush=True)
     return row
 
@@ -205,7 +342,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU interpreter: run every path once, write nothing")
     parser.add_argument("--part", choices=["moe", "gemm", "both", "decode-bodies"], default="both",
-                        help="which part to run (default both; decode-bodies: FP8 decode on each body)")
+                        help="which part to run (default both; gemm: the grouped GEMM at prefill and decode, "
+                             "sections 2 and 3; decode-bodies: FP8 decode on each body)")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
 
@@ -220,17 +358,23 @@ def main():
             parser.error("--part decode-bodies times the GPU bodies: no --quick")
         decode_bodies(device)
         return
-    moe_rows, rows = [], []
+    moe_rows, rows, decode_rows = [], [], []
     if args.part in ("moe", "both"):
         models, sizes = (QUICK_MODELS, [3]) if args.quick else (MODELS, DECODE + PREFILL)
         moe_rows = [measure_moe(m, T, skewed, device, timer, args.quick)
                     for m in models for T in sizes for skewed in (False, True)]
+    dg = None
     if args.part in ("gemm", "both"):
-        rows = [measure(*shape, device, timer) for shape in (QUICK if args.quick else SHAPES)]
+        dg = import_deepgemm()
+        rows = [measure(*shape, device, timer, dg) for shape in (QUICK if args.quick else SHAPES)]
+        decode_rows = [measure_decode(*case, device, timer, dg) for case in (QUICK_DECODE if args.quick else DECODE_GEMMS)]
     if args.quick:
+        assert all(math.isnan(r["blocked_vs_DeepGEMM"]) for r in rows) and all(math.isnan(r["vs DeepGEMM"]) for r in decode_rows)
         print("quick: every path ran; no files written")
         return
-    text = header("FP8 MoE vs bf16 and torch: the expert FFN and the grouped GEMM")
+    text = header("FP8 MoE vs bf16, torch and DeepGEMM: the expert FFN and the grouped GEMM")
+    # A run of one part keeps the other's sections from the last file, each saying where it came from.
+    text += "" if moe_rows else kept_sections("moe_fp8", ["## 1."])
     if moe_rows:
         prefill = [r for r in moe_rows if r["T"] >= min(PREFILL)]
         decode = [r for r in moe_rows if r["T"] <= max(DECODE)]
@@ -244,13 +388,17 @@ def main():
             f"decode {geomean([r['fp8 vs bf16 (GPU)'] for r in decode]):.3f}; eager: prefill "
             f"{geomean([r['fp8 vs bf16 (eager)'] for r in prefill]):.3f}, decode "
             f"{geomean([r['fp8 vs bf16 (eager)'] for r in decode]):.3f}.\n\n")
+    text += "" if rows else kept_sections("moe_fp8", ["## 2.", "## 3."])
     if rows:
         text += (
-            "## 2. FP8 grouped GEMM (2D x 3D) vs torch, expert GEMMs at prefill\n\n"
+            "## 2. FP8 grouped GEMM (2D x 3D) vs torch and DeepGEMM, expert GEMMs at prefill\n\n"
             "GPU time; ratios are peer time / onegemm time (> 1: onegemm faster). blocked: 1x128 "
             "activations x 128x128 weights; rowwise: row-wise activations x per-channel weights, "
             "the convention of torch._scaled_grouped_mm; torch_scaled_mm_loop: plain torch, torch._scaled_mm "
-            "row-wise per group in a Python loop. Targets: >= 1.1x torch._scaled_grouped_mm "
+            "row-wise per group in a Python loop; DeepGEMM: deep_gemm.m_grouped_fp8_gemm_nt_contiguous on the "
+            "same fp8 values and scales as blocked, in its layout (groups padded to 128 rows: none here, every "
+            "group has a multiple of 128), TFLOP/s on the real rows; nan where it was not importable or refused "
+            "the shape (the run's log says why). Targets: >= 1.1x torch._scaled_grouped_mm "
             "row-wise and >= 1.5x bf16 torch._grouped_mm, >= 950 TFLOP/s on the Mixtral and DeepSeek-V3 shapes (issue 25).\n\n"
         )
         text += markdown_table(rows) + "\n"
@@ -258,7 +406,19 @@ def main():
                  f"torch._scaled_grouped_mm {geomean([r['blocked_vs_scaled_grouped_mm'] for r in rows]):.3f}, rowwise vs bf16 "
                  f"{geomean([r['rowwise_vs_bf16'] for r in rows]):.3f}, rowwise vs torch._scaled_grouped_mm "
                  f"{geomean([r['rowwise_vs_scaled_grouped_mm'] for r in rows]):.3f}, rowwise vs the torch._scaled_mm loop "
-                 f"{geomean([r['rowwise_vs_torch_scaled_mm_loop'] for r in rows]):.3f}.\n\n")
+                 f"{geomean([r['rowwise_vs_torch_scaled_mm_loop'] for r in rows]):.3f}, blocked vs DeepGEMM "
+                 f"{geomean([r['blocked_vs_DeepGEMM'] for r in rows]):.3f}.\n\n")
+    if decode_rows:
+        text += (
+            "## 3. FP8 grouped GEMM vs DeepGEMM's masked GEMM, expert GEMMs at decode\n\n"
+            "GPU time; vs DeepGEMM is DeepGEMM's time / onegemm's (> 1: onegemm faster). onegemm: "
+            "grouped_matmul FP8 (1x128 x 128x128) on the packed real rows with int32 end offsets; DeepGEMM: "
+            "deep_gemm.m_grouped_fp8_gemm_nt_masked on [G, max_m, K] (max_m the largest group rounded up to 128) "
+            "with masked_m the real rows per group and expected_m 1.2x the mean, as its tests pass it. Each group "
+            "has 0.7-1.3x the mean rows. Weight TB/s: the fp8 expert weights and their fp32 scales, the bytes "
+            "a decode step must read, / time; nan where DeepGEMM was not importable or refused the case.\n\n")
+        text += markdown_table(decode_rows) + "\n"
+        text += f"Geomean vs DeepGEMM: {geomean([r['vs DeepGEMM'] for r in decode_rows]):.3f}.\n\n"
     summary = []
     if moe_rows:
         uniform = [r for r in moe_rows if r["routing"] == "uniform"]
@@ -277,6 +437,19 @@ def main():
             dict(name="rowwise_grouped_vs_scaled_grouped_mm",
                  peer="torch._scaled_grouped_mm row-wise fp8, the same row-wise x per-channel scales (GPU time)",
                  value=geomean([r["rowwise_vs_scaled_grouped_mm"] for r in rows]))]
+    if dg is not None:  # no DeepGEMM figure from a run without it, or where it refused every case
+        version = getattr(dg, "__version__", "?")
+        for name, ratios, peer in [
+                ("grouped_fp8_vs_deepgemm_contiguous", [r["blocked_vs_DeepGEMM"] for r in rows],
+                 f"DeepGEMM {version} m_grouped_fp8_gemm_nt_contiguous, 1x128 x 128x128 on its 128-row padded "
+                 "layout (GPU time, prefill expert GEMMs)"),
+                ("grouped_fp8_decode_vs_deepgemm_masked", [r["vs DeepGEMM"] for r in decode_rows],
+                 f"DeepGEMM {version} m_grouped_fp8_gemm_nt_masked, 1x128 x 128x128 (GPU time, decode: 8-32 "
+                 "groups of 16-128 rows at N 4096 K 7168 and the models' expert GEMMs)")]:
+            timed = [v for v in ratios if math.isfinite(v)]
+            if timed:
+                summary.append(dict(name=name, value=geomean(timed), peer=peer + (
+                    f" ({len(timed)} of {len(ratios)} cases; it refused the others)" if len(timed) < len(ratios) else "")))
     update_summary(summary)
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_moe.py regenerates everything else. -->\n")

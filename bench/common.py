@@ -12,6 +12,7 @@ The float64 references and timing helpers are onegemm.testing's, shared with the
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import math
 import os
@@ -164,6 +165,54 @@ def plot_ratios(name: str, labels: list[str], series: dict[str, list[float]], yl
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ---- peers: other projects' kernels, found in the environment, never imported by the library ----
+
+DEEPGEMM_HOW = ("build it on the GPU machine with ../shared/peers/deepgemm/build.sh (copied to the checkout's ignored "
+                ".peers/deepgemm) and source the dg_env.sh it writes; this script's docstring gives the commands")
+
+
+def import_peer(module: str, label: str, how: str):
+    """The peer's module (an installed package or one on PYTHONPATH), or None after one line
+    saying why its columns stay empty: it does not import, or there is no GPU to run it on."""
+    try:
+        peer = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure to load a peer only blanks its columns
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        print(f"{label}: not importable ({type(e).__name__}: {first}); {how}. Its columns stay empty (nan / n/a).",
+              flush=True)
+        return None
+    if not torch.cuda.is_available():
+        print(f"{label}: imported, but there is no CUDA device to run it on. Its columns stay empty (nan / n/a).",
+              flush=True)
+        return None
+    return peer
+
+
+def import_deepgemm():
+    """deep_gemm (DeepGEMM), or None after saying why (see import_peer)."""
+    return import_peer("deep_gemm", "DeepGEMM", DEEPGEMM_HOW)
+
+
+def run_or_reason(fn, check=None):
+    """(output, None), or (None, reason) when a peer refuses the shape: it raises (e.g. cuBLAS
+    blockwise at small M, a DeepGEMM host assertion), or check(output) returns a reason (see
+    differs). Only peers go through here; onegemm's errors propagate."""
+    try:
+        out = fn()
+        why = check(out) if check is not None else None
+    except Exception as e:  # noqa: BLE001 - a peer's failure blanks its cell, with the reason printed
+        return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+    return (out, None) if why is None else (None, why)
+
+
+def differs(out, like, tol: float = 1e-3):
+    """None when a peer's ``out`` is the product onegemm's ``like`` computed from the same fp8
+    values and scales (calc_diff < tol: the two differ only in summation order and bf16
+    rounding, 1e-5 or less), else the reason: a peer fed a wrong layout gets no timing."""
+    d = testing.calc_diff(out, like)
+    return None if d < tol else f"its output differs from onegemm's on the same inputs (calc_diff {d:.2e} >= {tol:g})"
 
 
 def require_gpu():
