@@ -397,11 +397,11 @@ def test_plan_for_with_a_key_builds_the_request_on_a_miss_only(fresh_plans, devi
     from onegemm.core.launch import Request, plan_key
     from onegemm.grouped.ops import ROW_TILES
 
-    made = []
+    made, where = [], torch.empty(0, device=device).device  # cuda:0, with its index, on a GPU
 
     def make():
         made.append(1)
-        return Request(configs.PrepKey("row_tiles", 4), dict(BLOCK_M=64, G_BLOCK=4, TAIL=True), torch.device(device))
+        return Request(configs.PrepKey("row_tiles", 4), dict(BLOCK_M=64, G_BLOCK=4, TAIL=True), where)
 
     first = ROW_TILES.plan_for(make, ("site", 64))
     assert all(ROW_TILES.plan_for(make, ("site", 64)) is first for _ in range(3)) and made == [1]
