@@ -149,9 +149,8 @@ def moe_sizes(x, w_gate_up, topk_ids):
 def expert_gemm(a, w, c, offs, **kwargs):
     """c[r] = a[r] @ w[e].T for the rows r of expert e (2D x 3D, offs over rows; ``kwargs``:
     ragged_launch's MoE options). w [E, N or 2N, K] is read in place through its transpose."""
-    launch = expert_launch(a, w, c, offs, **kwargs)
-    launch.launcher.launch(launch.plan, launch.grid, launch.build(
-        c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"), kwargs.get("weight"), kwargs.get("scales", NO_GROUPED_SCALES)))
+    expert_launch(a, w, c, offs, **kwargs).run(c, a, w, offs, kwargs.get("a_rows"), kwargs.get("c_rows"),
+                                               kwargs.get("weight"), kwargs.get("scales", NO_GROUPED_SCALES))
 
 
 def expert_launch(a, w, c, offs, **kwargs):

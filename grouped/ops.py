@@ -38,8 +38,8 @@ def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True):
     count = torch.empty(1, dtype=torch.int32, device=offs.device)
     g_block = next_pow2(G + 1)
     key = configs.PrepKey("row_tiles", g_block)
-    plan = ROW_TILES.plan((key, block_m, tail, offs.get_device()),
-                          lambda: Request(key, dict(BLOCK_M=block_m, G_BLOCK=g_block, TAIL=tail), offs.device))
+    plan = ROW_TILES.plan_for(lambda: Request(key, dict(BLOCK_M=block_m, G_BLOCK=g_block, TAIL=tail), offs.device),
+                              (key, block_m, tail, offs.get_device()))
     ROW_TILES.launch(plan, (cdiv(units, plan.meta["CHUNK"]),), (Vector(offs, offs.stride(0)), sched, count, G, M))
     return sched, count
 
@@ -74,8 +74,8 @@ def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False,
     s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t() if quantize else None
     key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
     round_to = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "") if swiglu and quantize else ""
-    plan = GATHER_QUANTIZE.plan((key, x.dtype, dtype, offs is None, rows is None, swiglu, x.get_device()),
-                                lambda: Request(key, dict(SWIGLU=swiglu, ROUND=round_to), x.device))
+    plan = GATHER_QUANTIZE.plan_for(lambda: Request(key, dict(SWIGLU=swiglu, ROUND=round_to), x.device),
+                                    (key, x.dtype, dtype, offs is None, rows is None, swiglu, x.get_device()))
     row_programs, col_blocks = cdiv(P, plan.meta["BLOCK_R"]), cdiv(H, SCALE_BLOCK)
     per = gather_col_blocks(row_programs, col_blocks, 1 if INTERPRET else sm_count(plan.device_index))
     GATHER_QUANTIZE.launch(plan, (row_programs, cdiv(col_blocks, per)), (
@@ -98,8 +98,8 @@ def combine_launch(y_pairs, topk_ids, E: int, dtype) -> Launch:
     T, k = topk_ids.shape
     H = y_pairs.shape[1]
     key = configs.PrepKey("combine", H)
-    plan = COMBINE.plan((key, k, y_pairs.dtype, dtype, topk_ids.dtype, y_pairs.get_device()),
-                        lambda: Request(key, dict(k=k), y_pairs.device))
+    plan = COMBINE.plan_for(lambda: Request(key, dict(k=k), y_pairs.device),
+                            (key, k, y_pairs.dtype, dtype, topk_ids.dtype, y_pairs.get_device()))
     strides = y_pairs.stride()
 
     def build(out, y_pairs, topk_ids):
@@ -118,7 +118,8 @@ def swiglu_backward(h_pre, dh_u, weight, dtype):
     if P == 0:
         return dh_pre, h, dweight
     key = configs.PrepKey("swiglu_backward", I)
-    plan = SWIGLU_BACKWARD.plan((key, h_pre.dtype, dtype, h_pre.get_device()), lambda: Request(key, {}, h_pre.device))
+    plan = SWIGLU_BACKWARD.plan_for(lambda: Request(key, {}, h_pre.device),
+                                    (key, h_pre.dtype, dtype, h_pre.get_device()))
     SWIGLU_BACKWARD.launch(plan, (P,), (Operand(h_pre, *h_pre.stride()), Operand(dh_u, *dh_u.stride()), weight,
                                         Operand(dh_pre, *dh_pre.stride()), Operand(h, *h.stride()), dweight, I))
     return dh_pre, h, dweight
@@ -639,7 +640,7 @@ def grouped_list(As, Bs, activation=None, out_dtype=None, config=None):
             device, config, lambda plan: _launch_list(plan, args, shapes, device),
         )
 
-    _launch_list(LIST.plan(key, request), args, shapes, device)
+    _launch_list(LIST.plan_for(request, key), args, shapes, device)
     return Cs
 
 

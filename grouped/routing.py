@@ -161,6 +161,6 @@ def _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, 
                       TOPK_GROUP=topk_group or 1, TOP_K=top_k, K_BLOCK=max(2, next_pow2(top_k)),
                       SCORING=SCORINGS.index(scoring), HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize)
     key = (logits.dtype, logits.get_device(), *constexprs.values())
-    plan = ROUTE.plan(key, lambda: Request(RouteKey(g_block * group_block), constexprs, logits.device))
+    plan = ROUTE.plan_for(lambda: Request(RouteKey(g_block * group_block), constexprs, logits.device), key)
     ROUTE.launch(plan, (T,), (logits, bias, w, ids, logits.stride(0), logits.stride(1), float(scale)))
     return w, ids

@@ -104,6 +104,6 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: confi
         ))
 
     b_cols = None if experts_layout(w) else K  # else side by side (gluon_grouped_mode checked one of the two)
-    plan_key = (key, a.dtype, c.dtype, bias is None or bias.dtype, activation, scatter is None, weight is None,
+    call_key = (key, a.dtype, c.dtype, bias is None or bias.dtype, activation, scatter is None, weight is None,
                 out_scale is None, b_cols is None, a.get_device(), config)
-    launch(BLOCKSCALED_WGMMA.plan(plan_key, request))
+    launch(BLOCKSCALED_WGMMA.plan_for(request, call_key))

@@ -390,6 +390,47 @@ def test_plan_key_holds_what_a_plan_is_made_from():
     assert plan_key(base._replace(trial=lambda plan: None)) == plan_key(base)  # how to time it is not what it is
 
 
+def test_plan_for_with_a_key_builds_the_request_on_a_miss_only(fresh_plans, device):
+    """Launcher.plan_for(make, key), what a call site looking its plan up on every call passes
+    (grouped/ops.py row_tiles): ``make()`` runs at the key's first lookup only, never on a hit,
+    and the plan is stored under that key; a Request passed itself is stored under plan_key."""
+    from onegemm.core.launch import Request, plan_key
+    from onegemm.grouped.ops import ROW_TILES
+
+    made, where = [], torch.empty(0, device=device).device  # cuda:0, with its index, on a GPU
+
+    def make():
+        made.append(1)
+        return Request(configs.PrepKey("row_tiles", 4), dict(BLOCK_M=64, G_BLOCK=4, TAIL=True), where)
+
+    first = ROW_TILES.plan_for(make, ("site", 64))
+    assert all(ROW_TILES.plan_for(make, ("site", 64)) is first for _ in range(3)) and made == [1]
+    req = make()
+    plan = ROW_TILES.plan_for(req)
+    assert ROW_TILES.plan_for(req) is plan and made == [1, 1]
+    assert launch.plans("row_tiles") == {("site", 64): first, plan_key(req): plan}
+    assert (plan.config, plan.meta, plan.source) == (first.config, first.meta, first.source)
+
+
+def test_plan_for_is_the_one_way_to_a_plan():
+    """Launcher.plan_for is the only method that reads the plan table (core/launch.py, parsed):
+    a second lookup (a plan(key, request) beside plan_for, each with its own copy of the
+    double-checked lock) fails here. The lock itself is Launcher._once's alone."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(launch.Launcher))
+    (cls,) = tree.body
+
+    def uses(method, attr):
+        return any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name)
+                   and n.value.id == "self" for n in ast.walk(method))
+
+    methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+    assert [m.name for m in methods if uses(m, "_plans")] == ["__init__", "plan_for"]
+    assert [m.name for m in methods if uses(m, "_lock") and m.name != "__init__"] == ["_once"]
+
+
 def test_forced_config_then_unforced(fresh_plans, device):
     """A forced config does not leak into later unforced calls of the same shape."""
     a = torch.randn(70, 40, device=device)
