@@ -10,7 +10,7 @@ from ..core import checks, configs
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
-from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling
+from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling, read_granularity
 from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
@@ -366,6 +366,14 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     return shape, out_dtype, args, scales, (bound if validate else None)
 
 
+# What each scale's shape may give (core.scaling.read_granularity), tried in this order: the
+# block scales first (unlike blockscaled_matmul's coarsest first). Where both fit (K <= 128 for
+# scale_a; K <= 128 with N == 1 for scale_b) both readings give every element the same
+# multiplier; the order picks the K loop's code path.
+SCALES_A = ((ROW_BLOCKS, "1x128 per token"), (ROW, "row-wise"))
+SCALES_B = ((BLOCKS, "128x128"), (COL, "per output channel"))
+
+
 def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
     """The FP8 grouped GEMM's scales as ragged_kernel takes them, and their Scaling."""
     for name, t, other in (("scale_a", scale_a, "scale_b"), ("scale_b", scale_b, "scale_a")):
@@ -378,22 +386,8 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
     checks.check_fp8("a", a)
     checks.check_fp8("b", b, ndim=3)
     checks.check_same_device(a=a, scale_a=scale_a, scale_b=scale_b)
-    kb, nb = cdiv(K, SCALE_BLOCK), cdiv(N, SCALE_BLOCK)
-    if tuple(scale_a.shape) == (M, kb):
-        kind_a = ROW_BLOCKS
-    elif tuple(scale_a.shape) == (M, 1):
-        kind_a = ROW
-    else:
-        raise checks.bad_shape("scale_a", f"[sum_M, ceil(K/128)] = [{M}, {kb}] (1x128 per token) or [sum_M, 1] = "
-                               f"[{M}, 1] (row-wise)", scale_a.shape)
-    if tuple(scale_b.shape) == (G, kb, nb):
-        kind_b = BLOCKS
-    elif tuple(scale_b.shape) == (G, 1, N):
-        kind_b = COL
-    else:
-        raise checks.bad_shape("scale_b", f"[G, ceil(K/128), ceil(N/128)] = [{G}, {kb}, {nb}] (128x128) or [G, 1, N] "
-                               f"= [{G}, 1, {N}] (per output channel)", scale_b.shape)
-    scaling = Scaling(kind_a, kind_b)
+    scaling = Scaling(read_granularity("scale_a", scale_a, SCALES_A, "a", ("sum_M", "K"), (M, K)),
+                      read_granularity("scale_b", scale_b, SCALES_B, "b", ("G", "K", "N"), (G, K, N)))
     a_block, b_block = scaling.a_per_k_block, scaling.b_per_k_block
 
     def scales(sa, sb):

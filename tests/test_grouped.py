@@ -1,5 +1,7 @@
 """onegemm.grouped_matmul (all four offs modes and list mode) against float64 torch."""
 
+import re
+
 import pytest
 import torch
 
@@ -8,6 +10,8 @@ from helpers import fp8_grouped_inputs, offs_of
 from onegemm.core.configs import EITHER, flavoured
 from onegemm.grouped.configs import RAGGED_CONFIGS
 from onegemm.core.configs import cfg as _cfg
+from onegemm.core.scaling import BLOCKS, ROW_BLOCKS, read_granularity
+from onegemm.grouped.ops import SCALES_A, SCALES_B
 
 GROUPED_CONFIGS = flavoured(RAGGED_CONFIGS, EITHER)  # every ragged config in both load flavours
 from onegemm.testing import TOL, assert_close, grouped_mm_ref, matmul_ref
@@ -476,3 +480,27 @@ def test_fp8_grouped_bad_input(device):
         onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, config=_cfg(32, 64, 64, 1, 1))
     with pytest.raises(ValueError, match="scale_a must be free of requires_grad"):
         onegemm.grouped_matmul(qa, qb, offs, scale_a=sa.clone().requires_grad_(), scale_b=sb)
+
+
+@pytest.mark.parametrize("kind_a,kind_b,sizes", FP8_CASES)
+def test_fp8_grouped_scale_of_no_granularity(kind_a, kind_b, sizes, device):
+    """Beside a scale of each granularity, a scale whose shape fits none is refused by its
+    argument's name, with both shapes it may take for the operand it scales."""
+    qa, qb, sa, sb, offs, _, _ = fp8_grouped_inputs(kind_a, kind_b, sizes, 200, 136, device)
+    M, G = qa.shape[0], len(sizes)
+    want = (f"scale_a must be [sum_M, ceil(K/128)] = [{M}, 2] (1x128 per token) or [sum_M, 1] = [{M}, 1] (row-wise) "
+            f"for a [sum_M, K] = [{M}, 200], got shape (1, {M})")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa[:, :1].t(), scale_b=sb)
+    want = (f"scale_b must be [G, ceil(K/128), ceil(N/128)] = [{G}, 2, 2] (128x128) or [G, 1, N] = [{G}, 1, 136] "
+            f"(per output channel) for b [G, K, N] = [{G}, 200, 136], got shape ({G}, {sb.shape[1]}, 1)")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb[..., :1])
+
+
+def test_fp8_grouped_ambiguous_scales_read_as_blocks():
+    """K <= 128: [sum_M, 1] is both 1x128 and row-wise; with N == 1 too, [G, 1, 1] is both
+    128x128 and per-channel. grouped_matmul takes the block reading (the K loop's path), the
+    first in its table; either gives every element the same multiplier."""
+    assert read_granularity("scale_a", torch.ones(7, 1), SCALES_A, "a", ("sum_M", "K"), (7, 100)) == ROW_BLOCKS
+    assert read_granularity("scale_b", torch.ones(2, 1, 1), SCALES_B, "b", ("G", "K", "N"), (2, 100, 1)) == BLOCKS
