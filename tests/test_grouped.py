@@ -186,6 +186,38 @@ def test_bad_offs_unchecked_give_nan(name, values, exc, match, device):
     assert torch.isnan(out).all()
 
 
+def test_offs_values_read_by_default_only_on_the_cpu(device):
+    """check_offs=None reads offs' values where that costs no sync (offs on the CPU, the
+    interpreter's case), never on a GPU, whose kernel turns bad offs into NaN instead."""
+    a = rand(30, 8, device=device)
+    b = expert_weights(3, 8, 4, torch.float32, device)
+    offs = torch.tensor([10, 5, 20], dtype=torch.int32, device=device)
+    if offs.is_cpu:
+        with pytest.raises(ValueError, match="offs must be non-decreasing"):
+            onegemm.grouped_matmul(a, b, offs)
+    else:
+        assert torch.isnan(onegemm.grouped_matmul(a, b, offs)).all()
+
+
+# Each mode that takes offs: a and b where the dimension offs cuts has 30 elements (no other
+# dimension does), and that dimension's name in check_offs' message.
+OFFS_MODES = [
+    ("2Dx3D", lambda d: (rand(30, 8, device=d), rand(3, 8, 4, device=d)), "a's rows \\(2D x 3D\\)"),
+    ("2Dx2D", lambda d: (rand(4, 30, device=d), rand(30, 5, device=d)), "the reduction dimension K \\(2D x 2D\\)"),
+    ("3Dx2D", lambda d: (rand(3, 4, 8, device=d), rand(8, 30, device=d)), "b's columns \\(3D x 2D\\)"),
+]
+
+
+@pytest.mark.parametrize("name,make,what", OFFS_MODES, ids=[c[0] for c in OFFS_MODES])
+def test_offs_end_bounded_by_the_dimension_cut(name, make, what, device):
+    """check_offs bounds offs[-1] by the size of the dimension offs cuts in the call's mode: an
+    end at 30 is accepted, 31 refused naming that dimension."""
+    a, b = make(device)
+    onegemm.grouped_matmul(a, b, offs_of([10, 10, 10], device), check_offs=True)
+    with pytest.raises(ValueError, match=f"offs must be at most 30 \\(the grouped dimension of {what}\\) at its end"):
+        onegemm.grouped_matmul(a, b, offs_of([10, 10, 11], device), check_offs=True)
+
+
 BAD_CALLS = [
     ("offs int64", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), torch.tensor([3, 6], device=d)), {}, TypeError, "int32"),
     ("offs too short", lambda d: (rand(6, 8, device=d), rand(2, 8, 4, device=d), offs_of([6], d)), {}, ValueError, "2 entries"),
