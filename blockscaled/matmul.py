@@ -32,8 +32,8 @@ from ..core.dispatch import Cached, Op, Record
 from ..core.hopper_fp8 import uses_gluon_body, wgmma_launch
 from ..core.launch import Launcher, Request
 from ..core.matmul import dense_launch, matmul_kernel
-from ..core.runtime import cdiv, empty
-from ..core.scaling import BLOCKS, COL, COL_BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity, Scaling
+from ..core.runtime import empty
+from ..core.scaling import BLOCKS, COL, COL_BLOCKS, ROW, ROW_BLOCKS, TENSOR, Scaling, read_granularity
 from ..core.tiles import Operand, Scales, Vector
 from ..core.tma import choose_tma, forced_flavour, layout_meta
 from .configs import BlockscaledKey
@@ -42,33 +42,10 @@ from .configs import BlockscaledKey
 # core's dense kernel; this launcher's family (blockscaled/configs.py) tunes it for fp8 operands.
 BLOCKSCALED = Launcher(matmul_kernel, "blockscaled")
 
-def scale_kind_a(scale_a: torch.Tensor, M: int, K: int) -> Granularity:
-    """Which granularity scale_a's shape gives, coarsest first (module docstring)."""
-    kb, mb = cdiv(K, SCALE_BLOCK), cdiv(M, SCALE_BLOCK)
-    shape = tuple(scale_a.shape)
-    if scale_a.dim() <= 2 and scale_a.numel() == 1:
-        return TENSOR
-    for kind, want in ((ROW, (M, 1)), (ROW_BLOCKS, (M, kb)), (BLOCKS, (mb, kb))):
-        if shape == want:
-            return kind
-    raise checks.bad_shape(
-        "scale_a", f"a scalar, [M, 1] = [{M}, 1], [M, ceil(K/128)] = [{M}, {kb}] (1x128) or "
-        f"[ceil(M/128), ceil(K/128)] = [{mb}, {kb}] (128x128) for a [M, K] = [{M}, {K}]", shape,
-        "it fits no granularity")
-
-
-def scale_kind_b(scale_b: torch.Tensor, K: int, N: int) -> Granularity:
-    kb, nb = cdiv(K, SCALE_BLOCK), cdiv(N, SCALE_BLOCK)
-    shape = tuple(scale_b.shape)
-    if scale_b.dim() <= 2 and scale_b.numel() == 1:
-        return TENSOR
-    for kind, want in ((COL, (1, N)), (COL_BLOCKS, (kb, N)), (BLOCKS, (kb, nb))):
-        if shape == want:
-            return kind
-    raise checks.bad_shape(
-        "scale_b", f"a scalar, [1, N] = [1, {N}], [ceil(K/128), N] = [{kb}, {N}] (128x1) or "
-        f"[ceil(K/128), ceil(N/128)] = [{kb}, {nb}] (128x128) for b [K, N] = [{K}, {N}]", shape,
-        "it fits no granularity")
+# What each scale's shape may give (core.scaling.read_granularity), tried in this order:
+# coarsest first (module docstring).
+SCALES_A = ((TENSOR, ""), (ROW, ""), (ROW_BLOCKS, "1x128"), (BLOCKS, "128x128"))
+SCALES_B = ((TENSOR, ""), (COL, ""), (COL_BLOCKS, "128x1"), (BLOCKS, "128x128"))
 
 
 def blockscaled_matmul(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, bias=None, activation=None,
@@ -114,7 +91,8 @@ def _checked(a, b, scale_a, scale_b, out_dtype, bias, activation, config, tma, u
     N = b.shape[1]
     checks.check_tensor("scale_a", scale_a, dtypes=(torch.float32,))
     checks.check_tensor("scale_b", scale_b, dtypes=(torch.float32,))
-    scaling = Scaling(scale_kind_a(scale_a, M, K), scale_kind_b(scale_b, K, N))
+    scaling = Scaling(read_granularity("scale_a", scale_a, SCALES_A, "a", ("M", "K"), (M, K)),
+                      read_granularity("scale_b", scale_b, SCALES_B, "b", ("K", "N"), (K, N)))
     checks.check_activation(activation)
     checks.check_bias(bias, (N,))
     checks.check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)

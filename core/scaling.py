@@ -1,14 +1,20 @@
 """How a block-scaled FP8 GEMM's operands are scaled: one ``Scaling``, built once by the checks.
 
-An op reads each scale's granularity from its shape (blockscaled/matmul.py, grouped/ops.py),
-once, into a ``Scaling``; the tuning keys (core/configs.py), the kernels' SA_ROWS / SB_COLS
-constexprs and the choice between core's two FP8 bodies (core/hopper_fp8.py) read that
-object, never a string. Its ``str`` is how the tuned tables (core/tuned/*.json) name it.
+An op reads each scale's granularity from its shape once, into a ``Scaling``
+(``read_granularity``, given the op's table of what it accepts: blockscaled/matmul.py,
+grouped/ops.py); the tuning keys (core/configs.py), the kernels' SA_ROWS / SB_COLS constexprs
+and the choice between core's two FP8 bodies (core/hopper_fp8.py) read that object, never a
+string. Its ``str`` is how the tuned tables (core/tuned/*.json) name it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .checks import bad_shape
+from .runtime import cdiv
 
 # The scale block of the DeepSeek-V3 recipe and of torch._scaled_mm's blockwise mode: a block
 # scale covers 128 elements along K (and 128 rows or columns for 128x128 blocks).
@@ -45,6 +51,56 @@ COL = Granularity(None, 1)                       # B: one per column (per output
 ROW_BLOCKS = Granularity(1, SCALE_BLOCK)         # A: 1x128, per token and K block
 COL_BLOCKS = Granularity(SCALE_BLOCK, 1)         # B: 128x1, per K block and column
 BLOCKS = Granularity(SCALE_BLOCK, SCALE_BLOCK)   # 128x128 (a checkpoint's weight_scale_inv)
+
+
+def read_granularity(name: str, scale: torch.Tensor, accepts: Sequence[tuple[Granularity, str]], operand: str,
+                     dims: Sequence[str], sizes: Sequence[int]) -> Granularity:
+    """The granularity ``scale``'s shape gives: the first of ``accepts`` it fits, in that order.
+
+    The operand it scales is ``operand`` (its public name) of shape ``sizes``, whose dimensions
+    are named ``dims``, as the GEMM reads it: [..., M, K] for A, [..., K, N] for B, leading
+    (group) dimensions taken as they are. A granularity (rows, cols) wants one scale per
+    rows x cols block of the last two dimensions (None: the whole dimension), e.g.
+    [ceil(M/128), ceil(K/128)] for A's 128x128; TENSOR wants one element (numel 1, at most as
+    many dimensions as the operand). ``accepts``: (granularity, its label in the message, or
+    "") pairs. None fits: ValueError '<name> must be <each accepted shape> for <operand>
+    [dims] = [sizes], got shape (...): it fits no granularity'.
+    """
+    shape = tuple(scale.shape)
+    for kind, _ in accepts:
+        if kind == TENSOR:
+            if scale.dim() <= len(sizes) and scale.numel() == 1:
+                return kind
+        elif shape == _scale_shape(kind, sizes, cdiv):
+            return kind
+    shown = [_shown(kind, label, dims, sizes) for kind, label in accepts]
+    listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
+    raise bad_shape(name, f"{listed} for {operand} {_dims(dims)} = {_dims(sizes)}", shape, "it fits no granularity")
+
+
+def _shown(kind: Granularity, label: str, dims, sizes) -> str:
+    """'[M, ceil(K/128)] = [200, 3] (1x128)': ``kind``'s scale shape in the message."""
+    if kind == TENSOR:
+        return "a scalar"
+    shown = f"{_dims(_scale_shape(kind, dims, _ceil_of))} = {_dims(_scale_shape(kind, sizes, cdiv))}"
+    return f"{shown} ({label})" if label else shown
+
+
+def _dims(dims) -> str:
+    return f"[{', '.join(map(str, dims))}]"
+
+
+def _scale_shape(kind: Granularity, dims: Sequence, per) -> tuple:
+    """The shape of ``kind``'s scales for an operand of dimensions ``dims`` (sizes, or names):
+    the leading ones as they are, then ``per(dim, block)`` blocks of each of the last two (1 for a
+    block of None, the dimension itself for a block of 1)."""
+    *lead, rows, cols = dims
+    return (*lead, *(1 if step is None else dim if step == 1 else per(dim, step)
+                     for dim, step in ((rows, kind.rows), (cols, kind.cols))))
+
+
+def _ceil_of(dim: str, step: int) -> str:
+    return f"ceil({dim}/{step})"
 
 
 class Scaling(NamedTuple):

@@ -10,7 +10,7 @@ from ..core import checks, configs
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
-from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling
+from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling, read_granularity
 from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
@@ -125,25 +125,30 @@ def swiglu_backward(h_pre, dh_u, weight, dtype):
     return dh_pre, h, dweight
 
 
-def validate_offs(offs, G: int, total: int, what: str, validate: bool) -> None:
-    """Metadata checks always; value checks (monotone, within ``total``) only if ``validate``.
-
-    Reading the values needs them on the host, a device sync on a GPU: that is what the hot
-    path and CUDA-graph capture must avoid, so on a GPU it is opt-in (``check_offs=True``);
-    the kernel itself turns bad offs into a NaN output rather than trusting them.
+def check_offs_tensor(offs, mode: str, over: str | None, G: int = -1) -> None:
+    """grouped_matmul's ``offs`` in ``mode`` ("2D x 3D"), all but its values (check_offs_values):
+    int32 [G] cumulative end offsets of the groups along ``over`` (a's rows, K, b's columns),
+    1-D with G entries (G < 0: any length, 2D x 2D's offs gives G), on a device the kernels read.
+    ``over`` None: the mode takes no offs (3D x 3D, batched). Metadata only: no value is read.
     """
     if offs is None:
-        raise checks.bad_value("offs", f"int32 [G] cumulative end offsets for {what}", None)
+        if over is not None:
+            raise checks.bad_value("offs", f"int32 [G] cumulative end offsets for {mode} grouped_matmul", None)
+        return
     checks.check_tensor("offs", offs, dtypes=(torch.int32,))
+    if over is None:
+        raise checks.bad_value("offs", f"None for {mode} (batched) grouped_matmul", "a tensor")
     if offs.dim() != 1 or (G >= 0 and offs.shape[0] != G):
         want = "1-D" if G < 0 else f"1-D with {G} entries (one end offset per group)"
-        raise checks.bad_shape("offs", f"{want} for {what}", offs.shape)
-    if validate:
-        check_offs_values(offs, total, what)
+        raise checks.bad_shape("offs", f"{want} for {over} ({mode})", offs.shape)
 
 
 def check_offs_values(offs, total: int, what: str) -> None:
-    """offs non-decreasing, >= 0 and at most ``total`` (read on the host: a sync on a GPU)."""
+    """offs (checked by check_offs_tensor) non-decreasing, >= 0 and at most ``total``, the size
+    of the dimension it cuts (``what``). Reads the values on the host: a device sync on a GPU,
+    which the hot path and CUDA-graph capture must avoid, so grouped_matmul reads them only for
+    ``check_offs=True`` or offs on the CPU (its docstring); the kernel itself turns bad offs
+    into a NaN output rather than trusting them."""
     if offs.shape[0] > 0:
         o = offs.to("cpu", torch.int64)
         if (o[0] < 0) or bool((o[1:] < o[:-1]).any()):
@@ -302,6 +307,16 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     return record(a, b, offs, scale_a, scale_b, bias) if fp8 else record(a, b, offs, bias)
 
 
+# What offs cuts in each mode of grouped_matmul, by (a.dim(), b.dim()): from a and b, the number
+# of groups (-1: offs' own length, 2D x 2D), the size of the dimension cut and its name.
+# 3D x 3D (batched) takes no offs.
+_OFFS_OVER = {
+    (2, 3): lambda a, b: (b.shape[0], a.shape[0], "a's rows"),
+    (2, 2): lambda a, b: (-1, a.shape[1], "the reduction dimension K"),
+    (3, 2): lambda a, b: (a.shape[0], b.shape[1], "b's columns"),
+}
+
+
 def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a, scale_b, fake=False):
     """The checks of grouped_matmul's tensor modes; returns (output shape, out_dtype, launch
     arguments, ``scales(scale_a, scale_b)`` -> tiles.Scales or None without scales, and
@@ -311,30 +326,28 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     checks.check_tensor("b", b, ndim=(2, 3))
     checks.check_operand_dtypes(a, b)
     checks.check_activation(activation)
-    if offs is not None:
-        checks.check_tensor("offs", offs, dtypes=(torch.int32,))
+    mode, named = (a.dim(), b.dim()), f"{a.dim()}D x {b.dim()}D"
+    G, total, over = _OFFS_OVER[mode](a, b) if mode in _OFFS_OVER else (-1, 0, None)
+    check_offs_tensor(offs, named, over, G)
+    # offs' values: read here and by the record on every call where check_offs asks (or, by
+    # default, offs is on the CPU), never on fake tensors.
+    bound = None
+    if not fake and over is not None and (check_offs if check_offs is not None else offs.is_cpu):
+        bound = (total, f"{over} ({named})")
+        check_offs_values(offs, *bound)
     if bias is not None:
         checks.check_tensor("bias", bias, dtypes=checks.FLOAT_DTYPES)
     checks.check_same_device(a=a, b=b, offs=offs, bias=bias)
     out_dtype = checks.resolve_out_dtype(out_dtype, a.dtype)
-    validate = not fake and (check_offs if check_offs is not None else (offs is not None and offs.is_cpu))
-    mode = (a.dim(), b.dim())
-    bound = None
-    if mode != (3, 3) and offs is None:
-        raise checks.bad_value("offs", f"int32 [G] cumulative end offsets for {a.dim()}D x {b.dim()}D grouped_matmul", None)
 
     if mode == (2, 3):
         G, K, N = b.shape
         M = a.shape[0]
         if a.shape[1] != K:
             raise checks.bad_shape("b", f"[G, K, N] with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)})", b.shape)
-        bound = (M, "a's rows (2D x 3D)")
-        validate_offs(offs, G, *bound, validate)
         checks.check_bias(bias, (G, N), "each group's output")
         shape, ragged, rows_per_group = (M, N), "M", M // max(G, 1)
     elif mode == (3, 3):
-        if offs is not None:
-            raise checks.bad_value("offs", "None for 3D x 3D (batched) grouped_matmul", "a tensor")
         G, M, K = a.shape
         if b.shape[0] != G or b.shape[1] != K:
             raise checks.bad_shape("b", f"[{G}, {K}, N] (a is [G, M, K] = {tuple(a.shape)})", b.shape)
@@ -346,9 +359,7 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
         N = b.shape[1]
         if b.shape[0] != K:
             raise checks.bad_shape("b", f"[{K}, N] (a is [M, sum_K] = {tuple(a.shape)})", b.shape)
-        G = offs.shape[0] if offs.dim() == 1 else -1
-        bound = (K, "the reduction dimension K (2D x 2D)")
-        validate_offs(offs, G, *bound, validate)
+        G = offs.shape[0]
         checks.check_bias(bias, (G, N), "each group's output")
         shape, ragged, rows_per_group = (G, M, N), "K", M
     else:  # (3, 2)
@@ -356,15 +367,21 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
         N = b.shape[1]
         if b.shape[0] != K:
             raise checks.bad_shape("b", f"[{K}, sum_N] (a is [G, M, K] = {tuple(a.shape)})", b.shape)
-        bound = (N, "b's columns (3D x 2D)")
-        validate_offs(offs, G, *bound, validate)
         checks.check_bias(bias, (N,), "the output (one value per column of [M, sum_N])")
         shape, ragged, rows_per_group = (M, N), "N", M
     args = dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
     scales = None
     if scale_a is not None or scale_b is not None:
         scales, args["scaling"] = _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K)
-    return shape, out_dtype, args, scales, (bound if validate else None)
+    return shape, out_dtype, args, scales, bound
+
+
+# What each scale's shape may give (core.scaling.read_granularity), tried in this order: the
+# block scales first (unlike blockscaled_matmul's coarsest first). Where both fit (K <= 128 for
+# scale_a; K <= 128 with N == 1 for scale_b) both readings give every element the same
+# multiplier; the order picks the K loop's code path.
+SCALES_A = ((ROW_BLOCKS, "1x128 per token"), (ROW, "row-wise"))
+SCALES_B = ((BLOCKS, "128x128"), (COL, "per output channel"))
 
 
 def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
@@ -379,22 +396,8 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
     checks.check_fp8("a", a)
     checks.check_fp8("b", b, ndim=3)
     checks.check_same_device(a=a, scale_a=scale_a, scale_b=scale_b)
-    kb, nb = cdiv(K, SCALE_BLOCK), cdiv(N, SCALE_BLOCK)
-    if tuple(scale_a.shape) == (M, kb):
-        kind_a = ROW_BLOCKS
-    elif tuple(scale_a.shape) == (M, 1):
-        kind_a = ROW
-    else:
-        raise checks.bad_shape("scale_a", f"[sum_M, ceil(K/128)] = [{M}, {kb}] (1x128 per token) or [sum_M, 1] = "
-                               f"[{M}, 1] (row-wise)", scale_a.shape)
-    if tuple(scale_b.shape) == (G, kb, nb):
-        kind_b = BLOCKS
-    elif tuple(scale_b.shape) == (G, 1, N):
-        kind_b = COL
-    else:
-        raise checks.bad_shape("scale_b", f"[G, ceil(K/128), ceil(N/128)] = [{G}, {kb}, {nb}] (128x128) or [G, 1, N] "
-                               f"= [{G}, 1, {N}] (per output channel)", scale_b.shape)
-    scaling = Scaling(kind_a, kind_b)
+    scaling = Scaling(read_granularity("scale_a", scale_a, SCALES_A, "a", ("sum_M", "K"), (M, K)),
+                      read_granularity("scale_b", scale_b, SCALES_B, "b", ("G", "K", "N"), (G, K, N)))
     a_block, b_block = scaling.a_per_k_block, scaling.b_per_k_block
 
     def scales(sa, sb):

@@ -22,7 +22,8 @@ from onegemm.core.configs import (WGMMA_MIN_M, WgmmaKey, warp_specialized, wgmma
 from onegemm.core.launch import plans
 from onegemm.core.fp8 import divide_rn, fp8_cast
 from onegemm.core.runtime import default_programs
-from onegemm.core.scaling import BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, Scaling
+from onegemm.blockscaled.matmul import SCALES_A, SCALES_B
+from onegemm.core.scaling import BLOCKWISE, COL, COL_BLOCKS, ROW, ROW_BLOCKS, TENSOR, Scaling, read_granularity
 from onegemm.testing import (
     TOL,
     assert_close,
@@ -508,6 +509,22 @@ def test_ambiguous_n1(device):
     out = onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t(), out_dtype=torch.float32)
     for block in [(128, 1), (128, 128)]:
         assert_close(out, blockscaled_matmul_ref(qa, qw.t(), sa, sw.t(), (1, 128), block), KERNEL_TOL)
+
+
+def test_ambiguous_shapes_take_the_coarsest_reading():
+    """Where readings of a shape coincide (blockscaled/matmul.py's docstring) the coarsest is
+    taken: a scale constant along K goes to the epilogue, not the K loop."""
+    def kind_a(shape, M, K):
+        return read_granularity("scale_a", torch.ones(shape), SCALES_A, "a", ("M", "K"), (M, K))
+
+    def kind_b(shape, K, N):
+        return read_granularity("scale_b", torch.ones(shape), SCALES_B, "b", ("K", "N"), (K, N))
+
+    assert kind_a((1, 1), 1, 100) == TENSOR  # also [M, 1], [M, kb] and [mb, kb]
+    assert kind_a((60, 1), 60, 100) == ROW  # also [M, kb] (K <= 128)
+    assert kind_a((1, 3), 1, 300) == ROW_BLOCKS  # also [mb, kb] (M == 1)
+    assert kind_b((1, 150), 100, 150) == COL  # also [kb, N] (K <= 128)
+    assert kind_b((3, 1), 300, 1) == COL_BLOCKS  # also [kb, nb] (N == 1)
 
 
 @pytest.mark.parametrize("M,N", [(0, 5), (5, 0)])

@@ -1,5 +1,7 @@
 """onegemm.grouped_matmul (all four offs modes and list mode) against float64 torch."""
 
+import re
+
 import pytest
 import torch
 
@@ -8,6 +10,8 @@ from helpers import fp8_grouped_inputs, offs_of
 from onegemm.core.configs import EITHER, flavoured
 from onegemm.grouped.configs import RAGGED_CONFIGS
 from onegemm.core.configs import cfg as _cfg
+from onegemm.core.scaling import BLOCKS, ROW_BLOCKS, read_granularity
+from onegemm.grouped.ops import SCALES_A, SCALES_B
 
 GROUPED_CONFIGS = flavoured(RAGGED_CONFIGS, EITHER)  # every ragged config in both load flavours
 from onegemm.testing import TOL, assert_close, grouped_mm_ref, matmul_ref
@@ -180,6 +184,38 @@ def test_bad_offs_unchecked_give_nan(name, values, exc, match, device):
     offs = torch.tensor(values, dtype=torch.int32, device=device)
     out = onegemm.grouped_matmul(a, b, offs, check_offs=False)
     assert torch.isnan(out).all()
+
+
+def test_offs_values_read_by_default_only_on_the_cpu(device):
+    """check_offs=None reads offs' values where that costs no sync (offs on the CPU, the
+    interpreter's case), never on a GPU, whose kernel turns bad offs into NaN instead."""
+    a = rand(30, 8, device=device)
+    b = expert_weights(3, 8, 4, torch.float32, device)
+    offs = torch.tensor([10, 5, 20], dtype=torch.int32, device=device)
+    if offs.is_cpu:
+        with pytest.raises(ValueError, match="offs must be non-decreasing"):
+            onegemm.grouped_matmul(a, b, offs)
+    else:
+        assert torch.isnan(onegemm.grouped_matmul(a, b, offs)).all()
+
+
+# Each mode that takes offs: a and b where the dimension offs cuts has 30 elements (no other
+# dimension does), and that dimension's name in check_offs' message.
+OFFS_MODES = [
+    ("2Dx3D", lambda d: (rand(30, 8, device=d), rand(3, 8, 4, device=d)), "a's rows \\(2D x 3D\\)"),
+    ("2Dx2D", lambda d: (rand(4, 30, device=d), rand(30, 5, device=d)), "the reduction dimension K \\(2D x 2D\\)"),
+    ("3Dx2D", lambda d: (rand(3, 4, 8, device=d), rand(8, 30, device=d)), "b's columns \\(3D x 2D\\)"),
+]
+
+
+@pytest.mark.parametrize("name,make,what", OFFS_MODES, ids=[c[0] for c in OFFS_MODES])
+def test_offs_end_bounded_by_the_dimension_cut(name, make, what, device):
+    """check_offs bounds offs[-1] by the size of the dimension offs cuts in the call's mode: an
+    end at 30 is accepted, 31 refused naming that dimension."""
+    a, b = make(device)
+    onegemm.grouped_matmul(a, b, offs_of([10, 10, 10], device), check_offs=True)
+    with pytest.raises(ValueError, match=f"offs must be at most 30 \\(the grouped dimension of {what}\\) at its end"):
+        onegemm.grouped_matmul(a, b, offs_of([10, 10, 11], device), check_offs=True)
 
 
 BAD_CALLS = [
@@ -476,3 +512,27 @@ def test_fp8_grouped_bad_input(device):
         onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb, config=_cfg(32, 64, 64, 1, 1))
     with pytest.raises(ValueError, match="scale_a must be free of requires_grad"):
         onegemm.grouped_matmul(qa, qb, offs, scale_a=sa.clone().requires_grad_(), scale_b=sb)
+
+
+@pytest.mark.parametrize("kind_a,kind_b,sizes", FP8_CASES)
+def test_fp8_grouped_scale_of_no_granularity(kind_a, kind_b, sizes, device):
+    """Beside a scale of each granularity, a scale whose shape fits none is refused by its
+    argument's name, with both shapes it may take for the operand it scales."""
+    qa, qb, sa, sb, offs, _, _ = fp8_grouped_inputs(kind_a, kind_b, sizes, 200, 136, device)
+    M, G = qa.shape[0], len(sizes)
+    want = (f"scale_a must be [sum_M, ceil(K/128)] = [{M}, 2] (1x128 per token) or [sum_M, 1] = [{M}, 1] (row-wise) "
+            f"for a [sum_M, K] = [{M}, 200], got shape (1, {M})")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa[:, :1].t(), scale_b=sb)
+    want = (f"scale_b must be [G, ceil(K/128), ceil(N/128)] = [{G}, 2, 2] (128x128) or [G, 1, N] = [{G}, 1, 136] "
+            f"(per output channel) for b [G, K, N] = [{G}, 200, 136], got shape ({G}, {sb.shape[1]}, 1)")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        onegemm.grouped_matmul(qa, qb, offs, scale_a=sa, scale_b=sb[..., :1])
+
+
+def test_fp8_grouped_ambiguous_scales_read_as_blocks():
+    """K <= 128: [sum_M, 1] is both 1x128 and row-wise; with N == 1 too, [G, 1, 1] is both
+    128x128 and per-channel. grouped_matmul takes the block reading (the K loop's path), the
+    first in its table; either gives every element the same multiplier."""
+    assert read_granularity("scale_a", torch.ones(7, 1), SCALES_A, "a", ("sum_M", "K"), (7, 100)) == ROW_BLOCKS
+    assert read_granularity("scale_b", torch.ones(2, 1, 1), SCALES_B, "b", ("G", "K", "N"), (2, 100, 1)) == BLOCKS
