@@ -3,8 +3,9 @@
     python bench/bench_blockscaled.py           # on the H200: tables + bench/results/blockscaled.{md,png}
     python bench/bench_blockscaled.py --quick   # CPU interpreter: the same code path on tiny shapes
     # DeepGEMM's column needs `import deep_gemm` to work (else one line says why, and the column is
-    # nan). Here, copy DeepGEMM into the ignored .peers/, which travels with the working tree:
-    mkdir -p .peers && cp -r ../shared/peers/deepgemm .peers/ && chmod -R u+w .peers/deepgemm
+    # nan). Here, copy DeepGEMM (a checkout with its build.sh, from the peers folder named by
+    # $ONEGEMM_PEERS) into the ignored .peers/, which travels with the working tree:
+    mkdir -p .peers && cp -r "$ONEGEMM_PEERS/deepgemm" .peers/ && chmod -R u+w .peers/deepgemm
     # then on the GPU machine, from the checkout (build.sh writes .peers/deepgemm/dg_env.sh):
     bash .peers/deepgemm/build.sh > $OUT/dg_build.log 2>&1 && source .peers/deepgemm/dg_env.sh && python3 bench/bench_blockscaled.py
 

@@ -3,8 +3,9 @@
     python bench/bench_moe.py           # H200: bench/results/moe_fp8.md
     python bench/bench_moe.py --quick   # CPU interpreter: every path once, tiny shapes, no files
     # DeepGEMM's columns need `import deep_gemm` to work (else one line says why, and they are
-    # nan). Here, copy DeepGEMM into the ignored .peers/, which travels with the working tree:
-    mkdir -p .peers && cp -r ../shared/peers/deepgemm .peers/ && chmod -R u+w .peers/deepgemm
+    # nan). Here, copy DeepGEMM (a checkout with its build.sh, from the peers folder named by
+    # $ONEGEMM_PEERS) into the ignored .peers/, which travels with the working tree:
+    mkdir -p .peers && cp -r "$ONEGEMM_PEERS/deepgemm" .peers/ && chmod -R u+w .peers/deepgemm
     # then on the GPU machine, from the checkout (build.sh writes .peers/deepgemm/dg_env.sh):
     bash .peers/deepgemm/build.sh > $OUT/dg_build.log 2>&1 && source .peers/deepgemm/dg_env.sh && python3 bench/bench_moe.py --part gemm
 

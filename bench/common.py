@@ -169,7 +169,7 @@ def plot_ratios(name: str, labels: list[str], series: dict[str, list[float]], yl
 
 # ---- peers: other projects' kernels, found in the environment, never imported by the library ----
 
-DEEPGEMM_HOW = ("build it on the GPU machine with ../shared/peers/deepgemm/build.sh (copied to the checkout's ignored "
+DEEPGEMM_HOW = ("build it on the GPU machine with $ONEGEMM_PEERS/deepgemm/build.sh (copied to the checkout's ignored "
                 ".peers/deepgemm) and source the dg_env.sh it writes; this script's docstring gives the commands")
 
 
