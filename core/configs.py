@@ -431,12 +431,28 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
         # with per-row (1x128) block scales of A they spill (tools/wgmma_ptxas.py)
         if key.mode == "dense" and key.scaling.a != ROW_BLOCKS:
             found += [wgmma_cfg(256, 3, 1)]
+        if _tall_tiles(key):
+            found += [wgmma_cfg(128, 3, 1, bm=256)]
     return with_pick([c for c in found if _wgmma_fits(c, key.out, key.mode)], wgmma_heuristic(key, sms))
+
+
+def _tall_tiles(key: WgmmaKey) -> bool:
+    """Whether 256 x 128 tiles (each consumer's 128 rows as two promoted 64-row halves,
+    SPLIT_M: a quarter fewer operand bytes per product than 128 x 128) serve this key: dense
+    promoting loops, not per-row (1x128) block scales of A, whose 64-row scale vectors spill
+    there (tools/wgmma_ptxas.py) and ran 25-40% slower (bench/results/wgmma_modes.md)."""
+    return key.mode == "dense" and not key.fast_accum and key.scaling.a != ROW_BLOCKS and key.scaling.b != COL_BLOCKS
+
+
+def wave_efficiency(tiles: int, sms: int) -> float:
+    """The share of the SMs' tile slots that ``tiles`` fill over their waves (1.0: no partial last wave)."""
+    return tiles / (cdiv(tiles, sms) * sms) if tiles else 1.0
 
 
 def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
     """The deepest ring that fits, three K blocks per unrolled group; 64-wide tiles when
-    128-wide ones would leave SMs idle, and for per-column weight scales (128x1). SwiGLU
+    128-wide ones would leave SMs idle, and for per-column weight scales (128x1); 256 x 128
+    tiles (``_tall_tiles``) where two or more waves of them fill the SMs to 90% or more. SwiGLU
     tiles are 64 rows by 128 output columns (the 1x128 blocks of its fp8 output). Decode
     (SWAP) tiles hold the group's tokens on wgmma's N side and keep many weight bytes in
     flight: a deep ring of thin slots."""
@@ -451,6 +467,9 @@ def wgmma_heuristic(key: WgmmaKey, sms: int) -> triton.Config:
         return wgmma_cfg(256, 3, 1) if wide and _wgmma_fits(wgmma_cfg(256, 3, 1), key.out) else wgmma_cfg(128, 4, 1)
     if key.scaling.b == COL_BLOCKS or (key.mode == "dense" and tile_count(key.m, key.n, 128, 128) < sms):
         return wgmma_cfg(64, 6, 4)  # narrow: 128-wide tiles would leave SMs idle, or spill with 128x1 scales
+    tall, tall_tiles = wgmma_cfg(128, 3, 1, bm=256), tile_count(key.m, key.n, 256, 128)
+    if _tall_tiles(key) and _wgmma_fits(tall, key.out) and tall_tiles >= 2 * sms and wave_efficiency(tall_tiles, sms) >= 0.9:
+        return tall  # fewer operand bytes per product, over two waves or more with a nearly full last one
     return next(c for c in (wgmma_cfg(128, st, 3) for st in (6, 5, 4)) if _wgmma_fits(c, key.out, key.mode))
 
 

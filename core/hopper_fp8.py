@@ -95,10 +95,11 @@ def _tile_n(block_n, swiglu, swap):
 
 
 @triton.constexpr_function
-def _split(block_n, fast_acc):
-    """Whether a consumer holds its tile as two 128-column accumulators (a promoting K loop
-    over 256 columns: a 64 x 256 raw tile next to its accumulator would not fit in registers)."""
-    return block_n > 128 and not fast_acc
+def _split(block_m, block_n, fast_acc):
+    """Whether a consumer holds its share of the tile as two accumulators: 128-column halves
+    of a promoting 256-column tile (a 64 x 256 raw tile next to its accumulator would not fit
+    in registers), or 64-row halves of a 256-row tile (each consumer 128 rows)."""
+    return block_m > 2 * ROWS.value or (block_n > 128 and not fast_acc)
 
 
 @triton.constexpr_function
@@ -125,8 +126,10 @@ class Tiling:
     PINGPONG (dense or GROUPED): each consumer computes every other tile whole (BLOCK_M = 64
        or 128 rows), their K loops in turns (mbarriers ``turn``), one's epilogue under the
        other's wgmmas.
-    SPLIT (BLOCK_N = 256 with a promoting loop, SB_COLS != 1): each consumer's 64 x 256 as two
-       128-column accumulators, each block's halves issued and promoted in turn.
+    SPLIT: each consumer's share as two accumulators, each K block's halves issued and
+       promoted in turn: BLOCK_N = 256 with a promoting loop (SB_COLS != 1), 64 x 256 as two
+       128-column halves; or SPLIT_M, BLOCK_M = 256 (dense, promoting), 128 x BLOCK_N as two
+       64-row halves. Both read fewer operand bytes per product than a 128 x 128 tile.
     K_GROUP: K blocks per unrolled group of the promoting K loop; STAGES: ring slots.
     """
 
@@ -145,9 +148,11 @@ class Tiling:
     PINGPONG: gl.constexpr
     FAST_ACC: gl.constexpr
     TILE_N: gl.constexpr    # output columns per tile (both consumers' features with SWAP alone)
-    SPLIT: gl.constexpr     # two 128-column accumulators per consumer
-    PART_N: gl.constexpr    # columns per accumulator (BLOCK_N, or half of it with SPLIT)
-    ACC_ROWS: gl.constexpr  # rows of A one consumer multiplies per tile (not SWAP)
+    SPLIT: gl.constexpr     # two accumulators per consumer
+    SPLIT_M: gl.constexpr   # ... of 64 rows each (BLOCK_M = 256), else of 128 columns
+    PART_N: gl.constexpr    # columns per accumulator (BLOCK_N, or half of it when split along N)
+    ACC_ROWS: gl.constexpr  # rows of A one accumulator multiplies per tile (not SWAP)
+    SHARE_M: gl.constexpr   # rows of the tile one consumer owns (not SWIGLU, PINGPONG, SWAP)
 
     @gluon.constexpr_function
     def __init__(self, ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP, GROUPED,
@@ -167,9 +172,12 @@ class Tiling:
         self.PINGPONG = gl.constexpr(PINGPONG)
         self.FAST_ACC = gl.constexpr(FAST_ACC)
         self.TILE_N = gl.constexpr(_tile_n(self.BLOCK_N, self.SWIGLU, self.SWAP))
-        self.SPLIT = gl.constexpr(_split(self.BLOCK_N, self.FAST_ACC))
-        self.PART_N = gl.constexpr(self.BLOCK_N.value // 2 if self.SPLIT.value else self.BLOCK_N.value)
+        self.SPLIT = gl.constexpr(_split(self.BLOCK_M, self.BLOCK_N, self.FAST_ACC))
+        self.SPLIT_M = gl.constexpr(self.BLOCK_M.value > 2 * ROWS.value)
+        self.PART_N = gl.constexpr(self.BLOCK_N.value // 2 if self.SPLIT.value and not self.SPLIT_M.value
+                                   else self.BLOCK_N.value)
         self.ACC_ROWS = gl.constexpr(_consumer_rows(self.BLOCK_M, self.SWIGLU, self.PINGPONG))
+        self.SHARE_M = gl.constexpr(2 * ROWS.value if self.SPLIT_M.value else ROWS.value)
 
 
 @aggregate
@@ -483,30 +491,67 @@ def _k_loop_chained(acc, ring, it, k_blocks, HALF: gl.constexpr, t):
 
 
 @gluon.jit
-def _k_loop_split(acc0, acc1, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols0, mask_n0,
-                  HALF: gl.constexpr, t):
-    """One consumer's promoting K loop over a 256-column tile held as two 128-column
-    accumulators (SPLIT): per K block, each half's wgmma, then its promotion. A warpgroup keeps
-    one raw half live, not two, so it waits for each wgmma before promoting: the other
-    consumer's wgmmas keep the tensor cores busy meanwhile. Returns (acc0, acc1, it)."""
+def _part(off_m, off_n, p: gl.constexpr, t):
+    """(first row, first column) of accumulator ``p`` (0 or 1) of a SPLIT consumer, from the
+    consumer's first row and the tile's first column."""
+    if t.SPLIT_M:
+        return off_m + p * ROWS, off_n
+    else:
+        return off_m, off_n + p * t.PART_N
+
+
+@gluon.jit
+def _part_scales(scales, sb_ptr, kb, p: gl.constexpr, off_m, off_n, row_end, N, t):
+    """K block kb's scales (``_block_scales``) of accumulator ``p``, at (off_m, off_n)."""
+    if t.SB_COLS > 1 and not t.SPLIT_M:  # 128x128 scale_b: the second half's column block is the next one
+        sb_ptr += p * scales.b.stride1
+    layout: gl.constexpr = _acc_layout(t.PART_N)
+    rows = off_m + gl.arange(0, t.ACC_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
+    if t.SA_ROWS == 1 and t.SB_COLS > 1:
+        # 32-bit offsets (two registers fewer per row than _block_scales'): scale_a's elements
+        # number A's bytes / 128, so past 2^31 A alone would outgrow any GPU's memory
+        sa = gl.load(scales.a.ptr + (rows * scales.a.stride0 + kb * scales.a.stride1), mask=rows < row_end, other=0.0)
+        return sa, gl.load(sb_ptr + kb * scales.b.stride0)
+    return _block_scales(scales, sb_ptr, kb, rows, rows < row_end, off_m, cols, cols < N, t.SA_ROWS, t.SB_COLS)
+
+
+@gluon.jit
+def _issue_part(ring, s, p: gl.constexpr, HALF: gl.constexpr, t):
+    """Start the wgmma of accumulator ``p``'s product in ring slot ``s`` into a fresh
+    accumulator: rows HALF * 128 + p * 64 of A (SPLIT_M), or W's p-th 128 rows."""
+    if t.SPLIT_M:
+        a = ring.a.index(s).slice((2 * HALF + p) * ROWS, ROWS, dim=0)
+        b = ring.b.index(s)
+    else:
+        a = ring.a.index(s).slice(HALF * ROWS, ROWS, dim=0)
+        b = ring.b.index(s).slice(p * t.PART_N, t.PART_N, dim=0)
+    zero = gl.zeros([t.ACC_ROWS, t.PART_N], gl.float32, _acc_layout(t.PART_N))
+    return warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _k_loop_split(acc0, acc1, ring, it, k_blocks, scales, sb_ptr, off_m, off_n, row_end, N, HALF: gl.constexpr, t):
+    """One consumer's promoting K loop over its share held as two accumulators (SPLIT; off_m:
+    the consumer's first row): per K block, each half's wgmma, then its promotion. A
+    warpgroup keeps one raw half live, not two, so it waits for each wgmma before promoting:
+    the other consumer's wgmmas keep the tensor cores busy meanwhile. Each half's scales are
+    loaded a K block ahead. Returns (acc0, acc1, it)."""
+    m0, n0 = _part(off_m, off_n, 0, t)
+    m1, n1 = _part(off_m, off_n, 1, t)
     for kb in range(k_blocks):
-        sa, sb0 = _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols0, mask_n0, t.SA_ROWS, t.SB_COLS)
-        sb1 = sb0
-        if t.SB_COLS > 1:  # 128x128 scale_b: the second half's column block is the next one
-            sb1 = gl.load(sb_ptr + scales.b.stride1 + kb * scales.b.stride0)
-        a, _ = _operands(ring, it, HALF, t)
-        w = ring.b.index(it % t.STAGES)
-        zero = gl.zeros([acc0.shape[0], 128], gl.float32, _acc_layout(128))
-        raw = warpgroup_mma(a, w.slice(0, 128, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = ring.wait_ready(it)
+        raw = _issue_part(ring, s, 0, HALF, t)
+        sa, sb = _part_scales(scales, sb_ptr, kb, 0, m0, n0, row_end, N, t)  # read under the wgmma
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
-        acc0 = _promote(acc0, raw, sa, sb0, t.SA_ROWS, t.SB_COLS)
+        acc0 = _promote(acc0, raw, sa, sb, t.SA_ROWS, t.SB_COLS)
         # pinned here: promoted below the next issue, two raw halves would be live (spills)
         acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-        zero = gl.zeros([acc1.shape[0], 128], gl.float32, _acc_layout(128))
-        raw = warpgroup_mma(a, w.slice(128, 128, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        raw = _issue_part(ring, s, 1, HALF, t)
+        sa, sb = _part_scales(scales, sb_ptr, kb, 1, m1, n1, row_end, N, t)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
         ring.release(it)
-        acc1 = _promote(acc1, raw, sa, sb1, t.SA_ROWS, t.SB_COLS)
+        acc1 = _promote(acc1, raw, sa, sb, t.SA_ROWS, t.SB_COLS)
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
         it += 1
     return acc0, acc1, it
@@ -602,7 +647,7 @@ def _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_
         ACC_M: gl.constexpr = t.ACC_ROWS
         ACC_N: gl.constexpr = t.PART_N
         if not (t.SWIGLU or t.PINGPONG):
-            off_m = off_m + HALF * ROWS
+            off_m = off_m + HALF * t.SHARE_M
         rows = off_m + gl.arange(0, ACC_M, layout=gl.SliceLayout(1, layout))
         cols = off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
     mask_m = rows < row_end
@@ -626,8 +671,8 @@ def _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_
             if t.GROUPED and t.SB_COLS > 0:
                 sb_ptr += g.to(gl.int64) * groups.scale_b_g
             if t.SPLIT:
-                acc, acc1, it = _k_loop_split(acc, acc1, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols,
-                                              mask_n, HALF, t)
+                acc, acc1, it = _k_loop_split(acc, acc1, ring, it, k_blocks, scales, sb_ptr, off_m, off_n, row_end,
+                                              N, HALF, t)
             else:
                 acc, it = _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n, HALF, t)
     elif fill == 2:
@@ -648,8 +693,9 @@ def _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_
     _epilogue_store(acc, C, out.desc, out.smem if t.GROUPED else out.smem.index(0), off_m, off_n, row_end, N, g, fill,
                     scales, bias, groups, HALF, t, True)
     if t.SPLIT:
-        _epilogue_store(acc1, C, out.desc, out.smem if t.GROUPED else out.smem.index(1), off_m, off_n + t.PART_N,
-                        row_end, N, g, fill, scales, bias, groups, HALF, t, False)
+        m1, n1 = _part(off_m, off_n, 1, t)
+        _epilogue_store(acc1, C, out.desc, out.smem if t.GROUPED else out.smem.index(1), m1, n1, row_end, N, g, fill,
+                        scales, bias, groups, HALF, t, False)
     return it, swaps, turns
 
 
@@ -721,20 +767,22 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     bias: Vector over [N] (GROUPED: group g's at + g * groups.bias_g) or a None pointer.
     groups: Groups (GROUPED) or DENSE. ACTIVATION as tiles.activate.
     The options (SWIGLU, SWAP, FAST_ACC, PINGPONG, SPLIT, K_GROUP, STAGES): ``Tiling``.
-    BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU; tokens with SWAP), BLOCK_K = 128
+    BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU; tokens with SWAP; 256 with SPLIT_M), BLOCK_K = 128
     (one scale block per K step); BLOCK_N <= 128 per accumulator when SB_COLS = 128.
     CONSUMER_REGS: registers per thread of the worker consumer.
     Grid: (min(tiles, SMs),); each program walks tiles pid, pid + grid, ... in GROUP_M order.
     """
-    gl.static_assert(SWAP or PINGPONG or BLOCK_M == (1 if SWIGLU else 2) * ROWS)
+    gl.static_assert(SWAP or PINGPONG or BLOCK_M == (1 if SWIGLU else 2) * ROWS or BLOCK_M == 4 * ROWS)
     gl.static_assert(not PINGPONG or ((BLOCK_M == ROWS or BLOCK_M == 2 * ROWS) and not (SWIGLU or SWAP)))
     gl.static_assert(GROUPED or not SWAP)
     gl.static_assert(BLOCK_K == _SCALE_BLOCK)
     gl.static_assert((SA_ROWS == 0) == (SB_COLS == 0))  # block scales on both operands, or on neither
     gl.static_assert(not FAST_ACC or SA_ROWS == 0)  # block scales need their promotion
-    gl.static_assert(SA_ROWS <= 1 or SA_ROWS % BLOCK_M == 0)
-    gl.static_assert(SB_COLS <= 1 or SB_COLS % (BLOCK_N // (2 if _split(BLOCK_N, FAST_ACC) else 1)) == 0)
-    gl.static_assert(not _split(BLOCK_N, FAST_ACC) or (BLOCK_N == 256 and SB_COLS != 1 and not (SWIGLU or SWAP)))
+    gl.static_assert(SA_ROWS <= 1 or SA_ROWS % min(BLOCK_M, 2 * ROWS) == 0)  # an accumulator's rows share a scale
+    gl.static_assert(SB_COLS <= 1 or SB_COLS % min(BLOCK_N, 128) == 0)
+    gl.static_assert(not _split(BLOCK_M, BLOCK_N, FAST_ACC) or not (SWIGLU or SWAP or PINGPONG))
+    gl.static_assert(BLOCK_M <= 2 * ROWS or (BLOCK_M == 4 * ROWS and BLOCK_N <= 128 and not (GROUPED or FAST_ACC)))
+    gl.static_assert(BLOCK_N <= 128 or FAST_ACC or (BLOCK_N == 256 and SB_COLS != 1))
     gl.static_assert(GROUPED or not SWIGLU)
     t = Tiling(ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP,
                PINGPONG, FAST_ACC)
@@ -749,7 +797,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
         (_consume_partition, (ring, handoff, out0, C, M, N, K, scales, bias, groups, 0, t)),
         (_consume_partition, (ring, handoff, out1, C, M, N, K, scales, bias, groups, 1, t)),
         (_load_partition, (a_desc, b_desc, ring, M, N, K, groups, t)),
-    ], [4, 1], [CONSUMER_REGS, 40])
+    ], [4, 1], [CONSUMER_REGS, 40 if CONSUMER_REGS <= 232 else 24])
 
 
 @gluon.jit

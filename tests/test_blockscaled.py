@@ -860,27 +860,35 @@ def test_wgmma_dispatch_rule(change, tma, expected, monkeypatch):
             hopper_fp8.uses_gluon_body(*_dispatch_case(**args), tma, wgmma_cfg(128, 4, 4))
 
 
-# (key, the heuristic's tile (BLOCK_M x BLOCK_N), pingpong): fast accumulation holds one fp32
+# (key, the heuristic's tile (BLOCK_M x BLOCK_N)): fast accumulation holds one fp32
 # accumulator per consumer, so 64 x 256 halves of a 128 x 256 tile where they fill the SMs;
-# a promoting K loop holds a second (the raw block), so 128 columns.
+# a promoting K loop holds a second (the raw block), so 128 columns, on 256 rows (each
+# consumer's 128 as two 64-row halves) where two waves of such tiles fill the SMs.
+BLOCK_BOTH = Scaling.parse("128x128,128x128")
 WGMMA_HEURISTIC_CASES = [
     (WgmmaKey(4096, 4096, 4096, Scaling.parse("row,col"), "bf16", fast_accum=True), (128, 256)),
     (WgmmaKey(512, 1024, 4096, Scaling.parse("row,col"), "bf16", fast_accum=True), (128, 128)),
-    (WgmmaKey(4096, 4096, 4096, Scaling.parse("row,col"), "bf16"), (128, 128)),
-    (WgmmaKey(4096, 4096, 4096, BLOCKWISE, "bf16"), (128, 128)),
+    (WgmmaKey(4096, 4096, 4096, Scaling.parse("row,col"), "bf16"), (256, 128)),
+    (WgmmaKey(4096, 4096, 4096, BLOCKWISE, "bf16"), (128, 128)),  # 1x128 scale_a: 64-row scale vectors spill
+    (WgmmaKey(4096, 4096, 4096, BLOCK_BOTH, "bf16"), (256, 128)),
+    (WgmmaKey(4096, 2112, 7168, BLOCK_BOTH, "bf16"), (128, 128)),  # 2.06 waves of 256 x 128 tiles
+    (WgmmaKey(2048, 2048, 4096, BLOCK_BOTH, "bf16"), (128, 128)),  # one wave of them
+    (WgmmaKey(4096, 4096, 4096, BLOCK_BOTH, "fp32"), (128, 128)),  # its fp32 staging leaves no third ring slot
 ]
 
 
 @pytest.mark.parametrize("key,tile", WGMMA_HEURISTIC_CASES, ids=str)
 def test_wgmma_heuristic_and_candidates(key, tile):
     """The heuristic's tile per K loop, and every candidate fits the H200's shared memory;
-    256-wide candidates come with fast accumulation, or as a promoting loop's two 128-column
+    256-wide and 256-row candidates come with fast accumulation, or as a promoting loop's two
     halves (SPLIT) except with 1x128 scale_a (which spills there)."""
     pick = wgmma_heuristic(key, 132)
     assert (pick.kwargs["BLOCK_M"], pick.kwargs["BLOCK_N"]) == tile
     found = wgmma_candidates(key, 132)
     assert all(configs._wgmma_fits(c, key.out, key.mode) for c in found)
-    assert any(c.kwargs["BLOCK_N"] == 256 for c in found) == (key.fast_accum or key.scaling.a != ROW_BLOCKS)
+    roomy = key.out != "fp32"  # a 256-wide or -tall fp32 staging tile leaves no room for three ring slots
+    assert any(c.kwargs["BLOCK_N"] == 256 for c in found) == (roomy and (key.fast_accum or key.scaling.a != ROW_BLOCKS))
+    assert any(c.kwargs["BLOCK_M"] == 256 for c in found) == (roomy and not key.fast_accum and key.scaling.a != ROW_BLOCKS)
     assert any(c.kwargs.get("PINGPONG") for c in found) == key.fast_accum
 
 
@@ -967,6 +975,27 @@ def test_gpu_wgmma_every_config(grans, fast, cfg, M, N, K, device):
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb, bias, "gelu"), TOL[torch.bfloat16])
     assert torch.equal(out, onegemm.blockscaled_matmul(qa, qb, sa, sb, bias=bias, activation="gelu",
                                                        use_fast_accum=fast, config=cfg))  # bitwise on a rerun
+
+
+# The split tiles (two accumulators per consumer): 256 x 128 (SPLIT_M, two 64-row halves) on
+# each scaling of A it serves, 128 x 256 (two 128-column halves) where it compiles spill-free.
+SPLIT_CASES = [(128, 256, "1x128"), (128, 256, "128x128"), (128, 256, "row"), (256, 128, "128x128"), (256, 128, "row")]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("M,N,K", WGMMA_SHAPES)
+@pytest.mark.parametrize("bn,bm,gran_a", SPLIT_CASES, ids=lambda c: str(c))
+def test_gpu_wgmma_split_tiles(M, N, K, bn, bm, gran_a, device):
+    """Each split tile against float64 with every edge partial (a 256-row tile past M keeps
+    its second consumer's rows, or a half of them, wholly outside), fp32 out."""
+    gran_b = "col" if gran_a == "row" else "128x128"
+    qa, sa, ba = quant_a(make_input((M, K), device), gran_a)
+    qb, sb, bb = quant_b(make_input((N, K), device), gran_b)
+    cfg = configs.wgmma_cfg(bn, 2, 1, bm=bm)  # two ring slots: an fp32 256 x 128 staging tile fits beside them
+    torch.full((M, N), float("nan"), device=device)  # freed: the output below reuses its NaN block
+    out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=cfg)
+    assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)
 
 
 # Epilogue scales on both operands (tensor, row, column): the Gluon body's K loop promotes
