@@ -508,11 +508,6 @@ def _part_scales(scales, sb_ptr, kb, p: gl.constexpr, off_m, off_n, row_end, N, 
     layout: gl.constexpr = _acc_layout(t.PART_N)
     rows = off_m + gl.arange(0, t.ACC_ROWS, layout=gl.SliceLayout(1, layout))
     cols = off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
-    if t.SA_ROWS == 1 and t.SB_COLS > 1:
-        # 32-bit offsets (two registers fewer per row than _block_scales'): scale_a's elements
-        # number A's bytes / 128, so past 2^31 A alone would outgrow any GPU's memory
-        sa = gl.load(scales.a.ptr + (rows * scales.a.stride0 + kb * scales.a.stride1), mask=rows < row_end, other=0.0)
-        return sa, gl.load(sb_ptr + kb * scales.b.stride0)
     return _block_scales(scales, sb_ptr, kb, rows, rows < row_end, off_m, cols, cols < N, t.SA_ROWS, t.SB_COLS)
 
 
@@ -536,7 +531,8 @@ def _k_loop_split(acc0, acc1, ring, it, k_blocks, scales, sb_ptr, off_m, off_n, 
     the consumer's first row): per K block, each half's wgmma, then its promotion. A
     warpgroup keeps one raw half live, not two, so it waits for each wgmma before promoting:
     the other consumer's wgmmas keep the tensor cores busy meanwhile. Each half's scales are
-    loaded a K block ahead. Returns (acc0, acc1, it)."""
+    read while its wgmma runs (a K block ahead they held registers that spilled). Returns
+    (acc0, acc1, it)."""
     m0, n0 = _part(off_m, off_n, 0, t)
     m1, n1 = _part(off_m, off_n, 1, t)
     for kb in range(k_blocks):
@@ -797,7 +793,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
         (_consume_partition, (ring, handoff, out0, C, M, N, K, scales, bias, groups, 0, t)),
         (_consume_partition, (ring, handoff, out1, C, M, N, K, scales, bias, groups, 1, t)),
         (_load_partition, (a_desc, b_desc, ring, M, N, K, groups, t)),
-    ], [4, 1], [CONSUMER_REGS, 40 if CONSUMER_REGS <= 232 else 24])
+    ], [4, 1], [CONSUMER_REGS, 40])
 
 
 @gluon.jit
