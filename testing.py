@@ -5,6 +5,8 @@
   onegemm to;
 * ``assert_route_close``: onegemm.route's choice against ``route_ref``'s, exact but for rows
   whose float64 scores nearly tie (which fp32 may order either way);
+* ``assert_moe_fp8_close``: the FP8 expert FFN against ``moe_fp8_ref``, allowing for SwiGLU
+  outputs that sit on an FP8 rounding midpoint (which fp32 may round either way);
 * ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
 * ``moe_layer_ref``: a whole MoEFFN (router, routing, experts, shared experts) in float64;
 * transformers' MoE blocks, MoEFFN's peer: ``hf_moe_config``, ``hf_moe_block`` (a block
@@ -364,17 +366,59 @@ def dequantize_experts_ref(q: torch.Tensor, scale: torch.Tensor, gate_up: bool =
     return torch.stack([dequantize_ref(q[e], scale[e], 128, 128) for e in range(q.shape[0])])
 
 
-def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale):
+def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, *,
+                flip_bound: bool = False):
     """float64 of moe_ffn's FP8 pipeline on fp8 experts: x and each (token, slot)'s SwiGLU
     output quantised in 1x128 blocks (quantize_fp8_ref), the weights dequantised, every
-    product and sum in float64. Ids outside [0, E) contribute nothing."""
+    product and sum in float64. Ids outside [0, E) contribute nothing.
+
+    ``flip_bound``: also return, per element of y, how far it moves (root of the sum of
+    squares) if every SwiGLU output within FP8_MIDPOINT_REL of a rounding midpoint rounds to
+    its other neighbour: the kernels compute it in fp32 (FP8 wgmma accumulates in less), so
+    such an element may round either way."""
     fp8 = w_gate_up.dtype
+    w13 = dequantize_experts_ref(w_gate_up, w_gate_up_scale, gate_up=True)
+    w2 = dequantize_experts_ref(w_down, w_down_scale)
 
     def per_token_blocks(t):
         return dequantize_ref(*quantize_fp8_ref(t, (1, 128), fp8), 1, 128)
 
-    return _moe_sum(per_token_blocks(x), dequantize_experts_ref(w_gate_up, w_gate_up_scale, gate_up=True),
-                    dequantize_experts_ref(w_down, w_down_scale), topk_weights, topk_ids, per_token_blocks)
+    xq = per_token_blocks(x)
+    y = _moe_sum(xq, w13, w2, topk_weights, topk_ids, per_token_blocks)
+    if not flip_bound:
+        return y
+    # each near-midpoint element flips either way, independently: the root of the sum of squares
+    steps2 = lambda h: _fp8_flip_steps(h, fp8) ** 2  # noqa: E731
+    return y, _moe_sum(xq, w13, w2**2, topk_weights**2, topk_ids, steps2).sqrt()
+
+
+# How close (relative) to a rounding midpoint a float64 value must be for a kernel's fp32
+# value of it to round to the other neighbour: FP8 wgmma sums its products with ~14 bits.
+FP8_MIDPOINT_REL = 2.0**-11
+
+
+def _fp8_flip_steps(h: torch.Tensor, dtype) -> torch.Tensor:
+    """|the step between h's two nearest values| (in h's units) where h, quantised in 1x128
+    blocks, lies within FP8_MIDPOINT_REL of their midpoint; 0 elsewhere."""
+    q, scale = quantize_fp8_ref(h, (1, 128), dtype)
+    s = dequantize_ref(torch.ones_like(q, dtype=torch.float64), scale, 1, 128)
+    v = h / s  # the value the quantiser rounds
+    info = torch.finfo(dtype)
+    exp = torch.floor(torch.log2(v.abs().clamp_min(info.smallest_normal)))
+    spacing = torch.exp2(exp) * info.eps  # between v's neighbours (subnormals: the smallest binade's)
+    near = ((v - q.double()).abs() - spacing / 2).abs() <= FP8_MIDPOINT_REL * v.abs()
+    return torch.where(near, spacing * s, 0.0)
+
+
+def assert_moe_fp8_close(y, x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale,
+                         tol: float = 1e-2, what: str = "FP8 moe_ffn"):
+    """y against moe_fp8_ref: relative error at most tol plus the reference's flip bound
+    (where few (token, slot) pairs make y, as at T = 1, one large SwiGLU output rounded to
+    its other FP8 neighbour moves y by up to ~3e-2; the bound is 0 where none is near)."""
+    ref, bound = moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale,
+                             flip_bound=True)
+    norm = ref.norm().item()
+    assert_close(y, ref, tol + (bound.norm().item() / norm if norm > 0 else 0.0), what)
 
 
 def moe_fp8_train_ref(x, w_gate_up, w_down, topk_weights, topk_ids, dy):

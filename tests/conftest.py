@@ -5,7 +5,8 @@
 * ``@pytest.mark.gpu`` tests need a real GPU (bf16 tensor cores, autotune, TMA, in-kernel fp8
   casts); without one they are reported as SKIPPED with the reason, never as passed.
   ``@pytest.mark.sm90`` (with ``gpu``) marks tests of the Gluon body, which runs on sm_90 only.
-* Every test draws fresh random inputs (a new seed per test, printed on failure) and runs with
+* Every test draws fresh random inputs (a new seed per test, printed on failure;
+  ONEGEMM_TEST_SEED=<seed> draws that failure's inputs again) and runs with
   onegemm's output poisoning on, so an unwritten tile shows as NaN.
 * The checkout's root is the package itself, and may be named anything (``onegemm-main``
   from a zip): pytest collects it as a plain directory, so it never imports the root
@@ -78,8 +79,8 @@ def pytest_report_header(config):
 
 @pytest.fixture(autouse=True)
 def _fresh_seed():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed = {seed}")  # shown by pytest only when the test fails
+    seed = int(os.environ.get("ONEGEMM_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"seed = {seed} (ONEGEMM_TEST_SEED={seed} draws the same inputs)")  # shown when the test fails
     torch.manual_seed(seed)
     random.seed(seed)
     yield

@@ -10,10 +10,10 @@ from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER, sort_by_expert
 from onegemm.testing import (
     TOL,
     assert_close,
+    assert_moe_fp8_close,
     calc_diff,
     launched,
     moe_ffn_torch,
-    moe_fp8_ref,
     moe_fp8_train_ref,
     moe_ref,
     quantize_experts_ref,
@@ -234,6 +234,22 @@ def test_from_safetensors_wrong_prefix(device):
 # ---- FP8 experts (DeepSeek-V3 format: e4m3 weights, 128x128 scales; 1x128 activations) ----
 
 
+def test_fp8_flip_steps_mark_only_midpoints():
+    """assert_moe_fp8_close's allowance: a value on an FP8 rounding midpoint (to within
+    FP8_MIDPOINT_REL) may take either neighbour, so its step counts; others count 0."""
+    from onegemm.testing import FP8_MIDPOINT_REL, _fp8_flip_steps
+
+    eps = FP8_MIDPOINT_REL / 4
+    # 448 sets the row's scale to 1; then midpoints of normal and subnormal neighbours, and exact values
+    row = [448.0, 1.0625, 1.0625 * (1 + eps), 1.0625 * (1 + 4 * FP8_MIDPOINT_REL), 1.03, 1.5 * 2**-9, 2**-9,
+           -54.0, 0.0]
+    want = [0.0, 0.125, 0.125, 0.0, 0.0, 2**-9, 0.0, 4.0, 0.0]  # -54: between -52 and -56
+    h = torch.tensor(row, dtype=torch.float64)[None]
+    assert _fp8_flip_steps(h, torch.float8_e4m3fn).tolist() == [want]
+    # a scale other than 1: the steps are in h's units
+    assert _fp8_flip_steps(h * 3, torch.float8_e4m3fn).tolist() == [[w * 3 for w in want]]
+
+
 # (T, H, I, E, k, x dtype, extra): H, I not multiples of 128 (partial scale blocks; the up
 # half's blocks start after the gate's partial one), a single token, empty experts, foreign ids.
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -255,7 +271,7 @@ def test_moe_ffn_fp8_matches_reference(T, H, I, E, k, dtype, extra, device):
     assert y.dtype == dtype and y.shape == (T, H)
     # The FP8 pipeline in float64 (x and the SwiGLU output quantised alike): only the fp32
     # accumulation order and fp8 roundings at block-scale boundaries differ.
-    assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
+    assert_moe_fp8_close(y, x, w13, w2, weights, ids, **scales)
     # ... and against the unquantised layer, DeepSeek's measure.
     assert calc_diff(y, moe_ref(x, w13_hp, w2_hp, weights, ids)) < 5e-3
     assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)
@@ -268,7 +284,7 @@ def test_moe_ffn_fp8_views_and_empty(device):
     strided = {k: v.transpose(1, 2).contiguous().transpose(1, 2) for k, v in scales.items()}
     y = onegemm.moe_ffn(x, w13, w2, weights, ids.long(), **strided)
     assert y.dtype == torch.float16
-    assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
+    assert_moe_fp8_close(y, x, w13, w2, weights, ids, **scales)
     empty = onegemm.moe_ffn(x[:0], w13, w2, weights[:0], ids[:0], **scales)
     assert empty.shape == (0, 200) and empty.dtype == torch.float16
 
@@ -328,7 +344,7 @@ def test_moeffn_stored_fp8_layer(T, device):
     with torch.no_grad():
         weights, ids = onegemm.route(fp8.router_logits(x), 2)
     assert calc_diff(y, moe_ref(x, bf16.w_gate_up, bf16.w_down, weights, ids)) < 5e-3
-    assert_close(y, moe_fp8_ref(x, fp8.w_gate_up, fp8.w_down, weights, ids, fp8.w_gate_up_scale, fp8.w_down_scale), 1e-2)
+    assert_moe_fp8_close(y, x, fp8.w_gate_up, fp8.w_down, weights, ids, fp8.w_gate_up_scale, fp8.w_down_scale)
 
 
 def _fp8_file(tmp_path, I=24):
@@ -351,8 +367,8 @@ def test_from_safetensors_fp8_experts(tmp_path, device):
     assert torch.equal(layer.w_down_scale[0].cpu(), t["model.moe.experts.0.down_proj.weight_scale_inv"])
     x = torch.randn(9, 16, device=device)
     weights, ids = onegemm.route(layer.router_logits(x).detach(), 2)
-    assert_close(layer(x), moe_fp8_ref(x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
-                                       layer.w_down_scale), 1e-2)
+    assert_moe_fp8_close(layer(x), x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
+                         layer.w_down_scale)
 
 
 BAD_FP8_FILES = [
@@ -548,8 +564,8 @@ def test_gpu_moeffn_cuda_graph(fp8, device):
         return
     with torch.no_grad():
         weights, ids = onegemm.route(layer.router_logits(x), 2)
-    assert_close(y, moe_fp8_ref(x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
-                                layer.w_down_scale), 1e-2)
+    assert_moe_fp8_close(y, x, layer.w_gate_up, layer.w_down, weights, ids, layer.w_gate_up_scale,
+                         layer.w_down_scale)
 
 
 @pytest.mark.parametrize("use_grouped_mm", [False, True])
@@ -591,7 +607,7 @@ def test_gpu_moe_ffn_fp8_real_sizes(T, H, I, E, k, device):
     is not a multiple of 128, against the float64 FP8 pipeline and the unquantised layer."""
     x, w13, w2, weights, ids, scales, (w13_hp, w2_hp) = fp8_moe_inputs(T, H, I, E, k, torch.bfloat16, device)
     y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
-    assert_close(y, moe_fp8_ref(x, w13, w2, weights, ids, **scales), 1e-2)
+    assert_moe_fp8_close(y, x, w13, w2, weights, ids, **scales)
     assert calc_diff(y, moe_ref(x, w13_hp, w2_hp, weights, ids)) < 5e-3
     assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)
 
@@ -608,5 +624,4 @@ def test_gpu_moe_ffn_fp8_non_finite(device):
     bad[[3, 9]] = True
     assert not torch.isfinite(y[bad]).any(dim=1).any()
     assert torch.isfinite(y[~bad]).all()
-    ref = moe_fp8_ref(x[~bad], w13, w2, weights[~bad], ids[~bad], **scales)
-    assert_close(y[~bad], ref, 1e-2)
+    assert_moe_fp8_close(y[~bad], x[~bad], w13, w2, weights[~bad], ids[~bad], **scales)
