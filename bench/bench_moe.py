@@ -301,42 +301,92 @@ def measure_decode(name, G, m, N, K, device, timer, dg=None):
     return row
 
 
-def decode_bodies(device):
-    """FP8 moe_ffn at decode on each body, forced through the dispatch thresholds in
-    onegemm.grouped.configs: the Triton body, the Gluon body's 128/64-row tiles and its SWAP form."""
+# T for the body sweep: decode through the medium batches where the rule's bands meet
+# (Mixtral at T = 1024 has 256 pairs per expert, Qwen3 at T = 2048 128)
+BODY_SWEEP = [1, 16, 64, 128, 256, 512, 1024, 2048]
+# grouped_matmul alone: (name, G, N, K) over mean rows per group (each group 0.7-1.3x the mean)
+GEMM_BODY_SHAPES = [("N4096 K7168", 8, 4096, 7168), ("N4096 K7168", 32, 4096, 7168),
+                    ("Qwen3-30B-A3B gate_up", 32, 1536, 2048), ("Qwen3-30B-A3B down", 32, 2048, 768),
+                    ("Mixtral-8x7B gate_up", 8, 28672, 4096)]
+GEMM_BODY_ROWS = [16, 48, 64, 96, 128, 166, 200, 256]
+# (WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS, WGMMA_DECODE_MIN_ELEMENTS) that force each body
+BODIES = {"triton": (10**9, -1, 0), "gluon tiles": (0, -1, 0), "gluon SWAP": (10**9, 10**9, 0)}
+
+
+def time_bodies(fn, row: dict) -> dict:
+    """row + fn's GPU time under the dispatch rule ('rule ms') and forced onto each body, the
+    fastest body and the rule's time as a fraction of the fastest."""
     from onegemm.grouped import configs
     from onegemm.core.launch import clear_plans
 
-    saved = configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS
-    bodies = {"triton": (10**9, -1), "gluon tiles": (0, -1), "gluon SWAP": (10**9, 10**9)}
-    rows = []
+    names = ("WGMMA_MIN_GROUP_ROWS", "WGMMA_DECODE_MAX_ROWS", "WGMMA_DECODE_MIN_ELEMENTS")
+    saved = [getattr(configs, n) for n in names]
     try:
-        for name, E, E_routed, H, I, k in MODELS:
-            torch.manual_seed(0)
-            w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(torch.bfloat16)
-            w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(torch.bfloat16)
-            q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
-            for T in DECODE:
-                x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
-                weights, ids = moe_routing(T, E_routed, k, False, device)
-                t16 = bench_ms(lambda: onegemm.moe_ffn(x, w13, w2, weights, ids), 10, 50)
-                row = dict(model=name, T=T, pairs_per_expert=T * k / E, bf16_ms=t16)
-                for body, (lo, hi) in bodies.items():
-                    configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS = lo, hi
-                    clear_plans()  # calls are cached with the body their first call chose
-                    fn = lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)  # noqa: E731
-                    row[f"{body} ms"] = bench_ms(fn, 10, 50)
-                    row[f"{body} vs bf16"] = t16 / row[f"{body} ms"]
-                print(row, flush=True)
-                rows.append(row)
+        for body, values in [("rule", saved)] + list(BODIES.items()):
+            for n, v in zip(names, values):
+                setattr(configs, n, v)
+            clear_plans()  # calls are cached with the body their first call chose
+            row[f"{body} ms"] = bench_ms(fn, 10, 50)
     finally:
-        configs.WGMMA_MIN_GROUP_ROWS, configs.WGMMA_DECODE_MAX_ROWS = saved
+        for n, v in zip(names, saved):
+            setattr(configs, n, v)
         clear_plans()
-    text = header("FP8 moe_ffn at decode on each body (GPU time)")
-    text += ("Each column forces one body through the dispatch thresholds (onegemm.grouped.configs "
-             "WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS); uniform routing. The rule sends these sizes to "
-             "the body this table shows fastest.\n\n" + markdown_table(rows))
-    write_results("moe_decode_bodies", text)
+    row["best"] = min(BODIES, key=lambda b: row[f"{b} ms"])
+    row["rule vs best"] = row[f"{row['best']} ms"] / row["rule ms"]
+    return row
+
+
+def decode_bodies(device):
+    """The rule's evidence: FP8 moe_ffn at decode and medium batches, and grouped_matmul FP8
+    over rows per group, on each body (forced through the thresholds in onegemm.grouped.configs):
+    the Triton body, the Gluon body's 128/64-row tiles and its SWAP form. The file is rewritten
+    after each model, so a run stopped early keeps what it finished."""
+    text = header("FP8 grouped GEMMs on each body: the dispatch rule's evidence (GPU time)")
+    text += ("Each body column forces one body through the dispatch thresholds (onegemm.grouped.configs "
+             "WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS, WGMMA_DECODE_MIN_ELEMENTS); 'rule' is what the rule "
+             "picks, 'best' the fastest body, 'rule vs best' the best time / the rule's (1: the rule picked the "
+             "fastest).\n\n## 1. moe_ffn FP8\n\npairs per expert = T * top_k / routed experts; the rule sees "
+             "T * top_k / local experts (DeepSeek-V3 EP8 holds 32 of 256). Skewed routing: a Zipf-like bias.\n\n")
+    moe_rows, gemm_rows = [], []
+
+    def write():
+        body = text + markdown_table(moe_rows)
+        if gemm_rows:
+            body += ("\n\n## 2. grouped_matmul FP8 (1x128 x 128x128) over rows per group\n\nEach group holds "
+                     "0.7-1.3x the mean rows; weight TB/s: the fp8 experts' bytes / the fastest body's time.\n\n"
+                     + markdown_table(gemm_rows))
+        write_results("moe_decode_bodies", body)
+
+    for name, E, E_routed, H, I, k in MODELS:
+        torch.manual_seed(0)
+        w13 = (torch.randn(E, 2 * I, H, device=device) * H**-0.5).to(torch.bfloat16)
+        w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(torch.bfloat16)
+        q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+        for T in BODY_SWEEP:
+            for skewed in (False, True):
+                x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+                weights, ids = moe_routing(T, E_routed, k, skewed, device)
+                row = dict(model=name, T=T, routing="skewed" if skewed else "uniform", pairs_per_expert=T * k / E_routed,
+                           bf16_ms=bench_ms(lambda: onegemm.moe_ffn(x, w13, w2, weights, ids), 10, 50))
+                time_bodies(lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2), row)
+                row["best vs bf16"] = row["bf16_ms"] / row[f"{row['best']} ms"]
+                print(row, flush=True)
+                moe_rows.append(row)
+        write()
+    for name, G, N, K in GEMM_BODY_SHAPES:
+        torch.manual_seed(0)
+        w = torch.randn(G, N, K, device=device) * K**-0.5
+        for m in GEMM_BODY_ROWS:
+            sizes = [int(m * (0.7 + 0.6 * g / max(G - 1, 1))) for g in range(G)]
+            qa, sa, qw, sw = quantize_blocks(torch.randn(sum(sizes), K, device=device), w)
+            offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+            row = time_bodies(lambda: onegemm.grouped_matmul(qa, qw.transpose(1, 2), offs, scale_a=sa,
+                                                             scale_b=sw.transpose(1, 2)),
+                              dict(gemm=name, G=G, rows_per_group=m, N=N, K=K))
+            row["best weight TB/s"] = G * N * K / (row[f"{row['best']} ms"] * 1e-3) / 1e12
+            print(row, flush=True)
+            gemm_rows.append(row)
+        write()
 
 
 def main():

@@ -255,18 +255,21 @@ def route_heuristic(key: RouteKey, sms: int) -> triton.Config:
 # ---------------------------------------------------------------------------- the Gluon body's grouped flavour
 # grouped/wgmma.py's rule between core's two bodies for grouped FP8 GEMMs.
 
-# Grouped FP8 GEMMs take the Gluon body from this many rows per group on average: below it
-# the Triton body's 16-64-row tiles beat 128-row (SwiGLU: 64-row) ones, which compute a
-# group's last tile whole (the decode sweep in bench/results/moe_fp8.md).
-WGMMA_MIN_GROUP_ROWS = 256
+# The rule's bands over the mean rows per group (M / G), from the sweep of every body over
+# 0.03-512 pairs per expert on Qwen3, Mixtral and DeepSeek-V3 EP8, uniform and skewed, and of
+# grouped_matmul over 16-256 rows (bench/results/moe_decode_bodies.md): the Gluon body's
+# 128/64-row tiles from WGMMA_MIN_GROUP_ROWS (below it they compute mostly padding) ...
+WGMMA_MIN_GROUP_ROWS = 32
 # ... and only for experts of at least this many weight elements (N * K): the stored tiny layer's
 # (256 x 1024) FP8 moe_ffn ran 0.78x bf16 on it against 0.93x on the Triton body, whose
 # pipeline has fewer launches around its GEMMs (bench/results/moe_fp8.md).
 WGMMA_MIN_EXPERT_ELEMENTS = 1 << 20
-# ... and its decode form (SWAP: the weights' rows on wgmma's M side) up to this many: 0 for now.
-# It led the Triton body by 1-9% at 0.25-16 pairs per expert on Qwen3 and Mixtral, but the
-# DeepSeek-V3 EP8 rows are not measured yet (bench/results/moe_decode_bodies.md).
-WGMMA_DECODE_MAX_ROWS = 0
+# ... its decode form (SWAP: the weights' rows on wgmma's M side) up to WGMMA_DECODE_MAX_ROWS,
+# where the step reads at least WGMMA_DECODE_MIN_ELEMENTS weights (min(M, G) * N * K): below
+# that (Qwen3 at T = 1) the form's launches cost more than it saves. Between the bands, and
+# for small steps, core's Triton body.
+WGMMA_DECODE_MAX_ROWS = 16
+WGMMA_DECODE_MIN_ELEMENTS = 1 << 26
 
 
 register(

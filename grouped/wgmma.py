@@ -49,13 +49,18 @@ def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, 
     ``side_by_side_layout``) and a [M, K] too (``rows_layout``; ``a`` None: a row-major copy
     the caller writes, whose rows are K bytes):
     "grouped" from grouped_configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles
-    computed transposed, SWAP) up to grouped_configs.WGMMA_DECODE_MAX_ROWS, for experts of at least
+    computed transposed, SWAP) up to grouped_configs.WGMMA_DECODE_MAX_ROWS where the call reads
+    grouped_configs.WGMMA_DECODE_MIN_ELEMENTS weights, for experts of at least
     grouped_configs.WGMMA_MIN_EXPERT_ELEMENTS weights. None (core's Triton body): anything else,
     between the two, a forced config (the Triton body's family) or tma=False."""
-    if config is not None or tma is False or M == 0 or w.shape[1] * w.shape[2] < grouped_configs.WGMMA_MIN_EXPERT_ELEMENTS:
+    N, K = w.shape[1], w.shape[2]
+    if config is not None or tma is False or M == 0 or N * K < grouped_configs.WGMMA_MIN_EXPERT_ELEMENTS:
         return None
     rows = M / max(G, 1)
-    mode = "grouped" if rows >= grouped_configs.WGMMA_MIN_GROUP_ROWS else "decode" if rows <= grouped_configs.WGMMA_DECODE_MAX_ROWS else None
+    read = min(M, G) * N * K  # weights the call reads at most: a group's experts without rows are skipped
+    mode = ("grouped" if rows >= grouped_configs.WGMMA_MIN_GROUP_ROWS else
+            "decode" if rows <= grouped_configs.WGMMA_DECODE_MAX_ROWS and read >= grouped_configs.WGMMA_DECODE_MIN_ELEMENTS
+            else None)
     if mode is None or not (on_sm90(w) and scaling[:2] in (BLOCKWISE[:2], ROWWISE[:2]) and w.dtype == torch.float8_e4m3fn):
         return None
     a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))

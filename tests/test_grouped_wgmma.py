@@ -167,13 +167,14 @@ def _expert_weights(G, N, K, dtype=E4M3):
 
 # (what changes from 256 rows per group of K = 256 over 8 experts of N = 512, the rule's
 # answer: the flavour's mode, or None for core's Triton body), with the thresholds at
-# 256 rows per group for "grouped", 64 for "decode" and experts of 512 x 128 weights at least
-# (the tuned ones may differ)
+# 256 rows per group for "grouped", 64 for "decode" where a call reads 8 experts' weights, and
+# experts of 512 x 128 weights at least (the tuned ones differ)
 ROWS, DECODE_ROWS = 256, 64
 GROUPED_DISPATCH_CASES = [
     pytest.param({}, "grouped", id="eligible"),
     pytest.param({"M": 8 * DECODE_ROWS}, "decode", id="decode-rows-per-group"),
     pytest.param({"M": 8}, "decode", id="one-row-per-group"),
+    pytest.param({"M": 7}, None, id="decode-reading-7-of-8-experts"),
     pytest.param({"M": 8 * ROWS - 1}, None, id="between-decode-and-grouped"),
     pytest.param({"M": 0}, None, id="no-rows"),
     pytest.param({"kind_a": "row"}, None, id="row-wise-scale_a"),
@@ -199,6 +200,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
     monkeypatch.setattr(wgmma, "on_sm90", lambda t: True)
     monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", ROWS)
     monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", DECODE_ROWS)
+    monkeypatch.setattr(configs, "WGMMA_DECODE_MIN_ELEMENTS", 8 * 512 * 256)
     monkeypatch.setattr(configs, "WGMMA_MIN_EXPERT_ELEMENTS", 512 * 128)
     args = dict(M=8 * ROWS, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
                 a="contig", dtype=E4M3)
@@ -240,6 +242,7 @@ def flavour(request, monkeypatch):
     else:
         monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", big)
         monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", big)
+        monkeypatch.setattr(configs, "WGMMA_DECODE_MIN_ELEMENTS", 0)
     clear_plans()  # the calls cached under the tuned thresholds' decisions
     yield request.param
     clear_plans()
