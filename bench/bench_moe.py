@@ -309,8 +309,9 @@ GEMM_BODY_SHAPES = [("N4096 K7168", 8, 4096, 7168), ("N4096 K7168", 32, 4096, 71
                     ("Qwen3-30B-A3B gate_up", 32, 1536, 2048), ("Qwen3-30B-A3B down", 32, 2048, 768),
                     ("Mixtral-8x7B gate_up", 8, 28672, 4096)]
 GEMM_BODY_ROWS = [16, 48, 64, 96, 128, 166, 200, 256]
-# (WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS, WGMMA_DECODE_MIN_ELEMENTS) that force each body
-BODIES = {"triton": (10**9, -1, 0), "gluon tiles": (0, -1, 0), "gluon SWAP": (10**9, 10**9, 0)}
+# (WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS, WGMMA_GEMM_DECODE_MAX_ROWS, WGMMA_DECODE_MIN_ELEMENTS)
+# that force each body
+BODIES = {"triton": (10**9, -1, -1, 0), "gluon tiles": (0, -1, -1, 0), "gluon SWAP": (10**9, 10**9, 10**9, 0)}
 
 
 def time_bodies(fn, row: dict) -> dict:
@@ -319,7 +320,7 @@ def time_bodies(fn, row: dict) -> dict:
     from onegemm.grouped import configs
     from onegemm.core.launch import clear_plans
 
-    names = ("WGMMA_MIN_GROUP_ROWS", "WGMMA_DECODE_MAX_ROWS", "WGMMA_DECODE_MIN_ELEMENTS")
+    names = ("WGMMA_MIN_GROUP_ROWS", "WGMMA_DECODE_MAX_ROWS", "WGMMA_GEMM_DECODE_MAX_ROWS", "WGMMA_DECODE_MIN_ELEMENTS")
     saved = [getattr(configs, n) for n in names]
     try:
         for body, values in [("rule", saved)] + list(BODIES.items()):
@@ -343,7 +344,8 @@ def decode_bodies(device):
     after each model, so a run stopped early keeps what it finished."""
     text = header("FP8 grouped GEMMs on each body: the dispatch rule's evidence (GPU time)")
     text += ("Each body column forces one body through the dispatch thresholds (onegemm.grouped.configs "
-             "WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS, WGMMA_DECODE_MIN_ELEMENTS); 'rule' is what the rule "
+             "WGMMA_MIN_GROUP_ROWS, WGMMA_DECODE_MAX_ROWS, WGMMA_GEMM_DECODE_MAX_ROWS, WGMMA_DECODE_MIN_ELEMENTS); "
+             "'rule' is what the rule "
              "picks, 'best' the fastest body, 'rule vs best' the best time / the rule's (1: the rule picked the "
              "fastest).\n\n## 1. moe_ffn FP8\n\npairs per expert = T * top_k / routed experts; the rule sees "
              "T * top_k / local experts (DeepSeek-V3 EP8 holds 32 of 256). Skewed routing: a Zipf-like bias.\n\n")

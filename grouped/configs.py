@@ -264,11 +264,13 @@ WGMMA_MIN_GROUP_ROWS = 32
 # (256 x 1024) FP8 moe_ffn ran 0.78x bf16 on it against 0.93x on the Triton body, whose
 # pipeline has fewer launches around its GEMMs (bench/results/moe_fp8.md).
 WGMMA_MIN_EXPERT_ELEMENTS = 1 << 20
-# ... its decode form (SWAP: the weights' rows on wgmma's M side) up to WGMMA_DECODE_MAX_ROWS,
-# where the step reads at least WGMMA_DECODE_MIN_ELEMENTS weights (min(M, G) * N * K): below
-# that (Qwen3 at T = 1) the form's launches cost more than it saves. Between the bands, and
-# for small steps, core's Triton body.
+# ... its decode form (SWAP: the weights' rows on wgmma's M side) in moe_ffn's pipeline up to
+# WGMMA_DECODE_MAX_ROWS, where the step reads at least WGMMA_DECODE_MIN_ELEMENTS weights
+# (min(M, G) * N * K): below that (Qwen3 at T = 1) the form's launches cost more than it
+# saves. A plain grouped GEMM (grouped_matmul, the FP8 training GEMMs) never gained from it:
+# WGMMA_GEMM_DECODE_MAX_ROWS. Between the bands, and for small steps, core's Triton body.
 WGMMA_DECODE_MAX_ROWS = 16
+WGMMA_GEMM_DECODE_MAX_ROWS = 0
 WGMMA_DECODE_MIN_ELEMENTS = 1 << 26
 
 

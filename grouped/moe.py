@@ -299,8 +299,8 @@ def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scal
     _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     _moe_fp8_no_grad(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
-    mode = gluon_grouped_mode(w_gate_up, P, E) if P else None
-    if mode is not None and gluon_grouped_mode(w_down, P, E) == mode:
+    mode = gluon_grouped_mode(w_gate_up, P, E, moe=True) if P else None
+    if mode is not None and gluon_grouped_mode(w_down, P, E, moe=True) == mode:
         sort = sorter(topk_ids, E)
 
         def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):

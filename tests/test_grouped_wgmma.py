@@ -199,7 +199,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
     take the Gluon body; anything else the Triton body."""
     monkeypatch.setattr(wgmma, "on_sm90", lambda t: True)
     monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", ROWS)
-    monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", DECODE_ROWS)
+    monkeypatch.setattr(configs, "WGMMA_GEMM_DECODE_MAX_ROWS", DECODE_ROWS)
     monkeypatch.setattr(configs, "WGMMA_DECODE_MIN_ELEMENTS", 8 * 512 * 256)
     monkeypatch.setattr(configs, "WGMMA_MIN_EXPERT_ELEMENTS", 512 * 128)
     args = dict(M=8 * ROWS, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
@@ -213,6 +213,18 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
     scaling = Scaling(Granularity.parse(args["kind_a"]), Granularity.parse(args["kind_b"]))
     assert wgmma.gluon_grouped_mode(w, M, G, scaling, a=a, tma=args["tma"],
                                     config=args["config"]) == expected
+
+
+def test_wgmma_decode_form_only_in_moe_pipeline(monkeypatch):
+    """Under the shipped thresholds a decode-sized call takes the SWAP form inside moe_ffn's
+    pipeline and core's Triton body as a plain grouped GEMM, where the form never won
+    (bench/results/moe_decode_bodies.md); 32 rows per group take the tiles either way."""
+    monkeypatch.setattr(wgmma, "on_sm90", lambda t: True)
+    w = _expert_weights(8, 2048, 4096, E4M3)  # 8 experts read: 2^26 weights, the decode form's floor
+    assert wgmma.gluon_grouped_mode(w, 64, 8, moe=True) == "decode"
+    assert wgmma.gluon_grouped_mode(w, 64, 8) is None
+    assert wgmma.gluon_grouped_mode(w, 7, 8, moe=True) is None  # 7 experts read: too few weights
+    assert wgmma.gluon_grouped_mode(w, 8 * 32, 8) == "grouped" == wgmma.gluon_grouped_mode(w, 8 * 32, 8, moe=True)
 
 
 def test_wgmma_grouped_off_sm90(device):
@@ -242,6 +254,7 @@ def flavour(request, monkeypatch):
     else:
         monkeypatch.setattr(configs, "WGMMA_MIN_GROUP_ROWS", big)
         monkeypatch.setattr(configs, "WGMMA_DECODE_MAX_ROWS", big)
+        monkeypatch.setattr(configs, "WGMMA_GEMM_DECODE_MAX_ROWS", big)
         monkeypatch.setattr(configs, "WGMMA_DECODE_MIN_ELEMENTS", 0)
     clear_plans()  # the calls cached under the tuned thresholds' decisions
     yield request.param
