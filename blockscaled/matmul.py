@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import triton
 
-from ..core import checks, configs
+from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Cached, Op, Record
 from ..core.hopper_fp8 import uses_gluon_body, wgmma_launch
 from ..core.launch import Launcher, Request
@@ -172,7 +172,7 @@ def scaled_record(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None
     scales = _scales(scaling)
     if uses_gluon_body(a, b, c, scaling, tma, config):
         fast = use_fast_accum and not (scaling.a_per_k_block or scaling.b_per_k_block)
-        key = configs.WgmmaKey(configs.m_bucket(M), N, K, scaling, configs.dtype_name(out_dtype), fast_accum=fast)
+        key = hopper_configs.WgmmaKey(configs.m_bucket(M), N, K, scaling, configs.dtype_name(out_dtype), fast_accum=fast)
         return Record((M, N), out_dtype, a.device, [wgmma_launch(a, b, c, bias, activation, key, scales, config,
                                                                  scale_a, scale_b)])
     layout = choose_tma(tma, a, b, c)

@@ -24,6 +24,8 @@ Structure (one program per SM, persistent over 128 x BLOCK_N output tiles):
   flight): a loop-carried in-flight accumulator made ptxas serialise every wgmma (C7515).
 Options of the same body: PINGPONG (each consumer owns whole tiles in turns), SPLIT (a
 promoting 256-column tile as two accumulators), GROUPED / SWIGLU / SWAP (grouped/'s uses).
+Aggregates carry what the partitions share: ``Tiling`` (the options), ``Ring``, ``Handoff``,
+``Staging``, ``TileAt`` (a tile's place) and ``ScaleIndex`` (where its K blocks' scales are read).
 """
 
 from typing import Any, NamedTuple
@@ -41,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import checks, configs
+from . import checks, configs, hopper_configs
 from .dispatch import Launch
 from .launch import Launcher, Request
 from .runtime import INTERPRET, capability, cdiv, sm_count
@@ -287,16 +289,61 @@ class Staging:
         self.smem = smem if isinstance(smem, gl.shared_memory_descriptor) else gl.constexpr(smem)
 
 
+@aggregate
+class TileAt:
+    """Where a consumer's tile (with SPLIT: one of its two parts) sits: the group ``g``, the
+    first row, the end of the group's rows (M for a dense tile), ``fill`` (``Groups.sched``'s:
+    0 a product, 1 zeros, 2 NaN) and the first column."""
+
+    g: gl.tensor | gl.constexpr
+    off_m: gl.tensor | gl.constexpr
+    row_end: gl.tensor | gl.constexpr
+    fill: gl.tensor | gl.constexpr
+    off_n: gl.tensor | gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, g, off_m, row_end, fill, off_n):
+        # (a constexpr_function receives a dense tile's constant g and fill as plain ints)
+        self.g = g if isinstance(g, gl.tensor) else gl.constexpr(g)
+        self.off_m = off_m if isinstance(off_m, gl.tensor) else gl.constexpr(off_m)
+        self.row_end = row_end if isinstance(row_end, gl.tensor) else gl.constexpr(row_end)
+        self.fill = fill if isinstance(fill, gl.tensor) else gl.constexpr(fill)
+        self.off_n = off_n if isinstance(off_n, gl.tensor) else gl.constexpr(off_n)
+
+
+@aggregate
+class ScaleIndex:
+    """What ``_block_scales`` reads a K block's scales at: scale_b at the tile's group and first
+    column block (``sb_ptr``), the accumulator's rows and columns with their masks, and its
+    first row (a 128x128 scale_a's block)."""
+
+    sb_ptr: gl.tensor | gl.constexpr
+    rows: gl.tensor
+    mask_m: gl.tensor
+    off_m: gl.tensor | gl.constexpr
+    cols: gl.tensor
+    mask_n: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, sb_ptr, rows, mask_m, off_m, cols, mask_n):
+        self.sb_ptr = sb_ptr if isinstance(sb_ptr, gl.tensor) else gl.constexpr(sb_ptr)  # None: no scale_b
+        self.rows = rows
+        self.mask_m = mask_m
+        self.off_m = off_m if isinstance(off_m, gl.tensor) else gl.constexpr(off_m)
+        self.cols = cols
+        self.mask_n = mask_n
+
+
 @gluon.jit
 def _tile(tile, M, N, groups, t):
-    """Output tile ``tile`` -> (group, first row, end row, fill, first column)."""
+    """Output tile ``tile`` -> its ``TileAt``."""
     if t.GROUPED:
         pid_m, pid_n = swizzle_tile(tile, gl.load(groups.count), gl.cdiv(N, t.TILE_N), t.GROUP_M)
         entry = groups.sched + pid_m * 4
-        return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3), pid_n * t.TILE_N
+        return TileAt(gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3), pid_n * t.TILE_N)
     else:
         pid_m, pid_n = swizzle_tile(tile, gl.cdiv(M, t.BLOCK_M), gl.cdiv(N, t.TILE_N), t.GROUP_M)
-        return 0, pid_m * t.BLOCK_M, M, 0, pid_n * t.TILE_N
+        return TileAt(0, pid_m * t.BLOCK_M, M, 0, pid_n * t.TILE_N)
 
 
 @gluon.jit
@@ -318,7 +365,8 @@ def _load_partition(a_desc, b_desc, ring, M, N, K, groups, t):
     nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if TWO else 1) * b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, t)
+        at = _tile(tile, M, N, groups, t)
+        g, off_m, fill, off_n = at.g, at.off_m, at.fill, at.off_n
         if groups.b_cols is None:
             w_row = g * groups.b_rows + off_n
             w_col = 0
@@ -344,26 +392,24 @@ def _load_partition(a_desc, b_desc, ring, M, N, K, groups, t):
 
 
 @gluon.jit
-def _block_scales(scales, sb_ptr, kb, rows, mask_m, off_m, cols, mask_n, SA_ROWS: gl.constexpr,
-                  SB_COLS: gl.constexpr):
-    """K block kb's scales of these rows and columns: a vector for 1x128 / 128x1 blocks, a
+def _block_scales(scales, at: ScaleIndex, kb, SA_ROWS: gl.constexpr, SB_COLS: gl.constexpr):
+    """K block kb's scales of ``at``'s rows and columns: a vector for 1x128 / 128x1 blocks, a
     scalar where one 128-wide block covers the tile (128x128: BLOCK_M and BLOCK_N <= 128).
-    ``sb_ptr``: scale_b at the tile's group and first column block. SA_ROWS = 0 (epilogue
-    scales): nothing is read, and ``_promote`` adds the block unscaled."""
+    SA_ROWS = 0 (epilogue scales): nothing is read, and ``_promote`` adds the block unscaled."""
     if SA_ROWS == 0:
         sa = 1.0
         sb = 1.0
     else:
         if SA_ROWS == 1:
-            sa = gl.load(scales.a.ptr + rows.to(gl.int64) * scales.a.stride0 + kb * scales.a.stride1, mask=mask_m,
-                         other=0.0)
+            sa = gl.load(scales.a.ptr + at.rows.to(gl.int64) * scales.a.stride0 + kb * scales.a.stride1,
+                         mask=at.mask_m, other=0.0)
         else:
-            sa = gl.load(scales.a.ptr + (off_m // SA_ROWS) * scales.a.stride0 + kb * scales.a.stride1)
+            sa = gl.load(scales.a.ptr + (at.off_m // SA_ROWS) * scales.a.stride0 + kb * scales.a.stride1)
         if SB_COLS == 1:
-            sb = gl.load(sb_ptr + kb * scales.b.stride0 + cols.to(gl.int64) * scales.b.stride1, mask=mask_n,
-                         other=0.0)
+            sb = gl.load(at.sb_ptr + kb * scales.b.stride0 + at.cols.to(gl.int64) * scales.b.stride1,
+                         mask=at.mask_n, other=0.0)
         else:
-            sb = gl.load(sb_ptr + kb * scales.b.stride0)
+            sb = gl.load(at.sb_ptr + kb * scales.b.stride0)
     return sa, sb
 
 
@@ -427,7 +473,7 @@ def _issue(ring, it, HALF: gl.constexpr, t):
 
 
 @gluon.jit
-def _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n, HALF: gl.constexpr, t):
+def _k_loop(acc, ring, it, k_blocks, scales, at: ScaleIndex, HALF: gl.constexpr, t):
     """One consumer's K loop over a tile: groups of K_GROUP blocks, unrolled: issue block j's
     wgmma, wait until only it is in flight, promote block j-1. Returns (acc, it)."""
     K_GROUP: gl.constexpr = t.K_GROUP
@@ -435,17 +481,15 @@ def _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, 
     # Scales are loaded one K block ahead of their wgmma's issue (two ahead of their
     # promotion): an L2 round trip is about as long as one block's wgmma.
     last = k_blocks - 1
-    sa_n, sb_n = _block_scales(scales, sb_ptr, 0, rows, mask_m, off_m, cols, mask_n, t.SA_ROWS, t.SB_COLS)
+    sa_n, sb_n = _block_scales(scales, at, 0, t.SA_ROWS, t.SB_COLS)
     for g in range(groups):
         kb = g * K_GROUP
         sa, sb = sa_n, sb_n
-        sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
-                                   t.SA_ROWS, t.SB_COLS)
+        sa_n, sb_n = _block_scales(scales, at, gl.minimum(kb + 1, last), t.SA_ROWS, t.SB_COLS)
         raw = _issue(ring, it, HALF, t)
         for j in gl.static_range(1, K_GROUP):
             next_sa, next_sb = sa_n, sb_n
-            sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + j + 1, last), rows, mask_m, off_m, cols,
-                                       mask_n, t.SA_ROWS, t.SB_COLS)
+            sa_n, sb_n = _block_scales(scales, at, gl.minimum(kb + j + 1, last), t.SA_ROWS, t.SB_COLS)
             next_raw = _issue(ring, it + j, HALF, t)
             # block j - 1 is done once at most one wgmma (block j's) is in flight
             raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw, ))
@@ -461,8 +505,7 @@ def _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, 
         it += K_GROUP
     for kb in range(groups * K_GROUP, k_blocks):  # the K blocks left over, one at a time
         sa, sb = sa_n, sb_n
-        sa_n, sb_n = _block_scales(scales, sb_ptr, gl.minimum(kb + 1, last), rows, mask_m, off_m, cols, mask_n,
-                                   t.SA_ROWS, t.SB_COLS)
+        sa_n, sb_n = _block_scales(scales, at, gl.minimum(kb + 1, last), t.SA_ROWS, t.SB_COLS)
         raw = _issue(ring, it, HALF, t)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
         ring.release(it)
@@ -491,24 +534,15 @@ def _k_loop_chained(acc, ring, it, k_blocks, HALF: gl.constexpr, t):
 
 
 @gluon.jit
-def _part(off_m, off_n, p: gl.constexpr, t):
-    """(first row, first column) of accumulator ``p`` (0 or 1) of a SPLIT consumer, from the
-    consumer's first row and the tile's first column."""
-    if t.SPLIT_M:
-        return off_m + p * ROWS, off_n
-    else:
-        return off_m, off_n + p * t.PART_N
-
-
-@gluon.jit
-def _part_scales(scales, sb_ptr, kb, p: gl.constexpr, off_m, off_n, row_end, N, t):
-    """K block kb's scales (``_block_scales``) of accumulator ``p``, at (off_m, off_n)."""
+def _part_scales(scales, sb_ptr, kb, p: gl.constexpr, at: TileAt, N, t):
+    """K block kb's scales (``_block_scales``) of accumulator ``p``, at (at.off_m, at.off_n)."""
     if t.SB_COLS > 1 and not t.SPLIT_M:  # 128x128 scale_b: the second half's column block is the next one
         sb_ptr += p * scales.b.stride1
     layout: gl.constexpr = _acc_layout(t.PART_N)
-    rows = off_m + gl.arange(0, t.ACC_ROWS, layout=gl.SliceLayout(1, layout))
-    cols = off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
-    return _block_scales(scales, sb_ptr, kb, rows, rows < row_end, off_m, cols, cols < N, t.SA_ROWS, t.SB_COLS)
+    rows = at.off_m + gl.arange(0, t.ACC_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = at.off_n + gl.arange(0, t.PART_N, layout=gl.SliceLayout(0, layout))
+    index = ScaleIndex(sb_ptr, rows, rows < at.row_end, at.off_m, cols, cols < N)
+    return _block_scales(scales, index, kb, t.SA_ROWS, t.SB_COLS)
 
 
 @gluon.jit
@@ -526,25 +560,34 @@ def _issue_part(ring, s, p: gl.constexpr, HALF: gl.constexpr, t):
 
 
 @gluon.jit
-def _k_loop_split(acc0, acc1, ring, it, k_blocks, scales, sb_ptr, off_m, off_n, row_end, N, HALF: gl.constexpr, t):
-    """One consumer's promoting K loop over its share held as two accumulators (SPLIT; off_m:
+def _part_at(at: TileAt, p: gl.constexpr, t):
+    """``at`` moved to accumulator ``p`` (0 or 1) of a SPLIT consumer: 64 rows down (SPLIT_M)
+    or PART_N columns along."""
+    if t.SPLIT_M:
+        return TileAt(at.g, at.off_m + p * ROWS, at.row_end, at.fill, at.off_n)
+    else:
+        return TileAt(at.g, at.off_m, at.row_end, at.fill, at.off_n + p * t.PART_N)
+
+
+@gluon.jit
+def _k_loop_split(acc0, acc1, ring, it, k_blocks, scales, sb_ptr, at: TileAt, N, HALF: gl.constexpr, t):
+    """One consumer's promoting K loop over its share held as two accumulators (SPLIT; at:
     the consumer's first row): per K block, each half's wgmma, then its promotion. A
     warpgroup keeps one raw half live, not two, so it waits for each wgmma before promoting:
     the other consumer's wgmmas keep the tensor cores busy meanwhile. Each half's scales are
     read while its wgmma runs (a K block ahead they held registers that spilled). Returns
     (acc0, acc1, it)."""
-    m0, n0 = _part(off_m, off_n, 0, t)
-    m1, n1 = _part(off_m, off_n, 1, t)
+    at1 = _part_at(at, 1, t)
     for kb in range(k_blocks):
         s = ring.wait_ready(it)
         raw = _issue_part(ring, s, 0, HALF, t)
-        sa, sb = _part_scales(scales, sb_ptr, kb, 0, m0, n0, row_end, N, t)  # read under the wgmma
+        sa, sb = _part_scales(scales, sb_ptr, kb, 0, at, N, t)  # read under the wgmma
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
         acc0 = _promote(acc0, raw, sa, sb, t.SA_ROWS, t.SB_COLS)
         # pinned here: promoted below the next issue, two raw halves would be live (spills)
         acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
         raw = _issue_part(ring, s, 1, HALF, t)
-        sa, sb = _part_scales(scales, sb_ptr, kb, 1, m1, n1, row_end, N, t)
+        sa, sb = _part_scales(scales, sb_ptr, kb, 1, at1, N, t)
         raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw, ))
         ring.release(it)
         acc1 = _promote(acc1, raw, sa, sb, t.SA_ROWS, t.SB_COLS)
@@ -603,6 +646,9 @@ def _consume_partition(ring, handoff, out, C, M, N, K, scales, bias, groups, HAL
     over in the ring's count; the two K loops take turns (``handoff.turn``), so that one's
     epilogue runs under the other's wgmmas and neither waits for a slot's fill more than one
     phase ahead (an mbarrier's parity cannot tell two phases apart)."""
+    # What the epilogue reads, one argument below here. Built inside the partition: a tuple
+    # captured by warp_specialize turns its constant elements (a stride of 1) into runtime ones.
+    io = (C, scales, bias, groups)
     num_tiles = _num_tiles(M, N, groups, t)
     k_blocks = gl.cdiv(K, t.BLOCK_K)
     it = 0
@@ -610,25 +656,25 @@ def _consume_partition(ring, handoff, out, C, M, N, K, scales, bias, groups, HAL
     local = 0  # PINGPONG: this program's tiles so far
     turns = 0  # PINGPONG: this consumer's tiles so far
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, off_m, row_end, fill, off_n = _tile(tile, M, N, groups, t)
+        at = _tile(tile, M, N, groups, t)
         owner = local % 2 if t.PINGPONG else HALF
         local += 1
         if owner != HALF:
-            if fill == 0:
+            if at.fill == 0:
                 it += k_blocks  # the other consumer's tile: its K blocks go by in the ring
         else:
-            it, swaps, turns = _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_end, fill,
-                                             off_n, k_blocks, it, swaps, turns, HALF, t)
+            it, swaps, turns = _consume_tile(ring, handoff, out, io, N, at, k_blocks, it, swaps, turns, HALF, t)
     if not t.GROUPED:
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_end, fill, off_n, k_blocks, it, swaps,
-                  turns, HALF: gl.constexpr, t):
-    """This consumer's part of one tile (``_tile``'s g, off_m, row_end, fill, off_n): its K
-    loop from ring block ``it``, the SwiGLU hand-over, the epilogue and store. Returns the
-    ring count, SWIGLU's hand-overs and PINGPONG's turns after it."""
+def _consume_tile(ring, handoff, out, io, N, at: TileAt, k_blocks, it, swaps, turns, HALF: gl.constexpr, t):
+    """This consumer's part of one tile (``_tile``'s ``at``): its K loop from ring block ``it``,
+    the SwiGLU hand-over, the epilogue and store. ``io``: (C, scales, bias, groups), the
+    kernel's arguments. Returns the ring count, SWIGLU's hand-overs and PINGPONG's turns after it."""
+    scales, groups = io[1], io[3]
+    g, off_m, row_end, fill, off_n = at.g, at.off_m, at.row_end, at.fill, at.off_n
     if t.SWAP:  # the accumulator is [features, tokens]
         layout: gl.constexpr = _acc_layout(t.BLOCK_M)
         ACC_M: gl.constexpr = t.BLOCK_N
@@ -667,10 +713,11 @@ def _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_
             if t.GROUPED and t.SB_COLS > 0:
                 sb_ptr += g.to(gl.int64) * groups.scale_b_g
             if t.SPLIT:
-                acc, acc1, it = _k_loop_split(acc, acc1, ring, it, k_blocks, scales, sb_ptr, off_m, off_n, row_end,
-                                              N, HALF, t)
+                acc, acc1, it = _k_loop_split(acc, acc1, ring, it, k_blocks, scales, sb_ptr,
+                                              TileAt(g, off_m, row_end, fill, off_n), N, HALF, t)
             else:
-                acc, it = _k_loop(acc, ring, it, k_blocks, scales, sb_ptr, rows, mask_m, off_m, cols, mask_n, HALF, t)
+                index = ScaleIndex(sb_ptr, rows, mask_m, off_m, cols, mask_n)
+                acc, it = _k_loop(acc, ring, it, k_blocks, scales, index, HALF, t)
     elif fill == 2:
         acc = gl.full([ACC_M, ACC_N], float("nan"), gl.float32, layout)
         if t.SPLIT:
@@ -686,22 +733,22 @@ def _consume_tile(ring, handoff, out, C, N, scales, bias, groups, g, off_m, row_
                 acc = activate(acc, "silu") * handoff.receive(swaps, layout)
             swaps += 1
     # (grouped tiles store through pointers: no staging buffer)
-    _epilogue_store(acc, C, out.desc, out.smem if t.GROUPED else out.smem.index(0), off_m, off_n, row_end, N, g, fill,
-                    scales, bias, groups, HALF, t, True)
+    at = TileAt(g, off_m, row_end, fill, off_n)  # this consumer's part
+    _epilogue_store(acc, io, out.desc, out.smem if t.GROUPED else out.smem.index(0), at, N, HALF, t, True)
     if t.SPLIT:
-        m1, n1 = _part(off_m, off_n, 1, t)
-        _epilogue_store(acc1, C, out.desc, out.smem if t.GROUPED else out.smem.index(1), m1, n1, row_end, N, g, fill,
-                        scales, bias, groups, HALF, t, False)
+        _epilogue_store(acc1, io, out.desc, out.smem if t.GROUPED else out.smem.index(1), _part_at(at, 1, t), N,
+                        HALF, t, False)
     return it, swaps, turns
 
 
 @gluon.jit
-def _epilogue_store(acc, C, c_desc, c_smem, off_m, off_n, row_end, N, g, fill, scales, bias, groups,
-                    HALF: gl.constexpr, t, FIRST: gl.constexpr):
+def _epilogue_store(acc, io, c_desc, c_smem, at: TileAt, N, HALF: gl.constexpr, t, FIRST: gl.constexpr):
     """The epilogue and store of this consumer's accumulator ``acc`` (one part of its tile
-    with SPLIT), whose element [0, 0] is C's [off_m, off_n]: core's epilogue, then a TMA
+    with SPLIT), whose element [0, 0] is C's [at.off_m, at.off_n]: core's epilogue, then a TMA
     store through ``c_smem`` (dense; FIRST: the tile's first part waits for the last tile's
     stores), or masked pointer stores of the group's rows (GROUPED; fill tiles as they are)."""
+    C, scales, bias, groups = io
+    g, off_m, row_end, fill, off_n = at.g, at.off_m, at.row_end, at.fill, at.off_n
     if t.SWAP:  # back to [tokens, features]: a register relabelling, no data moves
         acc = gl.permute(acc, (1, 0))
     layout: gl.constexpr = acc.type.layout
@@ -878,15 +925,15 @@ def uses_gluon_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool
     """The one decision between core's two bodies of a scaled FP8 GEMM: this Gluon body on an
     sm_90 GPU for block scales on both operands (1x128 or 128x128 scale_a, 128x1 or 128x128
     scale_b) or on neither (tensor or row-wise scale_a, tensor or column-wise scale_b: the
-    epilogue's), TMA-readable K-major operands and M >= configs.WGMMA_MIN_M; core's Triton
+    epilogue's), TMA-readable K-major operands and M >= hopper_configs.WGMMA_MIN_M; core's Triton
     body otherwise (other GPUs, the interpreter, mixed granularities and other layouts, tma=False).
 
-    A forced ``config`` decides by its kind (configs.is_wgmma); a Gluon config on operands
+    A forced ``config`` decides by its kind (hopper_configs.is_wgmma); a Gluon config on operands
     this body cannot take is a ValueError naming what stands in the way.
     """
-    if config is not None and not configs.is_wgmma(config):
+    if config is not None and not hopper_configs.is_wgmma(config):
         return False
-    if config is None and a.shape[0] < configs.WGMMA_MIN_M:
+    if config is None and a.shape[0] < hopper_configs.WGMMA_MIN_M:
         return False  # decode-sized calls: decided before the layout checks, off their host time
     why = None
     if not on_sm90(a):
@@ -906,7 +953,7 @@ def uses_gluon_body(a, b, c, scaling: Scaling, tma: bool | None, config) -> bool
     return True
 
 
-def wgmma_launch(a, b, c, bias, activation, key: configs.WgmmaKey, scales, config=None, scale_a=None,
+def wgmma_launch(a, b, c, bias, activation, key: hopper_configs.WgmmaKey, scales, config=None, scale_a=None,
                  scale_b=None) -> Launch:
     """This body's launch for operands shaped like a, b, c (``uses_gluon_body`` accepted them):
     a core/dispatch.py Launch whose builder takes (c, a, b, scale_a, scale_b, bias).

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..core import checks, configs
+from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Op, Step, Workspace, wants_grad
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
@@ -342,11 +342,11 @@ def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
         return tables[block_m]
 
     run_wgmma_grouped(xq, w_gate_up, h, schedule, xs, w_gate_up_scale.transpose(1, 2), N=I, out_scale=hs,
-                      key=configs.WgmmaKey(m, I, H, BLOCKWISE, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
+                      key=hopper_configs.WgmmaKey(m, I, H, BLOCKWISE, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
     y_pairs = empty((T * k, H), dtype=out_dtype, device=x.device)
     run_wgmma_grouped(h, w_down, y_pairs, schedule, hs, w_down_scale.transpose(1, 2), N=H,
                       scatter=pair, weight=topk_weights.reshape(-1).to(torch.float32).contiguous(),
-                      key=configs.WgmmaKey(m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
+                      key=hopper_configs.WgmmaKey(m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
     return combine(y_pairs, topk_ids, E, out_dtype)
 
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ..blockscaled.quantize import QUANTIZE_OP, QUANTIZE_T_OP
-from ..core import checks, configs
+from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Op, first_order_only
 from ..core.runtime import cdiv, empty
 from ..core.scaling import BLOCKS, BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
@@ -75,7 +75,7 @@ def fp8_expert_gemm(a, a_scale, experts: Experts, c, offs, scatter=None, weight=
     E, N = experts.w.shape[:2]
     mode = gluon_grouped_mode(experts.w, P, E, a=a)
     if mode is not None:
-        key = configs.WgmmaKey(configs.m_bucket(P // E), N, K, BLOCKWISE, configs.dtype_name(c.dtype), mode)
+        key = hopper_configs.WgmmaKey(configs.m_bucket(P // E), N, K, BLOCKWISE, configs.dtype_name(c.dtype), mode)
         run_wgmma_grouped(a, experts.w, c, lambda block_m: row_tiles(offs, E, P, block_m), a_scale, experts.scale,
                           N=N, key=key, scatter=scatter, weight=weight)
     else:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..core import checks, configs
+from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
@@ -437,7 +437,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
         w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
         mode = gluon_grouped_mode(w, M, G, args["scaling"], a=a, tma=tma, config=config)
         if mode is not None:
-            key = configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(out_dtype), mode)
+            key = hopper_configs.WgmmaKey(configs.m_bucket(M // G), N, K, args["scaling"], configs.dtype_name(out_dtype), mode)
 
             def run(a, b, offs, scale_a, scale_b, bias):  # row tiles from offs, then the Gluon body
                 if check is not None:

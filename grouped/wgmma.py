@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import configs
+from ..core import configs, hopper_configs
 from ..core.hopper_fp8 import BLOCKSCALED_WGMMA, Groups, k_loop_meta, on_sm90
 from ..core.launch import Request
 from ..core.runtime import cdiv, sm_count
@@ -68,7 +68,7 @@ def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, 
     return mode if a_ok and (experts_layout(w) or side_by_side_layout(w)) else None
 
 
-def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: configs.WgmmaKey, bias=None,
+def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: hopper_configs.WgmmaKey, bias=None,
                       activation=None, scatter=None, weight=None, out_scale=None, config=None):
     """The grouped flavour: C rows of group g = epilogue((a rows of g * scale_a) @ (W_g * scale_b_g)^T).
 

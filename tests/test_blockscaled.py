@@ -15,10 +15,10 @@ import triton.language as tl
 
 import onegemm
 from onegemm.blockscaled.quantize import _quantize_torch, _quantize_triton, granularity
-from onegemm.core import configs, hopper_fp8, launch
+from onegemm.core import configs, hopper_configs, hopper_fp8, launch
 from onegemm.blockscaled.configs import BLOCKSCALED_CONFIGS
-from onegemm.core.configs import (WGMMA_MIN_M, WgmmaKey, warp_specialized, wgmma_candidates,
-                                  wgmma_cfg, wgmma_heuristic)
+from onegemm.core.configs import warp_specialized
+from onegemm.core.hopper_configs import WGMMA_MIN_M, WgmmaKey, wgmma_candidates, wgmma_cfg, wgmma_heuristic
 from onegemm.core.launch import plans
 from onegemm.core.fp8 import divide_rn, fp8_cast
 from onegemm.core.runtime import default_programs
@@ -831,7 +831,7 @@ DISPATCH_CASES = [
     ({}, None, True),
     ({}, True, True),
     ({}, False, False),                                  # pointer loads asked for
-    ({"M": 127}, None, False),                           # below configs.WGMMA_MIN_M
+    ({"M": 127}, None, False),                           # below hopper_configs.WGMMA_MIN_M
     ({"kinds": ("128x128", "128x1")}, None, True),
     ({"kinds": ("row", "128x128")}, None, False),        # block scales on one operand only: the Triton body
     ({"kinds": ("1x128", "tensor")}, None, False),
@@ -885,7 +885,7 @@ def test_wgmma_heuristic_and_candidates(key, tile):
     pick = wgmma_heuristic(key, 132)
     assert (pick.kwargs["BLOCK_M"], pick.kwargs["BLOCK_N"]) == tile
     found = wgmma_candidates(key, 132)
-    assert all(configs._wgmma_fits(c, key.out, key.mode) for c in found)
+    assert all(hopper_configs._wgmma_fits(c, key.out, key.mode) for c in found)
     roomy = key.out != "fp32"  # a 256-wide or -tall fp32 staging tile leaves no room for three ring slots
     assert any(c.kwargs["BLOCK_N"] == 256 for c in found) == (roomy and (key.fast_accum or key.scaling.a != ROW_BLOCKS))
     assert any(c.kwargs["BLOCK_M"] == 256 for c in found) == (roomy and not key.fast_accum and key.scaling.a != ROW_BLOCKS)
@@ -992,7 +992,7 @@ def test_gpu_wgmma_split_tiles(M, N, K, bn, bm, gran_a, device):
     gran_b = "col" if gran_a == "row" else "128x128"
     qa, sa, ba = quant_a(make_input((M, K), device), gran_a)
     qb, sb, bb = quant_b(make_input((N, K), device), gran_b)
-    cfg = configs.wgmma_cfg(bn, 2, 1, bm=bm)  # two ring slots: an fp32 256 x 128 staging tile fits beside them
+    cfg = hopper_configs.wgmma_cfg(bn, 2, 1, bm=bm)  # two ring slots: an fp32 256 x 128 staging tile fits beside them
     torch.full((M, N), float("nan"), device=device)  # freed: the output below reuses its NaN block
     out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=cfg)
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)

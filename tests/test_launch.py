@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import onegemm
-from onegemm.core import configs, launch, scratch, splitk, tables, triton_abi
+from onegemm.core import configs, hopper_configs, launch, scratch, splitk, tables, triton_abi
 from onegemm.core.configs import cfg
 from onegemm.blockscaled import configs as blockscaled_configs
 from onegemm.grouped import configs as grouped_configs
@@ -571,7 +571,7 @@ def test_table_reader_ignores_a_broken_file(tmp_path):
 
 # The key type each family's entries are stored under (str(key) is the table's key).
 KEY_TYPES = {
-    "matmul": configs.MatmulKey, "blockscaled": blockscaled_configs.BlockscaledKey, "blockscaled_wgmma": configs.WgmmaKey,
+    "matmul": configs.MatmulKey, "blockscaled": blockscaled_configs.BlockscaledKey, "blockscaled_wgmma": hopper_configs.WgmmaKey,
     "ragged": grouped_configs.RaggedKey, "list": grouped_configs.ListKey, "quantize": blockscaled_configs.QuantKey,
     "quantize_pair": blockscaled_configs.QuantKey, "sort": grouped_configs.SortKey,
     "row_tiles": configs.PrepKey, "gather_quantize": configs.PrepKey, "combine": configs.PrepKey, "swiglu_backward": configs.PrepKey,

@@ -1,6 +1,6 @@
 """ptxas figures of core's Gluon FP8 body (core/hopper_fp8.py), compiled for sm_90 on any machine.
 
-Every config the body is tuned over (core/configs.py wgmma_candidates), per scale granularity
+Every config the body is tuned over (core/hopper_configs.py wgmma_candidates), per scale granularity
 and output dtype, compiled offline and run through ``ptxas -v --warn-on-spills``: registers,
 spill bytes, shared memory, wgmma count and any ptxas warning (C7515 says ptxas serialised
 the wgmmas). A change to the K loop should keep every row at 0 spills and no warning:
@@ -27,7 +27,7 @@ ptx_snapshot._fake_sm90_driver()
 import torch  # noqa: E402
 from triton.backends.nvidia import compiler as nv  # noqa: E402
 
-from onegemm.core import configs  # noqa: E402
+from onegemm.core import configs, hopper_configs  # noqa: E402
 from onegemm.core.hopper_fp8 import Groups, blockscaled_wgmma_kernel, k_loop_meta  # noqa: E402
 from onegemm.core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, ROWWISE, Scaling  # noqa: E402
 from onegemm.core.tiles import NO_OPERAND, NO_VECTOR, Operand, Scales, Vector  # noqa: E402
@@ -93,16 +93,16 @@ def main() -> int:
     bad = 0
     only = sys.argv[1] if len(sys.argv) > 1 else None  # e.g. "fast": the keys whose str() holds it
     dense = (BLOCKWISE, Scaling(BLOCKS, BLOCKS), Scaling(ROW_BLOCKS, COL_BLOCKS), ROWWISE)
-    keys = [configs.WgmmaKey(4096, 4096, 4096, s, out) for s in dense for out in OUT_DTYPES]
-    keys += [configs.WgmmaKey(4096, 4096, 4096, ROWWISE, out, fast_accum=True) for out in OUT_DTYPES]
-    keys += [configs.WgmmaKey(4096, 4096, 4096, s, out, mode) for s, out, mode in (
+    keys = [hopper_configs.WgmmaKey(4096, 4096, 4096, s, out) for s in dense for out in OUT_DTYPES]
+    keys += [hopper_configs.WgmmaKey(4096, 4096, 4096, ROWWISE, out, fast_accum=True) for out in OUT_DTYPES]
+    keys += [hopper_configs.WgmmaKey(4096, 4096, 4096, s, out, mode) for s, out, mode in (
         (BLOCKWISE, "bf16", "grouped"), (ROWWISE, "bf16", "grouped"), (BLOCKWISE, "fp8", "swiglu"),
         (BLOCKWISE, "bf16", "decode"), (BLOCKWISE, "fp8", "decode_swiglu"))]
     for key in keys:
         if only and only not in str(key):
             continue
         scaling, out, mode = key.scaling, key.out, key.mode
-        for cfg in configs.wgmma_candidates(key, 132):
+        for cfg in hopper_configs.wgmma_candidates(key, 132):
             kernel = compile_config(cfg, scaling, out, mode=mode, fast_accum=key.fast_accum)
             log = ptxas_log(kernel)
             fp = ptx_snapshot.fingerprint(kernel)

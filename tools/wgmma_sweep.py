@@ -3,7 +3,7 @@
     python tools/wgmma_sweep.py            # markdown tables on stdout (GPU time, TFLOP/s)
     python tools/wgmma_sweep.py --peer M N K   # torch._scaled_mm row-wise on one shape (a process of its own)
 
-For each shape it forces each config of ``configs.wgmma_candidates`` through
+For each shape it forces each config of ``hopper_configs.wgmma_candidates`` through
 blockscaled_matmul (row-wise scales, promoted and use_fast_accum; 1x128 and 128x128 block
 scales) and prints TFLOP/s in GPU time (CUDA-graph replays), next to the heuristic's pick and
 core's Triton body. What the tuned table and the heuristic choose follows these tables
@@ -24,7 +24,7 @@ from triton.testing import do_bench
 
 import onegemm
 from onegemm.core import configs
-from onegemm.core.configs import WgmmaKey, wgmma_candidates
+from onegemm.core.hopper_configs import WgmmaKey, wgmma_candidates
 from onegemm.core.scaling import Scaling
 from onegemm.testing import graph_bench
 
