@@ -286,47 +286,10 @@ def _block_scale(kb, scales, sa_idx, sb_idx, SA_UNIFORM: tl.constexpr, SB_UNIFOR
 
 
 @triton.jit
-def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None):
-    """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
-
-    A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
-        likewise; W.t() of an nn.Linear weight has B.stride0 == 1, the K-major layout Hopper's
-        fp8 MMA wants), or ``make_operands``' descriptors (TMA flavour).
-    rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (see module docstring). In the
-        TMA flavour the tile starts at row ``off_m`` and column ``off_n`` instead, and rows/cols
-        only index the scales. Boxes past M, N or K arrive zero-filled.
-    K: the reduction length; the last block is masked by ``k_remaining``, so K need not be a
-        multiple of BLOCK_K (unmasked, it would read past the row and sum garbage).
-    spec: the TileSpec (BLOCK_K, UPCAST, PRECISION, the TMA flags, WARP_SPECIALIZE, SA_ROWS,
-        SB_COLS).
-
-    Per-K-block scales (``scales.a`` / ``scales.b``, blockscaled/): K block ``kb`` of the
-    product is multiplied by sa[rows // SA_ROWS, kb] per row and sb[kb, cols // SB_COLS] per
-    column; BLOCK_K is then the scale block (128). Each block's dot starts from zero and is
-    promoted to the fp32 ``acc`` after scaling: Hopper's fp8 MMA accumulates in reduced
-    precision (docs/hopper.md). When one scale row covers the whole tile (SA_ROWS a multiple
-    of BLOCK_M, and the tile starts at row ``off_m``), one scalar per K block is read and the
-    promotion is a single FMA per element; likewise for columns. Each block's scales are
-    loaded one block ahead, before its MMA is issued, so their global-load latency hides
-    behind the MMA.
-
-    kb_lo, kb_hi: only K blocks [kb_lo, kb_hi) of the ceil(K / BLOCK_K) (default: all), what
-        one split of a split-K tile sums (``split_k_range``); masks and scales stay indexed by
-        the absolute K block, so a range ends at K exactly like the whole loop does.
-    scale_cols [BLOCK_N]: the column of ``scales.b`` for each of ``cols`` (default
-        cols // SB_COLS; SwiGLU's up columns have their own blocks, see ``gemm_tile``).
-
-    WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only: on
-    sm_90 (Triton 3.6) the loop becomes a TMA producer and two consumer warpgroups of
-    BLOCK_M/2 rows each. With pointer loads Triton 3.6's Hopper pass fails an assertion
-    (triton-lang/triton#9728), so the switch is ignored there, as it is for fp8 operands that
-    are not both K-major (docs/hopper.md).
-    """
-    BLOCK_K: tl.constexpr = spec.BLOCK_K
-    SCALED: tl.constexpr = scales.a.ptr is not None or scales.b.ptr is not None
-    SA_UNIFORM: tl.constexpr = spec.SA_ROWS % spec.BLOCK_M == 0
-    # SwiGLU's interleaved gate and up columns are never one scale block.
-    SB_UNIFORM: tl.constexpr = spec.SB_COLS % spec.BLOCK_N == 0 and not spec.SWIGLU
+def _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM: tl.constexpr, SB_UNIFORM: tl.constexpr):
+    """The scale_a rows of ``rows`` and the scale_b columns of ``cols`` (``_block_scale``'s
+    indices): one index where one scale block covers the tile (UNIFORM), else one per row or
+    column; ``scale_cols`` where the caller gives them (SwiGLU)."""
     if SA_UNIFORM:
         sa_idx = off_m // spec.SA_ROWS
     else:
@@ -337,17 +300,81 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         sb_idx = scale_cols
     else:
         sb_idx = cols // spec.SB_COLS
+    return sa_idx, sb_idx
+
+
+@triton.jit
+def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr):
+    """Pointer flavour: the pointers of A[rows, k] and B[k, cols] over the first K block (a
+    split's ``kb_lo``). int64: rows * stride passes 2^31 elements for tall or widely strided
+    operands, and so can a split's first column times a transposed A's K stride."""
+    a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
+    b_ptrs = B.ptr + offs_k[:, None] * B.stride0 + cols.to(tl.int64)[None, :] * B.stride1
+    if SPLIT:  # without a range the code is the plain loop's, unchanged
+        k_first = kb_lo.to(tl.int64) * offs_k.shape[0]
+        a_ptrs += k_first * A.stride1
+        b_ptrs += k_first * B.stride0
+    return a_ptrs, b_ptrs
+
+
+@triton.jit
+def _tma_k_block(A, B, k0, off_m, off_n, spec):
+    """TMA flavour: the K block at column ``k0`` of A's rows from off_m and of B's columns from
+    off_n. A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
+    stored and transposed in shared memory, which wgmma reads either way for 16-bit types
+    (Triton converts for fp8, which wants K-major operands)."""
+    if spec.A_K_CONTIG:
+        a = A.ptr.load([off_m, k0])
+    else:
+        a = A.ptr.load([k0, off_m]).T
+    if spec.B_K_CONTIG:
+        b = B.ptr.load([off_n, k0]).T
+    else:
+        b = B.ptr.load([k0, off_n])
+    return a, b
+
+
+@triton.jit
+def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None):
+    """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
+
+    A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
+        likewise; W.t() of an nn.Linear weight has B.stride0 == 1, the K-major layout Hopper's
+        fp8 MMA wants), or ``make_operands``' descriptors (TMA flavour).
+    rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (see module docstring). In the
+        TMA flavour the tile starts at row ``off_m`` and column ``off_n`` instead, and rows/cols
+        only index the scales. Boxes past M, N or K arrive zero-filled.
+    K: the reduction length, any (the last block is masked by ``k_remaining``).
+    spec: the TileSpec (BLOCK_K, UPCAST, PRECISION, the TMA flags, WARP_SPECIALIZE, SA_ROWS,
+        SB_COLS).
+
+    Per-K-block scales (``scales.a`` / ``scales.b``, blockscaled/): K block ``kb`` of the
+    product is multiplied by sa[rows // SA_ROWS, kb] per row and sb[kb, cols // SB_COLS] per
+    column (BLOCK_K = the scale block, 128); each block's dot starts from zero and is promoted
+    to the fp32 ``acc`` after scaling (Hopper's fp8 MMA accumulates in reduced precision,
+    docs/hopper.md). Where one scale block covers the tile, one scalar per K block is read
+    (``_scale_indices``). Scales are loaded a block ahead, their latency under the MMA.
+
+    kb_lo, kb_hi: only K blocks [kb_lo, kb_hi) of the ceil(K / BLOCK_K) (default: all), what
+        one split of a split-K tile sums (``split_k_range``); masks and scales stay indexed by
+        the absolute K block, so a range ends at K exactly like the whole loop does.
+    scale_cols [BLOCK_N]: the column of ``scales.b`` for each of ``cols`` (default
+        cols // SB_COLS; SwiGLU's up columns have their own blocks, see ``gemm_tile``).
+
+    WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only (a TMA
+    producer and two consumer warpgroups of BLOCK_M/2 rows on sm_90). Ignored with pointer
+    loads, where Triton 3.6's Hopper pass fails an assertion (triton-lang/triton#9728), and
+    for fp8 operands that are not both K-major (docs/hopper.md).
+    """
+    BLOCK_K: tl.constexpr = spec.BLOCK_K
+    SCALED: tl.constexpr = scales.a.ptr is not None or scales.b.ptr is not None
+    SA_UNIFORM: tl.constexpr = spec.SA_ROWS % spec.BLOCK_M == 0
+    # SwiGLU's interleaved gate and up columns are never one scale block.
+    SB_UNIFORM: tl.constexpr = spec.SB_COLS % spec.BLOCK_N == 0 and not spec.SWIGLU
+    sa_idx, sb_idx = _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM, SB_UNIFORM)
     offs_k = tl.arange(0, BLOCK_K)
     if not spec.USE_TMA:
-        # int64: rows * stride passes 2^31 elements for tall or widely strided operands.
-        a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
-        b_ptrs = B.ptr + offs_k[:, None] * B.stride0 + cols.to(tl.int64)[None, :] * B.stride1
-        if kb_hi is not None:
-            # A split starts at block kb_lo (int64: that column times a transposed A's K
-            # stride can pass 2^31). Without a range the code is the plain loop's, unchanged.
-            k_first = kb_lo.to(tl.int64) * BLOCK_K
-            a_ptrs += k_first * A.stride1
-            b_ptrs += k_first * B.stride0
+        a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None)
     if kb_hi is None:
         kb_hi = tl.cdiv(K, BLOCK_K)
     if SCALED:
@@ -358,18 +385,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         (spec.A_K_CONTIG and spec.B_K_CONTIG) or not A.ptr.dtype.is_fp8())
     for kb in tl.range(kb_lo, kb_hi, warp_specialize=WS):
         if spec.USE_TMA:
-            k0 = kb * BLOCK_K
-            # A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
-            # stored and transposed in shared memory, which wgmma reads either way for 16-bit
-            # types (Triton converts for fp8, which wants K-major operands).
-            if spec.A_K_CONTIG:
-                a = A.ptr.load([off_m, k0])
-            else:
-                a = A.ptr.load([k0, off_m]).T
-            if spec.B_K_CONTIG:
-                b = B.ptr.load([off_n, k0]).T
-            else:
-                b = B.ptr.load([k0, off_n])
+            a, b = _tma_k_block(A, B, kb * BLOCK_K, off_m, off_n, spec)
         else:
             k_remaining = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
@@ -587,6 +603,13 @@ def stream_k(A, B, C, M, N, K, spec, scales, bias, ws, locks, sk_tiles, GROUP_M:
 
 
 @triton.jit
+def _gate_up(gate, up_offset, BLOCK_N: tl.constexpr):
+    """SwiGLU's [BLOCK_N] B columns (or their scale columns) from the tile's [BLOCK_N / 2] gate
+    ones: gate and up interleaved (j, up_offset + j, j + 1, ...)."""
+    return tl.reshape(tl.join(gate, gate + up_offset), (BLOCK_N,))
+
+
+@triton.jit
 def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None,
               segment=None):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
@@ -602,10 +625,9 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         K blocks (``split_k_range``); the last split to finish sums the partials
         (``split_k_combine``) and alone runs the epilogue and the store (core/splitk.py is the
         host side).
-    spec.SWIGLU: B has 2N columns, gate then up. The tile's BLOCK_N B columns are gate and up
-        columns interleaved (j, N + j, j + 1, ...) so ONE dot computes both; the accumulator
-        splits into [BLOCK_M, BLOCK_N/2] gate and up halves and the tile writes silu(gate) *
-        up, BLOCK_N/2 columns of C. The [rows, 2N] product is never stored.
+    spec.SWIGLU: B has 2N columns, gate then up; the tile's BLOCK_N B columns interleave them
+        (``_gate_up``) so ONE dot computes both, and the tile writes silu(gate) * up, BLOCK_N/2
+        columns of C. The [rows, 2N] product is never stored.
     fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
     segment: a stream-K Segment (``stream_k``): only its K blocks, and when other programs
         share the tile, the last of them to finish sums the parts and alone stores.
@@ -629,9 +651,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         # Gate and up weights are quantised apart (a checkpoint's gate_proj and up_proj), so
         # the up columns' scale blocks follow all of the gate's: ceil(N / SB_COLS) of them.
         if scales.b.ptr is not None:
-            sb_gate = cols // spec.SB_COLS
-            scale_cols = tl.reshape(tl.join(sb_gate, sb_gate + tl.cdiv(N, spec.SB_COLS)), (BLOCK_N,))
-        cols = tl.reshape(tl.join(cols, cols + N), (BLOCK_N,))
+            scale_cols = _gate_up(cols // spec.SB_COLS, tl.cdiv(N, spec.SB_COLS), BLOCK_N)
+        cols = _gate_up(cols, N, BLOCK_N)
     kb_lo = 0
     kb_hi = None
     if spec.SPLIT_K > 1:

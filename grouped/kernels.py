@@ -128,6 +128,63 @@ def locate_tile(tile, offs, G, total, TILE: tl.constexpr, G_BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _ragged_tile(pid, offs, G, M, N, K, RAGGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_N_OUT: tl.constexpr, GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Program ``pid``'s tile (ragged_kernel's grid): (group g, the group's first row / column /
+    K index, pid_m, pid_n within the group, valid: a real tile, bad: the offs are bad, and the
+    group's M, N, K)."""
+    start = 0
+    valid = True
+    bad = False
+    M_g = M
+    N_g = N
+    K_g = K
+    if RAGGED == "M":
+        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M) + G + 1, tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
+        g, start, M_g, pid_m, valid, bad = locate_tile(pid_m, offs, G, M, BLOCK_M, G_BLOCK)
+    elif RAGGED == "N":
+        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N) + G + 1, GROUP_M)
+        g, start, N_g, pid_n, valid, bad = locate_tile(pid_n, offs, G, N, BLOCK_N, G_BLOCK)
+    else:
+        tiles_per_group = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N_OUT)
+        g = pid // tiles_per_group
+        pid_m, pid_n = swizzle_tile(pid % tiles_per_group, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
+        if RAGGED == "K":
+            idx, starts, sizes, bad = group_spans(offs, G, K, G_BLOCK)
+            start = tl.sum(tl.where(idx == g, starts, 0))
+            K_g = tl.sum(tl.where(idx == g, sizes, 0))
+    return g, start, pid_m, pid_n, valid, bad, M_g, N_g, K_g
+
+
+@triton.jit
+def _group_pointers(A, B, C, g64, start, RAGGED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr):
+    """Group g's A, B and C (int64: group offsets times strides pass 2^31 elements on large
+    MoE batches), moved to its ``start`` along the ragged dimension; the grouped row of its
+    first row (routing's index) and the rows of A's and C's own scales it starts at."""
+    a_g = A.ptr + g64 * A.stride_g
+    b_g = B.ptr + g64 * B.stride_g
+    c_g = C.ptr + g64 * C.stride_g
+    row0 = 0
+    a_row0 = 0
+    c_row0 = 0
+    if RAGGED == "M":
+        row0 = start
+        if not GATHER:
+            a_row0 = start.to(tl.int64)
+            a_g += a_row0 * A.stride0
+        if not SCATTER:
+            c_row0 = start.to(tl.int64)
+            c_g += c_row0 * C.stride0
+    if RAGGED == "N":
+        b_g += start.to(tl.int64) * B.stride1
+        c_g += start.to(tl.int64) * C.stride1
+    if RAGGED == "K":
+        a_g += start.to(tl.int64) * A.stride1
+        b_g += start.to(tl.int64) * B.stride0
+    return a_g, b_g, c_g, row0, a_row0, c_row0
+
+
+@triton.jit
 def ragged_kernel(
     A, B, C, bias, offs, routing, scales, G, M, N, K,
     RAGGED: tl.constexpr, SWIGLU: tl.constexpr,
@@ -174,35 +231,9 @@ def ragged_kernel(
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
                                   SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
-    pid = tl.program_id(0)
-    start = 0
-    size = 0
-    valid = True
+    g, start, pid_m, pid_n, valid, bad, M_g, N_g, K_g = _ragged_tile(
+        tl.program_id(0), offs, G, M, N, K, RAGGED, BLOCK_M, BLOCK_N, BLOCK_N_OUT, GROUP_M, G_BLOCK)
     fill = None
-    if RAGGED == "M":
-        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M) + G + 1, tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
-        g, start, size, pid_m, valid, bad = locate_tile(pid_m, offs, G, M, BLOCK_M, G_BLOCK)
-        M_g = size
-        N_g = N
-        K_g = K
-    elif RAGGED == "N":
-        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N) + G + 1, GROUP_M)
-        g, start, size, pid_n, valid, bad = locate_tile(pid_n, offs, G, N, BLOCK_N, G_BLOCK)
-        M_g = M
-        N_g = size
-        K_g = K
-    else:
-        tiles_per_group = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N_OUT)
-        g = pid // tiles_per_group
-        pid_m, pid_n = swizzle_tile(pid % tiles_per_group, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
-        M_g = M
-        N_g = N
-        K_g = K
-        bad = False
-        if RAGGED == "K":
-            idx, starts, sizes, bad = group_spans(offs, G, K, G_BLOCK)
-            start = tl.sum(tl.where(idx == g, starts, 0))
-            K_g = tl.sum(tl.where(idx == g, sizes, 0))
     if RAGGED != "":
         # The tail group (past offs[-1]) is zeros; bad offs make everything one NaN group.
         fill = Fill((g == G) | bad, tl.where(bad, float("nan"), 0.0))
@@ -210,39 +241,20 @@ def ragged_kernel(
     GATHER: tl.constexpr = routing.gather is not None
     SCATTER: tl.constexpr = routing.scatter is not None
     if valid:
-        # int64: group offsets times strides pass 2^31 elements on large MoE batches.
         g64 = g.to(tl.int64)
-        a_g = A.ptr + g64 * A.stride_g
-        b_g = B.ptr + g64 * B.stride_g
-        c_g = C.ptr + g64 * C.stride_g
+        a_g, b_g, c_g, row0, a_row0, c_row0 = _group_pointers(A, B, C, g64, start, RAGGED, GATHER, SCATTER)
         if HAS_BIAS:
             bias_g = Vector(bias.ptr + g64 * bias.stride0, bias.stride1)
+            if RAGGED == "N":
+                bias_g = Vector(bias_g.ptr + start.to(tl.int64) * bias.stride1, bias.stride1)
         else:
             bias_g = Vector(None, 0)
-        row0 = 0
-        if RAGGED == "M":
-            row0 = start
-            if not GATHER:
-                a_g += start.to(tl.int64) * A.stride0
-            if not SCATTER:
-                c_g += start.to(tl.int64) * C.stride0
-        if RAGGED == "N":
-            b_g += start.to(tl.int64) * B.stride1
-            c_g += start.to(tl.int64) * C.stride1
-            if HAS_BIAS:
-                bias_g = Vector(bias_g.ptr + start.to(tl.int64) * bias.stride1, bias.stride1)
-        if RAGGED == "K":
-            a_g += start.to(tl.int64) * A.stride1
-            b_g += start.to(tl.int64) * B.stride0
         a, b, c = make_operands(Operand(a_g, A.stride0, A.stride1), Operand(b_g, B.stride0, B.stride1),
                                 Operand(c_g, C.stride0, C.stride1), M_g, N_g, K_g, spec)
         if SCATTER:
             c = Operand(c_g, C.stride0, C.stride1)  # scattered rows are stored through pointers
-        # The group's scales: A's follow its rows (from the group's first row; a gather
-        # indexes them by token row, as A itself), B's its group, C's own (an fp8 output)
-        # its rows, as C itself.
-        a_row0 = start.to(tl.int64) if RAGGED == "M" and not GATHER else 0
-        c_row0 = start.to(tl.int64) if RAGGED == "M" and not SCATTER else 0
+        # The group's scales: A's follow its rows (from a_row0; a gather indexes them by token
+        # row, as A itself), B's its group, C's own (an fp8 output) its rows, as C itself.
         # (a jit helper cannot return an absent operand's None: the guards stay inline)
         sa, sb, sm, sn, so = scales
         sa_g = Operand(None if sa.ptr is None else sa.ptr + a_row0 * sa.stride0, sa.stride0, sa.stride1)

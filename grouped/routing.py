@@ -69,6 +69,16 @@ def route(logits, top_k: int, renormalize: bool = True, *, scoring: str = "softm
     Ties: value descending, the lower expert (group) index first. Deterministic, no host sync.
     Differentiable in logits (the ids are a choice, not differentiated).
     """
+    _check_route(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group, routed_scaling_factor)
+    if use_fused(logits, n_group):
+        return _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group,
+                            routed_scaling_factor)
+    return _route_torch(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group,
+                        routed_scaling_factor)
+
+
+def _check_route(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group, routed_scaling_factor):
+    """route's argument checks: a ValueError or TypeError naming the argument."""
     checks.check_tensor("logits", logits, ndim=2, dtypes=checks.FLOAT_DTYPES)
     T, E = logits.shape
     checks.check_int("top_k", top_k, 1, E, "(at most the number of experts, logits.shape[1])")
@@ -104,11 +114,13 @@ def route(logits, top_k: int, renormalize: bool = True, *, scoring: str = "softm
     if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
         raise checks.bad_value("routed_scaling_factor", "a finite number > 0", routed_scaling_factor)
 
-    if use_fused(logits, n_group):
-        return _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group,
-                            routed_scaling_factor)
+
+def _route_torch(logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group, routed_scaling_factor):
+    """route in torch ops: on the CPU, with a gradient, under torch.compile and past the fused
+    kernel's sizes (use_fused)."""
+    T, E = logits.shape
     L = logits.float()
-    if selects_on_scores:
+    if scoring in ("softmax", "sigmoid"):
         scores = torch.softmax(L, dim=-1) if scoring == "softmax" else torch.sigmoid(L)
         choice = scores if correction_bias is None else scores + correction_bias.float()
         if n_group > 1:

@@ -16,6 +16,13 @@ docs/; testing.py included) is parsed with ``ast``, nothing imported. Checked:
    Only library modules count: third-party privates (``torch.distributed._functional_collectives``)
    are those projects' business.
 
+And the sizes that keep the library readable:
+
+4. No function longer than MAX_FUNCTION_LINES (its decorators, signature and docstring
+   included); no Gluon partition or helper (a ``@gluon.jit`` function that is not a
+   ``*_kernel`` entry point) with more than MAX_GLUON_PARAMETERS parameters: group them in an
+   aggregate; core/configs.py (the mechanism and the dense policy) under MAX_CONFIGS_LINES.
+
 Each failure names the module, its import (file:line and the statement) and what it breaks.
 """
 
@@ -29,6 +36,9 @@ NOT_LIBRARY = {"tests", "bench", "tools", "examples", "docs"}
 SKIP_DIRS = {"__pycache__", "build"}
 # A package's layer: it may import packages of lower layers (and itself), no other.
 LAYERS = {"core": 0, "blockscaled": 1, "persistent": 1, "grouped": 2, "ep": 3}
+MAX_FUNCTION_LINES = 80
+MAX_GLUON_PARAMETERS = 12
+MAX_CONFIGS_LINES = 500
 
 
 class Import:
@@ -167,6 +177,25 @@ class Library:
                                     f"{self.path(module)}:{node.lineno}: {ast.unparse(node)}")
         return problems
 
+    def oversized(self):
+        """Functions over MAX_FUNCTION_LINES and Gluon helpers over MAX_GLUON_PARAMETERS."""
+        problems = []
+        for module in self.files:
+            for node in ast.walk(self.graph[module][0]):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lines = node.end_lineno - first + 1
+                where = f"{self.path(module)}:{node.lineno} {node.name}"
+                if lines > MAX_FUNCTION_LINES:
+                    problems.append(f"{where}: {lines} lines (at most {MAX_FUNCTION_LINES})")
+                gluon = any("gluon.jit" in ast.unparse(d) for d in node.decorator_list)
+                params = len(node.args.posonlyargs) + len(node.args.args) + len(node.args.kwonlyargs)
+                if gluon and not node.name.endswith("_kernel") and params > MAX_GLUON_PARAMETERS:
+                    problems.append(f"{where}: a Gluon function of {params} parameters "
+                                    f"(at most {MAX_GLUON_PARAMETERS}; group them in an aggregate)")
+        return problems
+
     def _layer(self, module):
         """(subpackage, its layer) of a module; (None, above every layer) for a top-level one."""
         parts = module.split(".")
@@ -202,6 +231,28 @@ def test_no_import_from_a_higher_package():
 def test_no_private_name_from_another_module():
     problems = LIBRARY.privates()
     assert not problems, "private names taken from another module:\n  " + "\n  ".join(problems)
+
+
+def test_functions_stay_readable():
+    problems = LIBRARY.oversized()
+    configs = len(LIBRARY.files["onegemm.core.configs"].read_text().splitlines())
+    if configs >= MAX_CONFIGS_LINES:
+        problems.append(f"core/configs.py: {configs} lines (under {MAX_CONFIGS_LINES}: each family's policy "
+                        "belongs beside its op)")
+    assert not problems, "\n  ".join(["too big:"] + problems)
+
+
+def test_the_size_check_finds_what_it_looks_for(tmp_path):
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    params = ", ".join(f"p{i}" for i in range(MAX_GLUON_PARAMETERS + 1))
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "m.py").write_text(
+        f"def long():\n{long_body}\n\n@gluon.jit\ndef _wide({params}):\n    pass\n\n\n"
+        f"@gluon.jit\ndef entry_kernel({params}):\n    pass\n\n\n@gluon.jit\ndef _fine(a, b):\n    pass\n")
+    problems = Library(tmp_path, "fake", {}).oversized()
+    assert problems == [f"m.py:1 long: {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})",
+                        f"m.py:{MAX_FUNCTION_LINES + 5} _wide: a Gluon function of {MAX_GLUON_PARAMETERS + 1} "
+                        f"parameters (at most {MAX_GLUON_PARAMETERS}; group them in an aggregate)"], problems
 
 
 def test_the_checks_find_what_they_look_for(tmp_path):
