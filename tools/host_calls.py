@@ -43,7 +43,8 @@ def ops():
     x = torch.randn(T, H, dtype=BF16)
     w_gu = torch.randn(E, 2 * I, H, dtype=BF16) * H**-0.5
     w_dn = torch.randn(E, H, I, dtype=BF16) * I**-0.5
-    weights, ids = onegemm.route(torch.randn(T, E), k)
+    logits = torch.randn(T, E)
+    weights, ids = onegemm.route(logits, k)
     q13, s13, q2, s2 = onegemm.quantize_experts(w_gu, w_dn)
     ag = a.clone().requires_grad_()
     wg = w.clone().requires_grad_()
@@ -57,6 +58,7 @@ def ops():
         ("blockscaled_matmul", lambda: onegemm.blockscaled_matmul(qa, qw.t(), sa, sw.t())),
         ("quantize_fp8", lambda: onegemm.quantize_fp8(a)),
         ("Fp8Linear", lambda: fp8_lin(a)),
+        ("route (CPU: torch path)", lambda: onegemm.route(logits, k)),
         ("moe_ffn", lambda: onegemm.moe_ffn(x, w_gu, w_dn, weights, ids)),
         ("moe_ffn fp8", lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)),
         ("matmul, a requires grad", lambda: onegemm.matmul(ag, w.t())),
