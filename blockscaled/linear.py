@@ -374,37 +374,42 @@ _FP8_TRAINING_CONVERSIONS: dict[type, Callable[[nn.Module], None]] = {}
 
 
 def register_fp8_training(module_type: type, convert: Callable[[nn.Module], None]) -> None:
-    """Have fp8_training call ``convert(m)`` on every picked module ``m`` that is a
-    ``module_type`` (before it visits m's children): how a layer of a package above
-    blockscaled/ (grouped/'s MoEFFN) trains in FP8 under fp8_training."""
+    """Have fp8_training call ``convert(m)`` on every module ``m`` that is a ``module_type``
+    and passes its moe_filter_fn (before it visits m's children): how a layer of a package
+    above blockscaled/ (grouped/'s MoEFFN) trains in FP8 under fp8_training."""
     _FP8_TRAINING_CONVERSIONS[module_type] = convert
 
 
-def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
+                 moe_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
     """Swap every nn.Linear in ``module`` (itself included) for a trainable Fp8Linear, in place
     where it sits, and return the module: forward, dgrad and wgrad then run in FP8. Every
     onegemm.MoEFFN in it trains its routed experts in FP8 too (moe_ffn's ``fp8_training``:
     forward and input-gradient GEMMs; a layer whose experts cannot is a ValueError), by the
     conversion grouped/layer.py registers (register_fp8_training).
 
-    module_filter_fn(layer, fully_qualified_name) -> bool picks the layers to convert (default:
-    all), as torchao's convert_to_float8_training takes it: keep a model's output head in high
-    precision, for instance. Each new layer holds its Linear's own weight and bias Parameters
+    module_filter_fn(linear, fully_qualified_name) -> bool picks the Linear layers to convert
+    (default: all), with torchao's convert_to_float8_training contract: it is called on the
+    nn.Linear modules only (a filter may read ``in_features``), so that a torchao filter works
+    as it is; keep a model's output head in high precision, for instance. Subclasses of
+    nn.Linear are left as they are (nn.MultiheadAttention's out_proj: the attention reads its
+    weight directly). moe_filter_fn(layer, fully_qualified_name) -> bool does the same for the
+    MoE layers (default: all). Each new layer holds its Linear's own weight and bias Parameters
     (Fp8Linear.from_linear), so optimizers, ties, frozen weights and state_dict keys carry over.
     """
     if not isinstance(module, nn.Module):
         raise checks.bad_type("module", "a torch.nn.Module", module)
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise checks.bad_type("module_filter_fn", "a callable (module, fqn) -> bool, or None", module_filter_fn)
+    for name, fn in (("module_filter_fn", module_filter_fn), ("moe_filter_fn", moe_filter_fn)):
+        if fn is not None and not callable(fn):
+            raise checks.bad_type(name, "a callable (module, fqn) -> bool, or None", fn)
 
     def swap(m: nn.Module, fqn: str) -> nn.Module:
-        picked = module_filter_fn is None or module_filter_fn(m, fqn)
-        if type(m) is nn.Linear and picked:
-            return Fp8Linear.from_linear(m, trainable=True)
-        if picked:
-            for module_type, convert in _FP8_TRAINING_CONVERSIONS.items():
-                if isinstance(m, module_type):
-                    convert(m)
+        if type(m) is nn.Linear:
+            picked = module_filter_fn is None or module_filter_fn(m, fqn)
+            return Fp8Linear.from_linear(m, trainable=True) if picked else m
+        for module_type, convert in _FP8_TRAINING_CONVERSIONS.items():
+            if isinstance(m, module_type) and (moe_filter_fn is None or moe_filter_fn(m, fqn)):
+                convert(m)
         for name, child in m.named_children():
             new = swap(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:

@@ -326,6 +326,33 @@ def test_fp8_linear_backward_takes_a_strided_output_gradient(device):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_fp8_training_filter_sees_linears_only_as_torchao(device):
+    """module_filter_fn is called on the nn.Linear modules only, with their fully qualified
+    names (torchao's contract: a filter reading in_features works on any model); the root
+    Linear is converted and returned; a Linear subclass is left alone and never asked about."""
+    class Scaled(nn.Linear):  # a subclass with its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.Sequential(nn.Linear(32, 48), Scaled(48, 48)), nn.Linear(48, 8))
+    model = model.to(device)
+    seen = []
+
+    def torchao_filter(m, fqn):  # as torchao's docs write one: every call must be on a Linear
+        seen.append((type(m), fqn))
+        return m.in_features % 16 == 0 and m.out_features % 16 == 0
+
+    assert onegemm.fp8_training(model, module_filter_fn=torchao_filter) is model
+    assert seen == [(nn.Linear, "0"), (nn.Linear, "1.0"), (nn.Linear, "2")]
+    assert isinstance(model[0], onegemm.Fp8Linear) and isinstance(model[1][0], onegemm.Fp8Linear)
+    assert type(model[1][1]) is Scaled and type(model[2]) is nn.Linear  # 8 output features: kept
+    root = nn.Linear(32, 16).to(device)
+    converted = onegemm.fp8_training(root)
+    assert isinstance(converted, onegemm.Fp8Linear) and converted.weight is root.weight
+    with pytest.raises(TypeError, match="moe_filter_fn must be a callable"):
+        onegemm.fp8_training(model, moe_filter_fn="all")
+
+
 def test_fp8_training_swaps_linears(device):
     model = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Sequential(nn.Linear(32, 32)), nn.Linear(32, 8)).to(device)
     onegemm.fp8_training(model, module_filter_fn=lambda m, fqn: fqn != "3")

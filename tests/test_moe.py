@@ -513,8 +513,9 @@ def test_fp8_training_converts_moeffn_layers(device):
     fp8_layer = onegemm.MoEFFN(gate, q13, q2, top_k=2, w_gate_up_scale=s13, w_down_scale=s2)
     with pytest.raises(ValueError, match="module must be MoEFFN layers with 16/32-bit experts"):
         onegemm.fp8_training(fp8_layer)
-    onegemm.fp8_training(torch.nn.Sequential(fp8_layer), lambda m, fqn: fqn != "0")
-    assert not fp8_layer.fp8_training
+    asked = []
+    onegemm.fp8_training(torch.nn.Sequential(fp8_layer), moe_filter_fn=lambda m, fqn: asked.append(fqn) or fqn != "0")
+    assert not fp8_layer.fp8_training and asked == ["0"]
     odd = onegemm.MoEFFN(gate[:, :96].contiguous(), w13[:, :, :96].contiguous(), w2[:, :96].contiguous(), top_k=2)
     with pytest.raises(ValueError, match="2I and H multiples of 128"):
         onegemm.fp8_training(odd)
