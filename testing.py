@@ -7,6 +7,8 @@
   whose float64 scores nearly tie (which fp32 may order either way);
 * ``assert_moe_fp8_close``: the FP8 expert FFN against ``moe_fp8_ref``, allowing for SwiGLU
   outputs that sit on an FP8 rounding midpoint (which fp32 may round either way);
+* ``mxfp4_quantize_ref`` / ``mxfp4_dequantize_ref``: the MXFP4 format gpt-oss stores its
+  experts in, in float64 (what 4-bit kernels are checked against);
 * ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
 * ``moe_layer_ref``: a whole MoEFFN (router, routing, experts, shared experts) in float64;
 * transformers' MoE blocks, MoEFFN's peer: ``hf_moe_config``, ``hf_moe_block`` (a block
@@ -364,6 +366,56 @@ def dequantize_experts_ref(q: torch.Tensor, scale: torch.Tensor, gate_up: bool =
         return torch.cat([dequantize_experts_ref(q[:, :half], scale[:, :blocks]),
                           dequantize_experts_ref(q[:, half:], scale[:, blocks:])], dim=1)
     return torch.stack([dequantize_ref(q[e], scale[e], 128, 128) for e in range(q.shape[0])])
+
+
+# MXFP4 (the OCP MX format: e2m1 values, 32 per block, one e8m0 power-of-two scale per block)
+# as gpt-oss stores its experts: blocks uint8 [..., rows, K / 32, 16], two values per byte, the
+# lower nibble first along K; scales uint8 [..., rows, K / 32], a block's scale 2^(s - 127)
+# (s = 255: NaN). An e2m1 code is sign (bit 3) and a magnitude index (bits 0-2) into:
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_BLOCK = 32
+
+
+def mxfp4_dequantize_ref(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 [..., rows, K] of MXFP4 ``blocks`` and ``scales`` (the layout above), code by
+    code through the e2m1 table, each block times its exact power of two."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != MXFP4_BLOCK // 2 \
+            or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"blocks must be uint8 [..., K / 32, 16] and scales uint8 [..., K / 32], got "
+                         f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2).long()  # [..., K / 32, 32]
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=blocks.device)
+    values = table[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0).double()
+    scale = torch.where(scales == 255, math.nan, torch.exp2(scales.double() - 127))
+    return (values * scale[..., None]).flatten(-2)
+
+
+def mxfp4_quantize_ref(w: torch.Tensor, scale_rounding: str = "floor"):
+    """w [..., rows, K] (K a multiple of 32) -> MXFP4 (blocks, scales), in float64. A block's
+    scale is 2^e with e = floor(log2(amax)) - 2 ("floor", the OCP MX rule: values past 6 times
+    it clamp to +-6) or e = ceil(log2(amax / 6)) ("ceil": none clamps); an all-zero block takes
+    s = 0. Each value / scale rounds to the nearest e2m1 value, a tie to the even code, keeping
+    its sign (-0 too)."""
+    if w.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"w's last dimension must be a multiple of {MXFP4_BLOCK}, got {w.shape[-1]}")
+    if scale_rounding not in ("floor", "ceil"):
+        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
+    x = w.double().unflatten(-1, (-1, MXFP4_BLOCK))  # [..., K / 32, 32]
+    amax = x.abs().amax(dim=-1)
+    if scale_rounding == "floor":
+        e = torch.floor(torch.log2(amax)) - 2
+    else:
+        e = torch.ceil(torch.log2(amax / E2M1_MAGNITUDES[-1]))
+    s = torch.where(amax > 0, (e + 127).clamp(0, 254), 0.0)
+    a = (x.abs() / torch.exp2(s - 127)[..., None]).clamp(max=E2M1_MAGNITUDES[-1])
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=w.device)
+    hi = torch.searchsorted(table, a).clamp(max=len(E2M1_MAGNITUDES) - 1)  # first magnitude >= a
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - table[lo], table[hi] - a
+    idx = torch.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
+    codes = (idx | torch.signbit(x).long() * 8).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, s.to(torch.uint8)
 
 
 def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, *,
