@@ -155,6 +155,7 @@ class TileSpec(NamedTuple):
         (``make_operands``). WARP_SPECIALIZE: the warp-specialised K loop (``mma_k_loop``).
     SPLIT_K: K splits per tile. SA_ROWS, SB_COLS: rows / columns per block scale (``Scales``).
     SWIGLU: B holds gate then up columns; the tile writes silu(gate) * up (``gemm_tile``).
+    B_MX4: B holds MXFP4 weights (``_mx4_k_block``), dequantised to A's dtype in the K loop.
     """
 
     BLOCK_M: Any
@@ -171,6 +172,7 @@ class TileSpec(NamedTuple):
     SA_ROWS: Any = 1
     SB_COLS: Any = 1
     SWIGLU: Any = False
+    B_MX4: Any = False
 
 
 @triton.jit
@@ -304,17 +306,74 @@ def _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM: tl.co
 
 
 @triton.jit
-def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr):
+def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX4: tl.constexpr):
     """Pointer flavour: the pointers of A[rows, k] and B[k, cols] over the first K block (a
-    split's ``kb_lo``). int64: rows * stride passes 2^31 elements for tall or widely strided
-    operands, and so can a split's first column times a transposed A's K stride."""
+    split's ``kb_lo``); B_MX4: of B's packed rows (two K each). int64: rows * stride passes
+    2^31 elements for tall or widely strided operands, and so can a split's first column
+    times a transposed A's K stride."""
     a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
-    b_ptrs = B.ptr + offs_k[:, None] * B.stride0 + cols.to(tl.int64)[None, :] * B.stride1
+    if B_MX4:
+        b_rows = tl.arange(0, offs_k.shape[0] // 2)
+    else:
+        b_rows = offs_k
+    b_ptrs = B.ptr + b_rows[:, None] * B.stride0 + cols.to(tl.int64)[None, :] * B.stride1
     if SPLIT:  # without a range the code is the plain loop's, unchanged
         k_first = kb_lo.to(tl.int64) * offs_k.shape[0]
         a_ptrs += k_first * A.stride1
-        b_ptrs += k_first * B.stride0
+        b_ptrs += (k_first // 2 if B_MX4 else k_first) * B.stride0
     return a_ptrs, b_ptrs
+
+
+@triton.jit
+def _pointer_k_block(a_ptrs, b_ptrs, offs_k, k_remaining, kb, cols, scales, spec):
+    """Pointer flavour: the K block of A and B at the pointers, zero past K (``k_remaining``:
+    K left from the block's first column)."""
+    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
+    if spec.B_MX4:
+        b = _mx4_k_block(b_ptrs, scales.b, kb, cols, k_remaining, offs_k.shape[0], a.dtype)
+    else:
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
+    return a, b
+
+
+@triton.jit
+def _e2m1(code):
+    """fp32 of 4-bit e2m1 codes (any integer type): sign bit 3, exponent bits 2-1 (bias 1),
+    mantissa bit 0; exponent 0 holds 0 and 0.5."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    magnitude = tl.where(e == 0, 0.5 * m, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+    return tl.where((c & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _e8m0(s):
+    """fp32 2^(s - 127) of e8m0 scale bytes, exactly: s in the float's exponent field (s = 0,
+    2^-127, is the subnormal 0x00400000; s = 255 is NaN)."""
+    s = s.to(tl.int32)
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx4_k_block(b_ptrs, sb, kb, cols, k_remaining, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """MXFP4 B's K block kb as [BLOCK_K, BLOCK_N] values of ``dtype``: ``b_ptrs`` over its
+    BLOCK_K / 2 packed rows (uint8; row j holds K 2j in its lower nibble and 2j + 1 in its
+    upper one), ``sb`` an Operand over the e8m0 scales [K / 32, N] (one per 32 K of a
+    column). Exact: an e2m1 value times a power of two is a bf16 / fp16 value (fp16: within
+    its range)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    SCALE_ROWS: tl.constexpr = BLOCK_K // 32
+    packed = tl.load(b_ptrs, mask=(2 * tl.arange(0, HALF))[:, None] < k_remaining, other=0)
+    BLOCK_N: tl.constexpr = packed.shape[1]
+    values = tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4))  # [HALF, BLOCK_N, 2]
+    values = tl.reshape(tl.permute(values, (0, 2, 1)), (SCALE_ROWS, 32, BLOCK_N))
+    srows = tl.arange(0, SCALE_ROWS)
+    s = tl.load(sb.ptr + (srows + kb * SCALE_ROWS).to(tl.int64)[:, None] * sb.stride0
+                + cols.to(tl.int64)[None, :] * sb.stride1, mask=(srows * 32 < k_remaining)[:, None], other=127)
+    return tl.reshape(values * _e8m0(s)[:, None, :], (BLOCK_K, BLOCK_N)).to(dtype)
 
 
 @triton.jit
@@ -346,7 +405,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         only index the scales. Boxes past M, N or K arrive zero-filled.
     K: the reduction length, any (the last block is masked by ``k_remaining``).
     spec: the TileSpec (BLOCK_K, UPCAST, PRECISION, the TMA flags, WARP_SPECIALIZE, SA_ROWS,
-        SB_COLS).
+        SB_COLS; B_MX4, pointers only: B MXFP4 with its scales in ``scales.b``).
 
     Per-K-block scales (``scales.a`` / ``scales.b``, blockscaled/): K block ``kb`` of the
     product is multiplied by sa[rows // SA_ROWS, kb] per row and sb[kb, cols // SB_COLS] per
@@ -367,14 +426,14 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
     for fp8 operands that are not both K-major (docs/hopper.md).
     """
     BLOCK_K: tl.constexpr = spec.BLOCK_K
-    SCALED: tl.constexpr = scales.a.ptr is not None or scales.b.ptr is not None
+    SCALED: tl.constexpr = (scales.a.ptr is not None or scales.b.ptr is not None) and not spec.B_MX4
     SA_UNIFORM: tl.constexpr = spec.SA_ROWS % spec.BLOCK_M == 0
     # SwiGLU's interleaved gate and up columns are never one scale block.
     SB_UNIFORM: tl.constexpr = spec.SB_COLS % spec.BLOCK_N == 0 and not spec.SWIGLU
     sa_idx, sb_idx = _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM, SB_UNIFORM)
     offs_k = tl.arange(0, BLOCK_K)
     if not spec.USE_TMA:
-        a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None)
+        a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None, spec.B_MX4)
     if kb_hi is None:
         kb_hi = tl.cdiv(K, BLOCK_K)
     if SCALED:
@@ -387,9 +446,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         if spec.USE_TMA:
             a, b = _tma_k_block(A, B, kb * BLOCK_K, off_m, off_n, spec)
         else:
-            k_remaining = K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
+            a, b = _pointer_k_block(a_ptrs, b_ptrs, offs_k, K - kb * BLOCK_K, kb, cols, scales, spec)
         if spec.UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -412,7 +469,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
             col_scale = next_col
         if not spec.USE_TMA:
             a_ptrs += BLOCK_K * A.stride1
-            b_ptrs += BLOCK_K * B.stride0
+            b_ptrs += (BLOCK_K // 2 if spec.B_MX4 else BLOCK_K) * B.stride0
     return acc
 
 

@@ -36,11 +36,12 @@ class RaggedKey(NamedTuple):
     swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
     gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
     scaling: Scaling | None = None  # an FP8 grouped GEMM's (None: unscaled)
+    mxfp4: bool = False  # b holds MXFP4 weights, dequantised in the K loop (a 16-bit a)
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
                 f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
-                + (f" scaling={self.scaling}" if self.scaling is not None else ""))
+                + (f" scaling={self.scaling}" if self.scaling is not None else "") + (" mxfp4" if self.mxfp4 else ""))
 
 
 # Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a

@@ -192,7 +192,7 @@ def ragged_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     G_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
-    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1,
+    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1, B_MX4: tl.constexpr = False,
 ):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
@@ -210,10 +210,10 @@ def ragged_kernel(
     scales: an FP8 grouped GEMM's tiles.Scales, as ``grouped_scales`` builds them ("M" only;
         NO_GROUPED_SCALES without scales), moved to each group here: ``a`` an Operand over
         A's per-K-block scales [rows of A, ceil(K/128)] (1x128, SA_ROWS = 1; with a gather
-        indexed by token row, like A), ``m``
-        a Vector over A's row scales [M] (not with a gather); ``b`` a Stacked over
-        [G, ceil(K/128), ceil(N/128)] (128x128, SB_COLS = 128; with SWIGLU 2 * ceil(N/128)
-        columns, the gate's blocks then the up's), ``n`` an Operand over [G, N] (element
+        indexed by token row, like A), ``m`` a Vector over A's row scales [M] (not with a
+        gather); ``b`` a Stacked over [G, ceil(K/128), ceil(N/128)] (128x128, SB_COLS = 128;
+        with SWIGLU 2 * ceil(N/128) columns, the gate's blocks then the up's; B_MX4: B is
+        MXFP4 [G, K/2, N] uint8 and ``b`` its e8m0 scales [G, K/32, N], tiles.TileSpec), ``n`` an Operand over [G, N] (element
         [g, j]; per output channel); ``out`` an Operand over C's own scales [M, ceil(N/128)]
         when C is fp8 (written; they follow C's rows, scattered or not).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
@@ -229,7 +229,7 @@ def ragged_kernel(
     past the total) every element of C is written as NaN: never a silent wrong answer.
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU)
+                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_MX4=B_MX4)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     g, start, pid_m, pid_n, valid, bad, M_g, N_g, K_g = _ragged_tile(
         tl.program_id(0), offs, G, M, N, K, RAGGED, BLOCK_M, BLOCK_N, BLOCK_N_OUT, GROUP_M, G_BLOCK)

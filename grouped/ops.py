@@ -16,6 +16,9 @@ from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from .configs import ListKey, RaggedKey, gather_col_blocks
+
+MXFP4 = torch.float4_e2m1fn_x2  # b's dtype for MXFP4 weights: two e2m1 values per element, along K
+MXFP4_BLOCK = 32  # values per e8m0 scale
 from .kernels import (NO_GROUPED_SCALES, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
                       ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
@@ -164,7 +167,7 @@ def _bias_operand(bias):
     return Operand(bias, *bias.stride()) if bias.dim() == 2 else Operand(bias, 0, bias.stride(0))
 
 
-def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
+def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3, mxfp4=False):
     """core.tma.choose_tma for one group, plus what per-group base pointers add.
 
     Group g's operands start at base + g * stride_g + start * stride (start read on the device),
@@ -179,6 +182,8 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     reason = None
     if gather or swiglu:
         reason = "a row gather / SwiGLU tile reads through pointers"
+    elif mxfp4:
+        reason = "MXFP4 b is read through pointers (its K loop unpacks two values per byte)"
     elif ragged == "N":
         reason = "offs over N shift the output's group bases by single elements (TMA needs 16-byte alignment)"
     elif any(st[0] % (16 // t.element_size()) for st, t in zip(strides3, (a, b, c))):
@@ -202,6 +207,7 @@ def ragged_launch(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
     rows_per_group=None, config=None, tma=None, scales=NO_GROUPED_SCALES, scaling: Scaling | None = None, build=None,
+    mxfp4=False,
 ) -> Launch:
     """ragged_kernel's launch (see its docstring for the meaning of every argument), as a
     core/dispatch.py Launch.
@@ -209,7 +215,9 @@ def ragged_launch(
     scales, scaling: an FP8 grouped GEMM's tiles.Scales (kernels.grouped_scales) and its
     core/scaling.py Scaling (scale_a 1x128 or row, scale_b 128x128 or col; ``fp8_out`` when
     C is fp8 and the tiles write its 1x128 scales, ``scales.out``); None without scales.
-    rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
+    mxfp4: b is MXFP4 (uint8 pairs of e2m1 values along K) and ``scales.b`` its e8m0 scales,
+    dequantised in the K loop (pointer loads). rows_per_group: what the config is chosen for
+    (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
     build: the launch's argument builder ``build(c, *tensors)`` for a record that launches it
@@ -218,18 +226,18 @@ def ragged_launch(
     if scaling is not None and config is not None and config.kwargs.get("BLOCK_K") != SCALE_BLOCK:
         raise checks.bad_value("config", f"a config with BLOCK_K = {SCALE_BLOCK} (the scale block) for an FP8 grouped GEMM",
                                f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
-    layout = _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a, strides_b, strides_c))
+    layout = _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a, strides_b, strides_c), mxfp4)
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
     routing = Routing(a_rows, c_rows, weight)
     strides = (strides_a, strides_b, strides_c)
     own = lambda c: ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K)  # noqa: E731
     plan = RAGGED.plan_for(Request(
         RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
-                          configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling),
+                          configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling, mxfp4),
         dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
              PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
              SA_ROWS=1 if scaling is None else scaling.sa_rows, SB_COLS=1 if scaling is None else scaling.sb_cols,
-             **layout_meta(layout)),
+             B_MX4=mxfp4, **layout_meta(layout)),
         a.device, forced_flavour(config, layout),
         lambda plan: Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own).run(c),
     ))
@@ -240,7 +248,8 @@ def ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K) -> tu
     """ragged_kernel's runtime arguments. strides: per operand, its (group, dim 0, dim 1)
     strides; routing: a tiles.Routing; scales: kernels.grouped_scales' Scales."""
     sa, sb, sc = strides
-    return (Stacked(interpretable(a), *sa), Stacked(interpretable(b), *sb), Stacked(c, *sc), _bias_operand(bias),
+    b = b.view(torch.uint8) if b.dtype == MXFP4 else interpretable(b)  # packed pairs, read as bytes
+    return (Stacked(interpretable(a), *sa), Stacked(b, *sb), Stacked(c, *sc), _bias_operand(bias),
             None if offs is None else Vector(offs, offs.stride(0)), routing, scales, G, M, N, K)
 
 
@@ -285,6 +294,14 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     checkpoint's [G, ceil(N/128), ceil(K/128)] weight_scale_inv) or [G, 1, N] (per output
     channel). Output bf16 by default; bias and activation as above. Not differentiable.
 
+    MXFP4 weights (2D x 3D, weight-only): a bf16 / fp16 ``a [sum_M, K]`` (K a multiple of 32)
+    and ``b [G, K / 2, N]`` of dtype torch.float4_e2m1fn_x2 (two e2m1 values per element along
+    K, the first in the lower nibble) with ``scale_b [G, K / 32, N]`` of dtype
+    torch.float8_e8m0fnu (2^(s - 127) per 32 values along K), no scale_a: the transpose(1, 2)
+    of gpt-oss's ``*_blocks`` (flattened to [G, N, K / 2]) and ``*_scales``. The weights are
+    dequantised to a's dtype in core's K loop (pointer loads); output in a's dtype. Not
+    differentiable.
+
     Differentiable in a, b and bias in every mode; each mode's backward is two other modes
     (docs/autograd.md); list mode in every a_i and b_i (each pair's backward is two list-mode
     calls). Traceable by torch.compile, list mode excepted (eager only).
@@ -324,7 +341,11 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     tensors (no offs values to read)."""
     checks.check_tensor("a", a, ndim=(2, 3))
     checks.check_tensor("b", b, ndim=(2, 3))
-    checks.check_operand_dtypes(a, b)
+    mxfp4 = b.dtype == MXFP4
+    if mxfp4:
+        _check_mxfp4_operands(a, b, scale_a, scale_b)
+    else:
+        checks.check_operand_dtypes(a, b)
     checks.check_activation(activation)
     mode, named = (a.dim(), b.dim()), f"{a.dim()}D x {b.dim()}D"
     G, total, over = _OFFS_OVER[mode](a, b) if mode in _OFFS_OVER else (-1, 0, None)
@@ -343,6 +364,12 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     if mode == (2, 3):
         G, K, N = b.shape
         M = a.shape[0]
+        if mxfp4:
+            K *= 2  # two values per element
+            if a.shape[1] != K:
+                raise checks.bad_shape("b", f"MXFP4 [G, K / 2, N] with K = {a.shape[1]} (a is [sum_M, K] = "
+                                       f"{tuple(a.shape)}; each float4_e2m1fn_x2 element holds two values along K)",
+                                       b.shape)
         if a.shape[1] != K:
             raise checks.bad_shape("b", f"[G, K, N] with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)})", b.shape)
         checks.check_bias(bias, (G, N), "each group's output")
@@ -371,9 +398,38 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
         shape, ragged, rows_per_group = (M, N), "N", M
     args = dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
     scales = None
-    if scale_a is not None or scale_b is not None:
+    if mxfp4:
+        scales, args["mxfp4"] = _mxfp4_scales(scale_b, G, N, K), True
+    elif scale_a is not None or scale_b is not None:
         scales, args["scaling"] = _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K)
     return shape, out_dtype, args, scales, bound
+
+
+def _check_mxfp4_operands(a, b, scale_a, scale_b) -> None:
+    """An MXFP4 b (weight-only): a 16-bit a [sum_M, K], b [G, K / 2, N], scale_b e8m0, no scale_a."""
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise checks.bad_dtype("a", "bfloat16 or float16 with an MXFP4 b (weight-only: the weights are dequantised "
+                               "to a's dtype)", a.dtype)
+    if (a.dim(), b.dim()) != (2, 3):
+        raise checks.bad_value("b", "an MXFP4 b only in the 2D x 3D mode (a [sum_M, K], b [G, K / 2, N])",
+                               f"a {a.dim()}D x {b.dim()}D call")
+    if scale_a is not None:
+        raise checks.bad_value("scale_a", "None with an MXFP4 b (a is not quantised)", "a tensor")
+    if scale_b is None:
+        raise checks.bad_value("scale_b", "b's e8m0 block scales [G, K / 32, N] with an MXFP4 b", None)
+    checks.check_tensor("scale_b", scale_b, ndim=3, dtypes=(torch.float8_e8m0fnu,))
+    checks.check_same_device(a=a, b=b, scale_b=scale_b)
+
+
+def _mxfp4_scales(scale_b, G, N, K):
+    """An MXFP4 b's scales as ragged_kernel takes them: K a multiple of the 32-value block,
+    scale_b [G, K / 32, N] (the transpose(1, 2) of gpt-oss's [G, N, K / 32] ``*_scales``)."""
+    if K % MXFP4_BLOCK:
+        raise checks.bad_shape("a", f"[sum_M, K] with K a multiple of {MXFP4_BLOCK} (MXFP4's block)", (K,))
+    checks.check_shape("scale_b", scale_b, (G, K // MXFP4_BLOCK, N),
+                       f"[G, K / {MXFP4_BLOCK}, N] = [{G}, {K // MXFP4_BLOCK}, {N}] (one e8m0 scale per {MXFP4_BLOCK} "
+                       "values along K)")
+    return lambda sa, sb: grouped_scales(b=sb.view(torch.uint8))
 
 
 # What each scale's shape may give (core.scaling.read_granularity), tried in this order: the
@@ -408,8 +464,8 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
 
 
 def _fp8_no_grad(a, b, offs, scale_a, scale_b, bias) -> None:
-    checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a, scale_b=scale_b,
-                                    bias=bias)
+    what = "grouped_matmul with an MXFP4 b" if b.dtype == MXFP4 else "grouped_matmul with scales (fp8)"
+    checks.check_not_differentiable(what, a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
 
 
 def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config=None, scale_a=None,
@@ -433,7 +489,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
     if c.numel() == 0 or args["G"] == 0:
         return Record(shape, out_dtype, device, finish=torch.Tensor.zero_, check=check)
     G, M, N, K = args["G"], args["M"], args["N"], args["K"]
-    if fp8:
+    if fp8 and not args.get("mxfp4"):
         w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
         mode = gluon_grouped_mode(w, M, G, args["scaling"], a=a, tma=tma, config=config)
         if mode is not None:
@@ -473,7 +529,7 @@ def _grouped_fake(a, b, offs, bias, activation, out_dtype, check_offs, tma):
     return a.new_empty(shape, dtype=out_dtype)
 
 
-def _grouped_fp8_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], scale_a: torch.Tensor,
+def _grouped_fp8_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
                       scale_b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
                       out_dtype: Optional[torch.dtype], check_offs: Optional[bool], tma: Optional[bool]) -> torch.Tensor:
     return GROUPED_FP8.direct(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)

@@ -1,14 +1,24 @@
-"""The MXFP4 reference codec in onegemm.testing (what 4-bit expert kernels are checked against):
+"""MXFP4 experts. The reference codec in onegemm.testing (what the kernels are checked against):
 every byte and every scale decoded as the OCP MX format and gpt-oss's checkpoints define them,
 against a table written here and against transformers' own decoder; the quantiser's scale
-rules, ties, clamping and sign of zero; a round trip of MXFP4 values."""
+rules, ties, clamping and sign of zero; a round trip of MXFP4 values. Then grouped_matmul with
+MXFP4 b (weight-only) against float64 of the dequantised experts, and what it refuses."""
 
 import math
 
 import pytest
 import torch
 
-from onegemm.testing import E2M1_MAGNITUDES, MXFP4_BLOCK, mxfp4_dequantize_ref, mxfp4_quantize_ref
+import onegemm
+from onegemm.testing import (
+    E2M1_MAGNITUDES,
+    MXFP4_BLOCK,
+    TOL,
+    assert_close,
+    grouped_mm_ref,
+    mxfp4_dequantize_ref,
+    mxfp4_quantize_ref,
+)
 
 # e2m1: sign, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)
 E2M1 = {code: (-1.0 if code & 8 else 1.0) * ((code & 1) * 0.5 if not code & 6 else
@@ -124,3 +134,93 @@ def test_bad_arguments_are_refused():
         mxfp4_quantize_ref(torch.randn(4, 32), scale_rounding="nearest")
     with pytest.raises(ValueError, match="blocks must be uint8"):
         mxfp4_dequantize_ref(torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4, dtype=torch.uint8))
+
+
+# ---- grouped_matmul with MXFP4 experts (weight-only: a bf16 / fp16, b dequantised in the K loop)
+
+def _mxfp4_experts(G, N, K, device, layout="transposed"):
+    """Random experts [G, N, K] in MXFP4 as gpt-oss stores them, handed to grouped_matmul as
+    b [G, K / 2, N] and scale_b [G, K / 32, N]: the transpose(1, 2) of [G, N, K / 2] and
+    [G, N, K / 32] ("transposed"), or those made N-contiguous ("n_major")."""
+    blocks, scales = mxfp4_quantize_ref(torch.randn(G, N, K, device=device))
+    w4 = blocks.flatten(-2).view(torch.float4_e2m1fn_x2).transpose(1, 2)
+    s8 = scales.view(torch.float8_e8m0fnu).transpose(1, 2)
+    if layout == "n_major":
+        w4 = w4.view(torch.uint8).contiguous().view(torch.float4_e2m1fn_x2)
+        s8 = s8.view(torch.uint8).contiguous().view(torch.float8_e8m0fnu)
+    return w4, s8, mxfp4_dequantize_ref(blocks, scales).transpose(1, 2)
+
+
+# (group sizes, N, K, a dtype, bias and activation, b's layout): empty groups, 1, 17 and 127
+# rows; K not a multiple of the 64-wide K block (its last block half full); N odd
+MXFP4_CASES = [
+    pytest.param([5, 0, 12], 40, 96, torch.bfloat16, False, "transposed", id="empty-group"),
+    pytest.param([1, 17, 127], 33, 160, torch.bfloat16, True, "transposed", id="odd-rows-bias-gelu"),
+    pytest.param([30, 2], 64, 32, torch.float16, False, "n_major", id="fp16-n-major-one-block"),
+]
+
+
+@pytest.mark.parametrize("sizes,N,K,dtype,with_bias,layout", MXFP4_CASES)
+def test_grouped_matmul_mxfp4_matches_reference(sizes, N, K, dtype, with_bias, layout, device):
+    G = len(sizes)
+    w4, s8, b_ref = _mxfp4_experts(G, N, K, device, layout)
+    a = torch.randn(sum(sizes) + 3, K, device=device).to(dtype)  # 3 rows past offs[-1]
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    bias = torch.randn(G, N, device=device).to(dtype) if with_bias else None
+    act = "gelu" if with_bias else None
+    out = onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation=act)
+    assert out.dtype == dtype and out.shape == (a.shape[0], N)
+    assert_close(out, grouped_mm_ref(a.double(), b_ref, offs, bias, act), TOL[dtype])
+    assert (out[sum(sizes):] == 0).all()
+    assert torch.equal(onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation=act), out)
+
+
+def test_grouped_matmul_mxfp4_nan_scale(device):
+    """e8m0's 255 is NaN: the columns of that expert's block come out NaN, others finite."""
+    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
+    s8 = s8.view(torch.uint8).clone()
+    s8[1, 0, 3] = 255  # expert 1, K block 0, column 3
+    a = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+    offs = torch.tensor([4, 8], device=device, dtype=torch.int32)
+    out = onegemm.grouped_matmul(a, w4, offs, scale_b=s8.view(torch.float8_e8m0fnu))
+    assert out[4:, 3].isnan().all() and not out[:4].isnan().any() and not out[4:, :3].isnan().any()
+
+
+MXFP4_BAD = [
+    (lambda a, w4, s8: dict(a=a.float()), TypeError, "a must be bfloat16 or float16 with an MXFP4 b"),
+    (lambda a, w4, s8: dict(scale_a=torch.ones(a.shape[0], 1)), ValueError, "scale_a must be None with an MXFP4 b"),
+    (lambda a, w4, s8: dict(scale_b=None), ValueError, "scale_b must be b's e8m0 block scales"),
+    (lambda a, w4, s8: dict(scale_b=s8.view(torch.uint8)), TypeError, "scale_b"),
+    (lambda a, w4, s8: dict(scale_b=s8[:, :1]), ValueError, r"scale_b .*\[G, K / 32, N\]"),
+    (lambda a, w4, s8: dict(a=a[:, :32]), ValueError, "MXFP4 \\[G, K / 2, N\\] with K = 32"),
+    (lambda a, w4, s8: dict(a=a.reshape(2, 4, 64), offs=None), ValueError, "only in the 2D x 3D mode"),
+    (lambda a, w4, s8: dict(tma=True), ValueError, "MXFP4 b is read through pointers"),
+]
+
+
+@pytest.mark.parametrize("change,error,match", MXFP4_BAD, ids=[m[:30] for _, _, m in MXFP4_BAD])
+def test_grouped_matmul_mxfp4_refuses(change, error, match, device):
+    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
+    a = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+    args = dict(a=a, b=w4, offs=torch.tensor([4, 8], device=device, dtype=torch.int32), scale_b=s8)
+    args.update(change(a, w4, s8))
+    with pytest.raises(error, match=match):
+        onegemm.grouped_matmul(args.pop("a"), args.pop("b"), args.pop("offs"), **args)
+
+
+def test_grouped_matmul_mxfp4_refuses_gradients(device):
+    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
+    a = torch.randn(8, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([4, 8], device=device, dtype=torch.int32)
+    with pytest.raises(ValueError, match="MXFP4"):
+        onegemm.grouped_matmul(a, w4, offs, scale_b=s8)
+
+
+def test_grouped_matmul_mxfp4_under_torch_compile(device):
+    """The registered op's fake takes MXFP4 b and scale_a None: a fullgraph compile gives the
+    eager result bit for bit."""
+    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
+    a = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+    offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+    compiled = torch.compile(lambda a: onegemm.grouped_matmul(a, w4, offs, scale_b=s8), fullgraph=True)
+    assert torch.equal(compiled(a), onegemm.grouped_matmul(a, w4, offs, scale_b=s8))
