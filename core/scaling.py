@@ -19,6 +19,12 @@ from .runtime import cdiv
 # The scale block of the DeepSeek-V3 recipe and of torch._scaled_mm's blockwise mode: a block
 # scale covers 128 elements along K (and 128 rows or columns for 128x128 blocks).
 SCALE_BLOCK = 128
+# MXFP4 weights (OCP MX, as gpt-oss stores its experts): two e2m1 values per element along K
+# (the first in the lower nibble), one e8m0 power-of-two scale per MXFP4_BLOCK values
+# (core/tiles.py's _mx4_k_block decodes them).
+MXFP4 = torch.float4_e2m1fn_x2
+MXFP4_SCALE = torch.float8_e8m0fnu
+MXFP4_BLOCK = 32
 
 
 class Granularity(NamedTuple):

@@ -19,7 +19,7 @@ from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Op, Step, Workspace, wants_grad
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
+from ..core.scaling import BLOCKWISE, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW_BLOCKS, SCALE_BLOCK
 from .kernels import NO_GROUPED_SCALES, grouped_scales
 from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, expert_gemm, expert_launch,
                         expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
@@ -49,6 +49,13 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     [T, ceil(H/128)] (quantize_fp8(x), any strides); nothing is quantised again and the output
     is bfloat16.
 
+    MXFP4 experts (gpt-oss's format, weight-only): w_gate_up [E, 2I, H/2] and w_down [E, H, I/2]
+    of torch.float4_e2m1fn_x2 (two e2m1 values per element along the reduction dimension, the
+    first in the lower nibble; H and I multiples of 32) with their e8m0 block scales
+    w_gate_up_scale [E, 2I, H/32] and w_down_scale [E, H, I/32] (torch.float8_e8m0fnu, one per
+    32 values; gate rows then up rows, as above). x stays bf16 / fp16; both GEMMs dequantise the
+    weights in core's K loop. Not differentiable.
+
     ``fp8_training=True`` (high-precision experts; 2I and H multiples of 128): the expert GEMMs
     of the forward and of the input gradient run in FP8 with DeepSeek-V3's block scales (the
     experts quantised 128x128 on every call, activations and output gradients 1x128), the
@@ -57,7 +64,7 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     """
     checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
                                   w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, x_scale=x_scale)
-    fp8_weights = w_gate_up is not None and w_gate_up.dtype in checks.FP8_DTYPES
+    fp8_weights = w_gate_up is not None and (w_gate_up.dtype in checks.FP8_DTYPES or w_gate_up.dtype == MXFP4)
     if fp8_training is not False:  # (checked only when given: moe_ffn's hot path)
         checks.check_bool("fp8_training", fp8_training)
         if w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None or fp8_weights:
@@ -115,7 +122,7 @@ class _Intermediates:
     ``y_pairs``), and the tensors each step of the pipeline takes from it, in its launch
     builder's order (each step's ``.on``)."""
 
-    def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool):
+    def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool, mxfp4: bool = False):
         T, H, E, I, k, P = sizes
         kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
         parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
@@ -127,7 +134,7 @@ class _Intermediates:
         parts["y_pairs"] = ((P, H), dtype)
         self.names = tuple(parts)
         self.workspace = Workspace(device, *parts.values())
-        self.fp8, self.quantize_x = fp8, quantize_x
+        self.fp8, self.quantize_x, self.mxfp4 = fp8, quantize_x, mxfp4
         self._h = self.names.index("h")
 
     def views(self, buffer) -> dict:
@@ -150,12 +157,17 @@ class _Intermediates:
         return x, v["xq"], v["xs"]
 
     def scales1(self, v, x_scale, w_gate_up_scale):
-        """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel), W13's, h's (written)."""
+        """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel), W13's, h's
+        (written); MXFP4 experts: W13's e8m0 scales as bytes."""
+        if self.mxfp4:
+            return grouped_scales(b=w_gate_up_scale.transpose(1, 2).view(torch.uint8))
         if not self.fp8:
             return NO_GROUPED_SCALES
         return grouped_scales(a=v["xs"] if self.quantize_x else x_scale, b=w_gate_up_scale.transpose(1, 2), out=v["hs"])
 
     def scales2(self, v, w_down_scale):
+        if self.mxfp4:
+            return grouped_scales(b=w_down_scale.transpose(1, 2).view(torch.uint8))
         return grouped_scales(a=v["hs"], b=w_down_scale.transpose(1, 2)) if self.fp8 else NO_GROUPED_SCALES
 
     def gemm1_tensors(self, c, buffer, x, x_scale, w_gate_up, w_gate_up_scale):
@@ -220,10 +232,11 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         if keep_pre:
             return lambda x, *rest: (torch.zeros_like(x), x.new_empty((0, 2 * I), dtype=torch.float32))
         return lambda x, *rest: torch.zeros_like(x, dtype=dtype)
-    fp8 = w_gate_up_scale is not None
+    mxfp4 = w_gate_up.dtype == MXFP4  # weight-only: x, h and the GEMMs' operands in x's dtype
+    fp8 = w_gate_up_scale is not None and not mxfp4
     quantize_x = fp8 and x_scale is None
     h_dtype = w_gate_up.dtype if fp8 else dtype
-    inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x)
+    inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, mxfp4)
     sort = sort_step(topk_ids, E).on(inter.sort_tensors)
     quantize = _x_quantizer(x, w_gate_up.dtype).on(inter.quantize_tensors) if quantize_x else None
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
@@ -234,12 +247,12 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         gemm1 = expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],
                               a_rows=v["token"]).on(inter.gemm1_tensors)
     else:
-        gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True,
+        gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True, mxfp4=mxfp4,
                               scales=inter.scales1(v, x_scale, w_gate_up_scale),
                               **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
         gemm1 = gemm1.on(inter.fused_gemm1_tensors)
     gemm2 = expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
-                          scales=inter.scales2(v, w_down_scale),
+                          scales=inter.scales2(v, w_down_scale), mxfp4=mxfp4,
                           **(dict(scaling=BLOCKWISE) if fp8 else {})).on(inter.gemm2_tensors)
     combine = combine_launch(v["y_pairs"], topk_ids, E, dtype).on(inter.combine_tensors)
     new_buffer = inter.workspace.new
@@ -264,6 +277,8 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
 
 
 def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+    if w_gate_up is not None and w_gate_up.dtype == MXFP4:
+        return _check_moe_mxfp4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     x_dtypes = checks.FLOAT_DTYPES if x_scale is None else (torch.float8_e4m3fn,)
     check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,), x_dtypes=x_dtypes)
     check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
@@ -273,6 +288,32 @@ def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
         checks.check_shape("x_scale", x_scale, (T, cdiv(H, SCALE_BLOCK)), f"[T, ceil(H/128)] = {[T, cdiv(H, SCALE_BLOCK)]} "
                            "(x's 1x128 scales, as quantize_fp8(x) gives)")
         checks.check_same_device(x=x, x_scale=x_scale)
+
+
+def _check_moe_mxfp4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale):
+    """MXFP4 experts: x bf16 / fp16 [T, H]; w_gate_up [E, 2I, H/2], w_down [E, H, I/2] packed, H
+    and I multiples of 32; their e8m0 scales [E, 2I, H/32] and [E, H, I/32]."""
+    checks.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16))
+    if x_scale is not None:
+        raise checks.bad_value("x_scale", "None with MXFP4 experts (weight-only: x is not quantised)", "a tensor")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        checks.check_tensor(name, w, ndim=3, dtypes=(MXFP4,))
+    (T, H), (E, two_i, _) = x.shape, w_gate_up.shape
+    I = two_i // 2
+    if H % MXFP4_BLOCK or E == 0 or two_i % 2 or I % MXFP4_BLOCK:
+        raise checks.bad_shape("w_gate_up", f"MXFP4 [E, 2I, H/2] with E >= 1 and H (x's columns, {H}) and I multiples "
+                               f"of {MXFP4_BLOCK}", w_gate_up.shape)
+    checks.check_shape("w_gate_up", w_gate_up, (E, two_i, H // 2), f"MXFP4 [E, 2I, H/2] = {[E, two_i, H // 2]}")
+    checks.check_shape("w_down", w_down, (E, H, I // 2), f"MXFP4 [E, H, I/2] = {[E, H, I // 2]}")
+    for name, t, shape in (("w_gate_up_scale", w_gate_up_scale, (E, two_i, H // MXFP4_BLOCK)),
+                           ("w_down_scale", w_down_scale, (E, H, I // MXFP4_BLOCK))):
+        if t is None:
+            raise checks.bad_value(name, f"the e8m0 block scales {list(shape)} of the MXFP4 experts", None)
+        checks.check_tensor(name, t, ndim=3, dtypes=(MXFP4_SCALE,))
+        checks.check_shape(name, t, shape, f"{list(shape)} (one e8m0 scale per {MXFP4_BLOCK} values)")
+    check_moe(x, x.new_empty(E, two_i, H), x.new_empty(E, H, I), topk_weights, topk_ids)  # routing and devices
+    checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, w_gate_up_scale=w_gate_up_scale,
+                             w_down_scale=w_down_scale)
 
 
 def _out_dtype(x):
@@ -288,7 +329,8 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 
 def _moe_fp8_no_grad(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
-    checks.check_not_differentiable("moe_ffn with fp8 experts", x=x, w_gate_up=w_gate_up, w_down=w_down,
+    what = "moe_ffn with MXFP4 experts" if w_gate_up.dtype == MXFP4 else "moe_ffn with fp8 experts"
+    checks.check_not_differentiable(what, x=x, w_gate_up=w_gate_up, w_down=w_down,
                                     topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
                                     w_down_scale=w_down_scale, x_scale=x_scale)
 

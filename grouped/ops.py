@@ -10,15 +10,13 @@ from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
-from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling, read_granularity
+from ..core.scaling import (BLOCKS, COL, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling,
+                            read_granularity)
 from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from .configs import ListKey, RaggedKey, gather_col_blocks
-
-MXFP4 = torch.float4_e2m1fn_x2  # b's dtype for MXFP4 weights: two e2m1 values per element, along K
-MXFP4_BLOCK = 32  # values per e8m0 scale
 from .kernels import (NO_GROUPED_SCALES, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
                       ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
@@ -417,7 +415,7 @@ def _check_mxfp4_operands(a, b, scale_a, scale_b) -> None:
         raise checks.bad_value("scale_a", "None with an MXFP4 b (a is not quantised)", "a tensor")
     if scale_b is None:
         raise checks.bad_value("scale_b", "b's e8m0 block scales [G, K / 32, N] with an MXFP4 b", None)
-    checks.check_tensor("scale_b", scale_b, ndim=3, dtypes=(torch.float8_e8m0fnu,))
+    checks.check_tensor("scale_b", scale_b, ndim=3, dtypes=(MXFP4_SCALE,))
     checks.check_same_device(a=a, b=b, scale_b=scale_b)
 
 

@@ -16,6 +16,7 @@ from onegemm.testing import (
     TOL,
     assert_close,
     grouped_mm_ref,
+    moe_ref,
     mxfp4_dequantize_ref,
     mxfp4_quantize_ref,
 )
@@ -224,3 +225,67 @@ def test_grouped_matmul_mxfp4_under_torch_compile(device):
     offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
     compiled = torch.compile(lambda a: onegemm.grouped_matmul(a, w4, offs, scale_b=s8), fullgraph=True)
     assert torch.equal(compiled(a), onegemm.grouped_matmul(a, w4, offs, scale_b=s8))
+
+
+# ---- moe_ffn with MXFP4 experts (gpt-oss's format, weight-only)
+
+def _mxfp4_moe(T, H, I, E, k, dtype, device, foreign=False):
+    """bf16/fp16 x, random experts quantised to MXFP4 (gate then up rows) with their scales,
+    routing of random logits (``foreign``: some ids of experts on other ranks), and the
+    dequantised experts in float64."""
+    w13 = torch.randn(E, 2 * I, H, device=device) * H**-0.5
+    w2 = torch.randn(E, H, I, device=device) * I**-0.5
+    (b13, s13), (b2, s2) = mxfp4_quantize_ref(w13), mxfp4_quantize_ref(w2)
+    q13, q2 = (b.flatten(-2).view(torch.float4_e2m1fn_x2) for b in (b13, b2))
+    scales = dict(w_gate_up_scale=s13.view(torch.float8_e8m0fnu), w_down_scale=s2.view(torch.float8_e8m0fnu))
+    x = torch.randn(T, H, device=device).to(dtype)
+    weights, ids = onegemm.route(torch.randn(T, E, device=device), k)
+    if foreign:
+        ids[::3, 0] = E + 1
+        ids[1::4, -1] = -1
+    return x, q13, q2, scales, weights, ids, (mxfp4_dequantize_ref(b13, s13), mxfp4_dequantize_ref(b2, s2))
+
+
+# (T, H, I, E, k, x dtype, foreign ids): one token; H and I not multiples of 64 (a half-full
+# last K block); more experts than tokens (empty experts)
+MXFP4_MOE_CASES = [
+    pytest.param(1, 64, 32, 4, 2, torch.bfloat16, False, id="T1"),
+    pytest.param(37, 96, 160, 6, 2, torch.bfloat16, True, id="T37-foreign-ids"),
+    pytest.param(5, 128, 64, 16, 4, torch.float16, False, id="fp16-empty-experts"),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k,dtype,foreign", MXFP4_MOE_CASES)
+def test_moe_ffn_mxfp4_matches_reference(T, H, I, E, k, dtype, foreign, device):
+    x, q13, q2, scales, weights, ids, (w13, w2) = _mxfp4_moe(T, H, I, E, k, dtype, device, foreign)
+    y = onegemm.moe_ffn(x, q13, q2, weights, ids, **scales)
+    assert y.dtype == dtype and y.shape == (T, H)
+    # h [T * k, I] is stored in x's dtype, as for 16-bit experts: twice the GEMM bound
+    assert_close(y, moe_ref(x, w13, w2, weights, ids), 2 * TOL[dtype])
+    assert torch.equal(onegemm.moe_ffn(x, q13, q2, weights, ids, **scales), y)
+
+
+MXFP4_MOE_BAD = [
+    (lambda x, q13, q2, s: dict(x=x.float()), TypeError, "x must be"),
+    (lambda x, q13, q2, s: dict(w_down_scale=None), ValueError, "w_down_scale must be the e8m0 block scales"),
+    (lambda x, q13, q2, s: dict(w_gate_up_scale=s["w_gate_up_scale"].view(torch.uint8)), TypeError, "w_gate_up_scale"),
+    (lambda x, q13, q2, s: dict(w_down=q2[:, :, :-1]), ValueError, r"w_down must be MXFP4 \[E, H, I/2\]"),
+    (lambda x, q13, q2, s: dict(x_scale=torch.ones(x.shape[0], 1)), ValueError, "x_scale must be None with MXFP4"),
+    (lambda x, q13, q2, s: dict(x=x[:, :48], w_gate_up=q13[:, :, :24], w_gate_up_scale=s["w_gate_up_scale"][:, :, :1]),
+     ValueError, "multiples of 32"),
+]
+
+
+@pytest.mark.parametrize("change,error,match", MXFP4_MOE_BAD, ids=[m[:30] for _, _, m in MXFP4_MOE_BAD])
+def test_moe_ffn_mxfp4_refuses(change, error, match, device):
+    x, q13, q2, scales, weights, ids, _ = _mxfp4_moe(4, 64, 32, 4, 2, torch.bfloat16, device)
+    args = dict(x=x, w_gate_up=q13, w_down=q2, **scales)
+    args.update(change(x, q13, q2, scales))
+    with pytest.raises(error, match=match):
+        onegemm.moe_ffn(args.pop("x"), args.pop("w_gate_up"), args.pop("w_down"), weights, ids, **args)
+
+
+def test_moe_ffn_mxfp4_refuses_gradients(device):
+    x, q13, q2, scales, weights, ids, _ = _mxfp4_moe(4, 64, 32, 4, 2, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="MXFP4"):
+        onegemm.moe_ffn(x.requires_grad_(), q13, q2, weights, ids, **scales)
