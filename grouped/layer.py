@@ -14,8 +14,10 @@ from torch import nn
 from ..blockscaled.linear import register_fp8_training
 from ..core import checks
 from ..core.matmul import linear, matmul
+from ..core.scaling import MXFP4
 from .moe import moe_ffn
-from .moe_steps import check_expert_scales, check_expert_weights, check_layer_tensors, sort_by_expert
+from .moe_steps import (check_expert_scales, check_expert_weights, check_layer_tensors, check_mxfp4_experts,
+                        sort_by_expert)
 from .moe_train import check_fp8_training
 from .ops import grouped_matmul
 from .routing import route
@@ -39,6 +41,8 @@ class MoEFFN(nn.Module):
     FP8 experts: w_gate_up and w_down in float8_e4m3fn with w_gate_up_scale and w_down_scale
     (moe_ffn's format; ``quantize_experts`` makes it); x, the router and the shared experts
     keep gate_weight's dtype, and the whole layer is frozen (FP8 experts have no gradient).
+    MXFP4 experts (moe_ffn's MXFP4 format, weight-only; gpt-oss's biases and SwiGLU too): the
+    same, gate_weight bf16 / fp16.
     gpt-oss: ``gate_bias`` [E] (the router's bias), ``w_gate_up_bias`` [E, 2I] and
     ``w_down_bias`` [E, H] (the experts' biases) and ``swiglu_limit`` (its clamped SwiGLU:
     g = min(g, limit), u = clamp(u, -limit, limit), a = g * sigmoid(swiglu_alpha * g) * (u + 1));
@@ -52,11 +56,19 @@ class MoEFFN(nn.Module):
                  gate_bias=None, w_gate_up_bias=None, w_down_bias=None, swiglu_limit=None,
                  swiglu_alpha: float = 1.702):
         super().__init__()
-        fp8 = check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        mxfp4 = isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype == MXFP4
+        if mxfp4:  # weight-only: x, the router and the biases in gate_weight's 16-bit dtype
+            checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=(torch.bfloat16, torch.float16))
+            fp8 = False
+        else:
+            fp8 = check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
         E, H = gate_weight.shape
         if w_gate_up.shape[0] != E:
             raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)
-        check_expert_weights(w_gate_up, w_down, H)
+        if mxfp4:
+            check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H)
+        else:
+            check_expert_weights(w_gate_up, w_down, H)
         checks.check_bool("weights_on_input", weights_on_input)
         checks.check_same_device(gate_weight=gate_weight, w_gate_up=w_gate_up, w_down=w_down)
         self.routing = dict(scoring=scoring, n_group=n_group, topk_group=topk_group,
@@ -70,7 +82,7 @@ class MoEFFN(nn.Module):
                                 w_gate_up, fp8, weights_on_input)
         # Trainable, as nn.Module parameters are; inference runs under torch.inference_mode()
         # (or no_grad), which takes the direct kernel path. FP8 experts have no gradient.
-        train = not fp8
+        train = not (fp8 or mxfp4)
         self.gate_weight = nn.Parameter(gate_weight, requires_grad=train)
         self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=train)
         self.w_down = nn.Parameter(w_down, requires_grad=train)
@@ -99,7 +111,8 @@ class MoEFFN(nn.Module):
         if self.w_gate_up_scale is not None or self.biased_experts:
             raise checks.bad_value("module", "MoEFFN layers with 16/32-bit experts and no expert biases for "
                                    "fp8_training (pass a module_filter_fn that leaves this one out)",
-                                   "fp8 experts" if self.w_gate_up_scale is not None else "biased (gpt-oss) experts")
+                                   "biased (gpt-oss) experts" if self.biased_experts else
+                                   f"{'MXFP4' if self.w_gate_up.dtype == MXFP4 else 'fp8'} experts")
         check_fp8_training(self.w_gate_up)
 
     @property
@@ -110,7 +123,8 @@ class MoEFFN(nn.Module):
         E, H = self.gate_weight.shape
         shared = "none" if self.shared_w_down is None else (
             f"{self.shared_w_down.shape[1]}" + (" gated" if self.shared_gate is not None else ""))
-        return (f"experts={E}, hidden={H}, intermediate={self.w_down.shape[2]}, top_k={self.top_k}, "
+        intermediate = self.w_down.shape[2] * (2 if self.w_down.dtype == MXFP4 else 1)
+        return (f"experts={E}, hidden={H}, intermediate={intermediate}, top_k={self.top_k}, "
                 f"renormalize={self.renormalize}, scoring={self.routing['scoring']!r}, "
                 f"n_group={self.routing['n_group']}, correction_bias={self.correction_bias is not None}, "
                 f"weights_on_input={self.weights_on_input}, shared={shared}"
@@ -159,12 +173,14 @@ class MoEFFN(nn.Module):
         grouped_matmul's, with their bias."""
         T, k = ids.shape
         pair, token, offs = sort_by_expert(ids, self.num_experts)
-        h = grouped_matmul(x[token.long()], self.w_gate_up.transpose(1, 2), offs, bias=self.w_gate_up_bias)
+        s13, s2 = ((None, None) if self.w_gate_up_scale is None else  # MXFP4 experts' scales
+                   (self.w_gate_up_scale.transpose(1, 2), self.w_down_scale.transpose(1, 2)))
+        h = grouped_matmul(x[token.long()], self.w_gate_up.transpose(1, 2), offs, bias=self.w_gate_up_bias, scale_b=s13)
         gate, up = h.chunk(2, dim=-1)
         gate = gate.clamp(max=self.swiglu_limit)
         up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
         a = gate * torch.sigmoid(self.swiglu_alpha * gate) * (up + 1)
-        out = grouped_matmul(a, self.w_down.transpose(1, 2), offs, bias=self.w_down_bias)
+        out = grouped_matmul(a, self.w_down.transpose(1, 2), offs, bias=self.w_down_bias, scale_b=s2)
         out = out * weights.reshape(-1)[pair.long()].to(out.dtype)[:, None]
         y = torch.zeros(T * k, x.shape[1], dtype=out.dtype, device=x.device).index_copy(0, pair.long(), out)
         return y.view(T, k, -1).sum(dim=1)

@@ -19,10 +19,10 @@ from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Op, Step, Workspace, wants_grad
 from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import BLOCKWISE, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW_BLOCKS, SCALE_BLOCK
+from ..core.scaling import BLOCKWISE, MXFP4, ROW_BLOCKS, SCALE_BLOCK
 from .kernels import NO_GROUPED_SCALES, grouped_scales
-from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, expert_gemm, expert_launch,
-                        expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
+from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_mxfp4_experts, expert_gemm,
+                        expert_launch, expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
 from .moe_train import MOE_FP8_TRAIN
 from .ops import combine, combine_launch, gather_quantize, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
@@ -291,29 +291,14 @@ def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
 
 
 def _check_moe_mxfp4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale):
-    """MXFP4 experts: x bf16 / fp16 [T, H]; w_gate_up [E, 2I, H/2], w_down [E, H, I/2] packed, H
-    and I multiples of 32; their e8m0 scales [E, 2I, H/32] and [E, H, I/32]."""
+    """MXFP4 experts (check_mxfp4_experts) under a bf16 / fp16 x [T, H], nothing quantised."""
     checks.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16))
     if x_scale is not None:
         raise checks.bad_value("x_scale", "None with MXFP4 experts (weight-only: x is not quantised)", "a tensor")
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        checks.check_tensor(name, w, ndim=3, dtypes=(MXFP4,))
     (T, H), (E, two_i, _) = x.shape, w_gate_up.shape
-    I = two_i // 2
-    if H % MXFP4_BLOCK or E == 0 or two_i % 2 or I % MXFP4_BLOCK:
-        raise checks.bad_shape("w_gate_up", f"MXFP4 [E, 2I, H/2] with E >= 1 and H (x's columns, {H}) and I multiples "
-                               f"of {MXFP4_BLOCK}", w_gate_up.shape)
-    checks.check_shape("w_gate_up", w_gate_up, (E, two_i, H // 2), f"MXFP4 [E, 2I, H/2] = {[E, two_i, H // 2]}")
-    checks.check_shape("w_down", w_down, (E, H, I // 2), f"MXFP4 [E, H, I/2] = {[E, H, I // 2]}")
-    for name, t, shape in (("w_gate_up_scale", w_gate_up_scale, (E, two_i, H // MXFP4_BLOCK)),
-                           ("w_down_scale", w_down_scale, (E, H, I // MXFP4_BLOCK))):
-        if t is None:
-            raise checks.bad_value(name, f"the e8m0 block scales {list(shape)} of the MXFP4 experts", None)
-        checks.check_tensor(name, t, ndim=3, dtypes=(MXFP4_SCALE,))
-        checks.check_shape(name, t, shape, f"{list(shape)} (one e8m0 scale per {MXFP4_BLOCK} values)")
-    check_moe(x, x.new_empty(E, two_i, H), x.new_empty(E, H, I), topk_weights, topk_ids)  # routing and devices
-    checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, w_gate_up_scale=w_gate_up_scale,
-                             w_down_scale=w_down_scale)
+    check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H)
+    check_moe(x, x.new_empty(E, two_i, H), x.new_empty(E, H, two_i // 2), topk_weights, topk_ids)  # routing, devices
+    checks.check_same_device(x=x, w_gate_up=w_gate_up)
 
 
 def _out_dtype(x):

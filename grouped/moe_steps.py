@@ -14,7 +14,7 @@ from ..core import checks
 from ..core.dispatch import Launch, Step, Workspace
 from ..core.launch import Launcher, Request
 from ..core.runtime import cdiv, next_pow2
-from ..core.scaling import SCALE_BLOCK
+from ..core.scaling import MXFP4, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK
 from ..core.tiles import Routing
 from .configs import SORT_MAX_PAIRS, SortKey
 from .kernels import NO_GROUPED_SCALES, sort_by_expert_kernel
@@ -91,6 +91,29 @@ def check_expert_weights(w_gate_up, w_down, H: int) -> None:
     if H1 != H or two_i % 2 or E == 0:
         raise checks.bad_shape("w_gate_up", f"[E, 2I, H] = [E >= 1, 2I, {H}] (gate rows then up rows)", w_gate_up.shape)
     checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
+
+
+def check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H: int) -> None:
+    """MXFP4 experts (weight-only): w_gate_up [E, 2I, H/2] and w_down [E, H, I/2] of
+    float4_e2m1fn_x2 (E >= 1; H and I multiples of 32) with their e8m0 block scales
+    [E, 2I, H/32] and [E, H, I/32]."""
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        checks.check_tensor(name, w, ndim=3, dtypes=(MXFP4,))
+    E, two_i, _ = w_gate_up.shape
+    I = two_i // 2
+    if H % MXFP4_BLOCK or E == 0 or two_i % 2 or I % MXFP4_BLOCK:
+        raise checks.bad_shape("w_gate_up", f"MXFP4 [E, 2I, H/2] with E >= 1 and H ({H}) and I multiples of "
+                               f"{MXFP4_BLOCK}", w_gate_up.shape)
+    checks.check_shape("w_gate_up", w_gate_up, (E, two_i, H // 2), f"MXFP4 [E, 2I, H/2] = {[E, two_i, H // 2]}")
+    checks.check_shape("w_down", w_down, (E, H, I // 2), f"MXFP4 [E, H, I/2] = {[E, H, I // 2]}")
+    for name, t, shape in (("w_gate_up_scale", w_gate_up_scale, (E, two_i, H // MXFP4_BLOCK)),
+                           ("w_down_scale", w_down_scale, (E, H, I // MXFP4_BLOCK))):
+        if t is None:
+            raise checks.bad_value(name, f"the e8m0 block scales {list(shape)} of the MXFP4 experts", None)
+        checks.check_tensor(name, t, ndim=3, dtypes=(MXFP4_SCALE,))
+        checks.check_shape(name, t, shape, f"{list(shape)} (one e8m0 scale per {MXFP4_BLOCK} values)")
+    checks.check_same_device(w_gate_up=w_gate_up, w_down=w_down, w_gate_up_scale=w_gate_up_scale,
+                             w_down_scale=w_down_scale)
 
 
 def check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale=None, w_down_scale=None) -> bool:

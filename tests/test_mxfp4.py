@@ -16,6 +16,7 @@ from onegemm.testing import (
     TOL,
     assert_close,
     grouped_mm_ref,
+    moe_layer_ref,
     moe_ref,
     mxfp4_dequantize_ref,
     mxfp4_quantize_ref,
@@ -289,3 +290,44 @@ def test_moe_ffn_mxfp4_refuses_gradients(device):
     x, q13, q2, scales, weights, ids, _ = _mxfp4_moe(4, 64, 32, 4, 2, torch.bfloat16, device)
     with pytest.raises(ValueError, match="MXFP4"):
         onegemm.moe_ffn(x.requires_grad_(), q13, q2, weights, ids, **scales)
+
+
+# ---- MoEFFN with MXFP4 experts (plain SwiGLU, and gpt-oss's biases and clamped SwiGLU)
+
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "gpt-oss"])
+def test_moeffn_mxfp4_matches_its_dequantised_twin(gpt_oss, device):
+    """The layer on MXFP4 experts against float64 of its twin on the dequantised experts (the
+    reference routes in float64: rows whose choice differs by a near tie are left out)."""
+    E, H, I, k = 6, 64, 96, 2
+    x, q13, q2, scales, _, _, (w13, w2) = _mxfp4_moe(9, H, I, E, k, torch.bfloat16, device)
+    gate = torch.randn(E, H, device=device).to(torch.bfloat16)
+    extra = dict(gate_bias=torch.randn(E, device=device), w_gate_up_bias=torch.randn(E, 2 * I, device=device) * 0.1,
+                 w_down_bias=torch.randn(E, H, device=device) * 0.1) if gpt_oss else {}
+    extra = {n: t.to(torch.bfloat16) for n, t in extra.items()}
+    if gpt_oss:
+        extra.update(swiglu_limit=7.0, scoring="topk_softmax", renormalize=False)
+    layer = onegemm.MoEFFN(gate, q13, q2, top_k=k, **scales, **extra)
+    twin = onegemm.MoEFFN(gate, w13.to(torch.bfloat16), w2.to(torch.bfloat16), top_k=k, **extra)
+    assert "intermediate=96" in repr(layer)
+    assert not any(p.requires_grad for p in (layer.w_gate_up, layer.w_down, layer.gate_weight))
+    with torch.no_grad():
+        y = layer(x)
+        ids = layer.route(x)[1]
+    ref, (_, ids_ref) = moe_layer_ref(twin, x)
+    same = (ids.long().sort(1).values == ids_ref.sort(1).values).all(1)
+    assert same.float().mean() > 0.7
+    assert_close(y[same], ref[same], 2 * TOL[torch.bfloat16])
+    with torch.no_grad():
+        assert torch.equal(layer(x), y)
+
+
+def test_moeffn_mxfp4_refuses(device):
+    E, H, I = 4, 64, 32
+    _, q13, q2, scales, _, _, _ = _mxfp4_moe(2, H, I, E, 2, torch.bfloat16, device)
+    gate = torch.randn(E, H, device=device, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="gate_weight must be"):
+        onegemm.MoEFFN(gate.float(), q13, q2, **scales)
+    with pytest.raises(ValueError, match="w_down_scale must be the e8m0 block scales"):
+        onegemm.MoEFFN(gate, q13, q2, w_gate_up_scale=scales["w_gate_up_scale"])
+    with pytest.raises(ValueError, match="MXFP4 experts"):
+        onegemm.MoEFFN(gate, q13, q2, **scales).check_fp8_training()
