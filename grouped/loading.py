@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from ..core import checks
 from ..core.runtime import cdiv
-from ..core.scaling import SCALE_BLOCK
+from ..core.scaling import MXFP4, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK
 
 # An expert's (gate, up, down) weight names, and what the errors call them.
 EXPERT_NAMES = {"w1/w3/w2 (Mixtral)": ("w1", "w3", "w2"),
@@ -247,11 +247,10 @@ def _gpt_oss_experts(keys: LayerKeys, gate) -> dict:
     (columns 0, 2, ... gate; 1, 3, ... up) and its bias [E, 2I]; experts.down_proj [E, I, H] and
     its bias [E, H]. Stored as MoEFFN's [E, 2I, H] (gate rows, then up rows) and [E, H, I]."""
     E, H = gate.shape
-    if keys.has("experts.gate_up_proj_blocks") or keys.has("experts.gate_up_proj_scales"):
-        raise keys.fail("experts.gate_up_proj_blocks", "(MXFP4 experts) is not read: dequantise the checkpoint to "
-                                                       "bf16 first (transformers' Mxfp4Config(dequantize=True))")
     dt = ((gate.dtype,), " (the router's)")
     bias = keys.take("router.bias", (E,), *dt)
+    if keys.has("experts.gate_up_proj_blocks") or keys.has("experts.gate_up_proj_scales"):
+        return _gpt_oss_mxfp4(keys, gate, bias)
     w13 = keys.take("experts.gate_up_proj", None, *dt)
     if w13.dim() != 3 or w13.shape[:2] != (E, H) or w13.shape[2] % 2:
         raise keys.fail("experts.gate_up_proj", f"has shape {tuple(w13.shape)}, expected [E, H, 2I] (gpt-oss) with "
@@ -263,6 +262,36 @@ def _gpt_oss_experts(keys: LayerKeys, gate) -> dict:
     return dict(gate_bias=bias, w_gate_up=torch.cat([w13[..., 0::2], w13[..., 1::2]], 2).transpose(1, 2).contiguous(),
                 w_gate_up_bias=torch.cat([b13[:, 0::2], b13[:, 1::2]], 1), w_down=w2.transpose(1, 2).contiguous(),
                 w_down_bias=b2)
+
+
+def _gpt_oss_mxfp4(keys: LayerKeys, gate, bias) -> dict:
+    """gpt-oss's MXFP4 experts, read as stored: experts.gate_up_proj_blocks [E, 2I, H/32, 16]
+    and _scales [E, 2I, H/32] (uint8: two e2m1 values per byte, one e8m0 scale per 32), rows
+    gate and up interleaved, with the bias [E, 2I]; experts.down_proj_blocks [E, H, I/32, 16],
+    _scales [E, H, I/32] and bias [E, H]. Kept packed: moe_ffn's MXFP4 experts, the rows put in
+    MoEFFN's order (gate rows, then up rows)."""
+    E, H = gate.shape
+    packed = ((torch.uint8,), " (MXFP4: e2m1 pairs and e8m0 scales as bytes)")
+    w13 = keys.take("experts.gate_up_proj_blocks", None, *packed)
+    if (w13.dim() != 4 or w13.shape[0] != E or w13.shape[1] % 2 or w13.shape[2] * MXFP4_BLOCK != H
+            or w13.shape[3] != MXFP4_BLOCK // 2):
+        raise keys.fail("experts.gate_up_proj_blocks", f"has shape {tuple(w13.shape)}, expected [E, 2I, H/32, 16] "
+                                                       f"with E = {E}, H = {H}")
+    I = w13.shape[1] // 2
+    if I % MXFP4_BLOCK:
+        raise keys.fail("experts.down_proj_blocks", f"holds I = {I} values per row, not a multiple of {MXFP4_BLOCK}")
+    s13 = keys.take("experts.gate_up_proj_scales", (E, 2 * I, H // MXFP4_BLOCK), *packed)
+    b13 = keys.take("experts.gate_up_proj_bias", (E, 2 * I), (gate.dtype,), " (the router's)")
+    w2 = keys.take("experts.down_proj_blocks", (E, H, I // MXFP4_BLOCK, MXFP4_BLOCK // 2), *packed)
+    s2 = keys.take("experts.down_proj_scales", (E, H, I // MXFP4_BLOCK), *packed)
+    b2 = keys.take("experts.down_proj_bias", (E, H), (gate.dtype,), " (the router's)")
+
+    def gate_then_up(t):  # rows 0, 2, ... are the gate's, 1, 3, ... the up's
+        return torch.cat([t[:, 0::2], t[:, 1::2]], 1)
+
+    return dict(gate_bias=bias, w_gate_up=gate_then_up(w13).flatten(2).view(MXFP4),
+                w_gate_up_scale=gate_then_up(s13).view(MXFP4_SCALE), w_gate_up_bias=gate_then_up(b13),
+                w_down=w2.flatten(2).view(MXFP4), w_down_scale=s2.view(MXFP4_SCALE), w_down_bias=b2)
 
 
 def _shared(keys: LayerKeys, gate) -> dict:

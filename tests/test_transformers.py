@@ -200,3 +200,41 @@ def test_gpu_bf16_layer_against_transformers(family, tmp_path, device):
         theirs = hf_forward(block.to(device=device, dtype=torch.bfloat16), x.to(device))
         ours = layer(x.to(device))
     assert rel_err(ours, ref) <= 1.5 * rel_err(theirs, ref)
+
+
+def test_gpt_oss_mxfp4_layer_matches_transformers(tmp_path, device):
+    """gpt-oss's MXFP4 experts read as stored (``*_blocks``, ``*_scales``: uint8, gate and up rows
+    interleaved) from a file saved with the Hub's key names; the layer (bf16, weight-only)
+    computes the transformers block's output with transformers' own dequantisation of those
+    bytes (convert_moe_packed_tensors) as its experts, in fp32."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    from safetensors.torch import save_file
+
+    from onegemm.testing import mxfp4_quantize_ref
+
+    model = build("gpt_oss", intermediate_size=32)  # MXFP4 rows: H and I multiples of 32
+    block = block_of(model, "gpt_oss")
+    experts, prefix = block.experts, "model.layers.1.mlp."
+    # the experts' rows as the file stores them: [E, 2I, H] (gate and up interleaved) and [E, H, I]
+    (b13, s13), (b2, s2) = (mxfp4_quantize_ref(w.transpose(1, 2)) for w in (experts.gate_up_proj, experts.down_proj))
+    tensors = {"router.weight": block.router.weight, "router.bias": block.router.bias,
+               "experts.gate_up_proj_blocks": b13, "experts.gate_up_proj_scales": s13,
+               "experts.gate_up_proj_bias": experts.gate_up_proj_bias,
+               "experts.down_proj_blocks": b2, "experts.down_proj_scales": s2,
+               "experts.down_proj_bias": experts.down_proj_bias}
+    bf16 = {k: (v if v.dtype == torch.uint8 else v.detach().to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
+    save_file({prefix + k: v for k, v in bf16.items()}, tmp_path / "layer.safetensors")
+    layer = onegemm.MoEFFN.from_safetensors(tmp_path / "layer.safetensors", prefix=prefix, top_k=2, renormalize=False,
+                                            scoring="topk_softmax", swiglu_limit=1.5, device=device)
+    assert layer.w_gate_up.dtype == torch.float4_e2m1fn_x2 and layer.w_down.dtype == torch.float4_e2m1fn_x2
+    # the transformers block in fp32 on the same values: its router and biases rounded to bf16,
+    # its experts transformers' decoding of the file's bytes
+    with torch.no_grad():
+        block.router.weight.copy_(bf16["router.weight"])
+        block.router.bias.copy_(bf16["router.bias"])
+        experts.gate_up_proj_bias.copy_(bf16["experts.gate_up_proj_bias"])
+        experts.down_proj_bias.copy_(bf16["experts.down_proj_bias"])
+        experts.gate_up_proj.copy_(mxfp4.convert_moe_packed_tensors(b13, s13, dtype=torch.float32))
+        experts.down_proj.copy_(mxfp4.convert_moe_packed_tensors(b2, s2, dtype=torch.float32))
+        x = torch.randn(9, H).to(torch.bfloat16)
+        assert_close(layer(x.to(device)), hf_forward(block, x.float()), 2e-2)
