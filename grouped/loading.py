@@ -484,10 +484,11 @@ def _family(cfg: dict, config_path):
     if cfg.get("hidden_act", "silu") != "silu":
         raise checks.in_file(config_path, f"hidden_act = {cfg['hidden_act']!r}: MoEFFN's experts are SwiGLU (silu)")
     quant = cfg.get("quantization_config") or {}
-    if quant and (quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size") or [SCALE_BLOCK, SCALE_BLOCK])
-                  != [SCALE_BLOCK, SCALE_BLOCK]):
+    mxfp4 = model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"  # the experts' *_blocks, *_scales
+    if quant and not mxfp4 and (quant.get("quant_method") != "fp8" or list(
+            quant.get("weight_block_size") or [SCALE_BLOCK, SCALE_BLOCK]) != [SCALE_BLOCK, SCALE_BLOCK]):
         raise checks.in_file(config_path, f"quantization_config {quant}: only FP8 with 128x128 weight blocks "
-                                          "(weight_scale_inv) is read")
+                                          "(weight_scale_inv) and gpt-oss's MXFP4 experts are read")
     return cfg, model_type
 
 

@@ -414,6 +414,9 @@ def test_from_pretrained_fp8_experts(tmp_path, device):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="only FP8 with 128x128 weight blocks"):
         onegemm.MoEFFN.from_pretrained(tmp_path, layer=3)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match="and gpt-oss's MXFP4 experts are read"):  # MXFP4 is gpt-oss's alone
+        onegemm.MoEFFN.from_pretrained(tmp_path, layer=3)
 
 
 # Each of the kernel's branches once (scoring, bias, groups with and without it, renormalisation).

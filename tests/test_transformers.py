@@ -227,6 +227,13 @@ def test_gpt_oss_mxfp4_layer_matches_transformers(tmp_path, device):
     layer = onegemm.MoEFFN.from_safetensors(tmp_path / "layer.safetensors", prefix=prefix, top_k=2, renormalize=False,
                                             scoring="topk_softmax", swiglu_limit=1.5, device=device)
     assert layer.w_gate_up.dtype == torch.float4_e2m1fn_x2 and layer.w_down.dtype == torch.float4_e2m1fn_x2
+    # a model folder as the Hub has it: config.json names the quantisation
+    config = {**model.config.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "layer.safetensors").rename(tmp_path / "model.safetensors")
+    folder = onegemm.MoEFFN.from_pretrained(tmp_path, layer=1, device=device)
+    assert all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) if p.element_size() == 1 else torch.equal(p, q)
+               for p, q in zip(layer.state_dict().values(), folder.state_dict().values()))
     # the transformers block in fp32 on the same values: its router and biases rounded to bf16,
     # its experts transformers' decoding of the file's bytes
     with torch.no_grad():
