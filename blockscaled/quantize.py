@@ -31,7 +31,7 @@ from ..core.dispatch import Cached, Launch, Op
 from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import BLOCKS, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity
+from ..core.scaling import BLOCKS, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity
 from .configs import QuantKey
 
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
@@ -496,3 +496,29 @@ QUANTIZE_OP = Op("quantize_fp8", _quantize_impl, _quantize_fake, record=_quantiz
 QUANTIZE_T_OP = Op("quantize_fp8_transposed", _quantize_t_impl, lambda *args: _quantize_fake(*args, True),
                    record=lambda *args: _quantize_record(*args, True), tensors=1)
 QUANTIZE_FP8 = Cached(1, _quantize_fp8_route)
+
+
+# e2m1's magnitudes, codes 0-7 (code 8 + i is -E2M1[i])
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def quantize_mxfp4(w: torch.Tensor):
+    """w [..., K] (K a multiple of 32; fp32, bf16, fp16) -> MXFP4 (q float4_e2m1fn_x2 [..., K/2],
+    scale float8_e8m0fnu [..., K/32]), the OCP MX rule: each 32 values' scale 2^(floor(log2
+    amax) - 2) (e8m0 clamped to [0, 254]; an all-zero block 2^-127), each value / scale rounded
+    to the nearest e2m1 value (ties to the even code, +-6 past it), two per byte along K, the
+    first in the lower nibble. In torch, exactly (power-of-two scales divide exactly in fp32)."""
+    checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES)
+    if w.dim() == 0 or w.shape[-1] % MXFP4_BLOCK:
+        raise checks.bad_shape("w", f"[..., K] with K a multiple of {MXFP4_BLOCK} (MXFP4's block)", w.shape)
+    x = w.detach().float().unflatten(-1, (-1, MXFP4_BLOCK))
+    _, e = torch.frexp(x.abs().amax(dim=-1))  # amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+    s = torch.where(x.abs().amax(dim=-1) > 0, (e - 1 - 2 + 127).clamp(0, 254), 0)
+    a = (x.abs() * torch.ldexp(torch.ones_like(x), (127 - s)[..., None])).clamp(max=_E2M1[-1])
+    table = torch.tensor(_E2M1, device=w.device)
+    hi = torch.searchsorted(table, a.contiguous()).clamp(max=len(_E2M1) - 1)  # the first magnitude >= a
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - table[lo], table[hi] - a
+    codes = torch.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi) | (torch.signbit(x).long() << 3)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).flatten(-2)
+    return packed.view(MXFP4), s.to(torch.uint8).view(MXFP4_SCALE)

@@ -17,9 +17,9 @@ import torch
 
 from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Op, Step, Workspace, wants_grad
-from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch
+from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch, quantize_mxfp4
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import BLOCKWISE, MXFP4, ROW_BLOCKS, SCALE_BLOCK
+from ..core.scaling import BLOCKWISE, MXFP4, MXFP4_BLOCK, ROW_BLOCKS, SCALE_BLOCK
 from .kernels import NO_GROUPED_SCALES, grouped_scales
 from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_mxfp4_experts, expert_gemm,
                         expert_launch, expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
@@ -78,19 +78,30 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     return MOE.call(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def quantize_experts(w_gate_up, w_down):
-    """Expert weights -> moe_ffn's FP8 format: (w_gate_up, w_gate_up_scale, w_down, w_down_scale).
+def quantize_experts(w_gate_up, w_down, *, format: str = "fp8"):
+    """Expert weights -> moe_ffn's quantised experts: (w_gate_up, w_gate_up_scale, w_down, w_down_scale).
 
-    w_gate_up [E, 2I, H], w_down [E, H, I] (fp32, bf16, fp16). Each expert's matrix is
-    quantised to float8_e4m3fn in 128x128 blocks (quantize_fp8), the gate and up halves
-    apart, as the DeepSeek-V3 format stores gate_proj and up_proj: scales
-    [E, 2 * ceil(I/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)]. A one-time
-    conversion, one launch per matrix.
+    w_gate_up [E, 2I, H], w_down [E, H, I] (fp32, bf16, fp16). ``format``:
+    "fp8": each expert's matrix quantised to float8_e4m3fn in 128x128 blocks (quantize_fp8), the
+    gate and up halves apart, as the DeepSeek-V3 format stores gate_proj and up_proj: scales
+    [E, 2 * ceil(I/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)]; one launch per matrix.
+    "mxfp4" (H and I multiples of 32): MXFP4 as gpt-oss stores it, every row's 32-value blocks
+    along the reduction dimension (the OCP MX rule): w_gate_up [E, 2I, H/2] and w_down
+    [E, H, I/2] in float4_e2m1fn_x2, scales [E, 2I, H/32] and [E, H, I/32] in float8_e8m0fnu.
+    A one-time conversion.
     """
     checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=checks.FLOAT_DTYPES)
     checks.check_tensor("w_down", w_down, ndim=3, dtypes=(w_gate_up.dtype,))
     check_expert_weights(w_gate_up, w_down, w_gate_up.shape[2])
+    checks.check_choice("format", format, ("fp8", "mxfp4"))
     I = w_down.shape[2]
+    if format == "mxfp4":
+        if w_gate_up.shape[2] % MXFP4_BLOCK or I % MXFP4_BLOCK:
+            raise checks.bad_shape("w_gate_up", f"[E, 2I, H] with H and I multiples of {MXFP4_BLOCK} for "
+                                   "format='mxfp4' (its 32-value blocks along H and I)", w_gate_up.shape)
+        q13, s13 = quantize_mxfp4(w_gate_up)
+        q2, s2 = quantize_mxfp4(w_down)
+        return q13, s13, q2, s2
 
     def blocks(w):
         qs = [quantize_fp8(m, (SCALE_BLOCK, SCALE_BLOCK)) for m in w.detach()]

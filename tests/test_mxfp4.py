@@ -331,3 +331,34 @@ def test_moeffn_mxfp4_refuses(device):
         onegemm.MoEFFN(gate, q13, q2, w_gate_up_scale=scales["w_gate_up_scale"])
     with pytest.raises(ValueError, match="MXFP4 experts"):
         onegemm.MoEFFN(gate, q13, q2, **scales).check_fp8_training()
+
+
+def test_quantize_experts_mxfp4_is_the_reference_format(device):
+    """quantize_experts(format="mxfp4") (torch, fp32) gives the reference quantiser's bytes,
+    bf16 and fp32 weights, tiny and huge blocks and all-zero ones included; moe_ffn runs them."""
+    E, H, I = 3, 64, 96
+    w13 = torch.randn(E, 2 * I, H, device=device)
+    w13[0, :5] *= 1e-30
+    w13[1, 3:7] = 0
+    w13[2, 0, :32] *= 1e30
+    w2 = (torch.randn(E, H, I, device=device) * I**-0.5).to(torch.bfloat16)
+    q13, s13, q2, s2 = onegemm.quantize_experts(w13.to(torch.bfloat16), w2, format="mxfp4")
+    assert (q13.dtype, s13.dtype) == (torch.float4_e2m1fn_x2, torch.float8_e8m0fnu)
+    assert q13.shape == (E, 2 * I, H // 2) and s13.shape == (E, 2 * I, H // 32) and q2.shape == (E, H, I // 2)
+    for q, s, w in ((q13, s13, w13.to(torch.bfloat16)), (q2, s2, w2)):
+        blocks, scales = mxfp4_quantize_ref(w)
+        assert torch.equal(q.view(torch.uint8), blocks.flatten(-2)) and torch.equal(s.view(torch.uint8), scales)
+    fp32_q, fp32_s, _, _ = onegemm.quantize_experts(w13, w13.new_zeros(E, H, I), format="mxfp4")
+    assert torch.equal(fp32_q.view(torch.uint8), mxfp4_quantize_ref(w13)[0].flatten(-2))
+    # moe_ffn on quantize_experts' output, against float64 of the same bytes decoded
+    q13, s13, q2, s2 = onegemm.quantize_experts((w13 * H**-0.5).clamp(-1, 1).to(torch.bfloat16), w2, format="mxfp4")
+    x = torch.randn(4, H, device=device, dtype=torch.bfloat16)
+    weights, ids = onegemm.route(torch.randn(4, E, device=device), 2)
+    y = onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)
+    decoded = [mxfp4_dequantize_ref(q.view(torch.uint8).unflatten(-1, (-1, 16)), s.view(torch.uint8))
+               for q, s in ((q13, s13), (q2, s2))]
+    assert_close(y, moe_ref(x, *decoded, weights, ids), 2 * TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="format must be one of"):
+        onegemm.quantize_experts(w13, w2.float(), format="int4")
+    with pytest.raises(ValueError, match="multiples of 32 for format='mxfp4'"):
+        onegemm.quantize_experts(w13[:, :80, :48], w13.new_zeros(E, 48, 40), format="mxfp4")
