@@ -20,6 +20,7 @@ small there and the timings only say that it ran (they are not performance numbe
     python -m onegemm                 # 4096 tokens on a GPU, 128 under the interpreter
     python -m onegemm --tokens 16384
     python -m onegemm --fp8           # also the FP8 twin of the stored layer (DeepSeek-V3 format)
+    python -m onegemm --mxfp4         # also its MXFP4 twin (gpt-oss's format), and on a GPU gpt-oss-120b's size
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 import onegemm
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER
-from onegemm.testing import calc_diff, moe_ffn_torch
+from onegemm.testing import calc_diff, moe_ffn_torch, mxfp4_dequantize_ref
 
 
 # The job's parts in the order it runs them: what --help lists.
@@ -40,6 +41,9 @@ PARTS = (
     "the stored MoE layer (grouped/data/mixtral_tiny.safetensors, Mixtral-style, bf16) through onegemm's grouped "
     "kernels: its error against float64 next to torch bf16's, its time next to torch's",
     "with --fp8, the layer's FP8 twin (DeepSeek-V3's format): calc_diff against the float64 layer",
+    "with --mxfp4, the layer's MXFP4 twin (gpt-oss's format, weight-only): its error against float64 of the "
+    "same 4-bit values and calc_diff against the unquantised layer; on a GPU also a gpt-oss-120b-shaped layer "
+    "(random MXFP4 weights) timed next to the same shape in bf16",
     "on a GPU only, the expert FFN at Qwen3-30B-A3B's size (random weights), timed next to torch",
     "a DeepSeek-V3-shaped layer (random weights, the real router, a shared expert) next to transformers' "
     "DeepseekV3MoE holding the same tensors (skipped without transformers)",
@@ -120,6 +124,47 @@ def fp8_section(x, weights, ids, layer, gpu: bool) -> bool:
     return diff < 5e-3
 
 
+def mxfp4_section(x, weights, ids, layer, gpu: bool) -> bool:
+    """The stored layer's experts in MXFP4 (quantize_experts(format="mxfp4")) on the same
+    tokens and routing: the error against float64 of the same 4-bit values (the kernels'
+    own; True when within the bf16 bound 2e-2) and calc_diff against the unquantised layer
+    (the format's); on a GPU its time next to bf16, then a gpt-oss-120b-shaped layer's."""
+    q13, s13, q2, s2 = onegemm.quantize_experts(layer.w_gate_up, layer.w_down, format="mxfp4")
+    scales = dict(w_gate_up_scale=s13, w_down_scale=s2)
+    y4 = onegemm.moe_ffn(x, q13, q2, weights, ids, **scales)
+    decoded = [mxfp4_dequantize_ref(q.view(torch.uint8).unflatten(-1, (-1, 16)), s.view(torch.uint8))
+               for q, s in ((q13, s13), (q2, s2))]
+    err = rel_err(y4, moe_ffn_torch(x.double(), *decoded, weights, ids))
+    ref = moe_ffn_torch(x.double(), layer.w_gate_up.double(), layer.w_down.double(), weights, ids)
+    print("MXFP4 layer: the stored layer's experts in gpt-oss's format (e2m1 values, an e8m0 scale per 32; "
+          "weight-only, x stays bf16)")
+    print(f"  relative error against float64 of the same MXFP4 values: {err:.2e} (bound 2e-2)")
+    print(f"  calc_diff against the unquantised float64 layer: {calc_diff(y4, ref):.2e} (the format's own error)")
+    if gpu:
+        print(timing_line("MXFP4 vs bf16 moe_ffn", lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, **scales),
+                          lambda: onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, weights, ids)).replace("torch", "bf16"))
+        gpt_oss_120b_timing(x.shape[0], x.device)
+    print()
+    return err < 2e-2
+
+
+def gpt_oss_120b_timing(T, device):
+    """gpt-oss-120b's experts (128 x [5760, 2880] / [2880, 2880], top-4): random MXFP4 bytes
+    (e8m0 scales near the weights' scale) against bf16 weights of the same shape, T tokens."""
+    E, H, I, k = 128, 2880, 2880, 4
+    blocks = [torch.randint(0, 256, (E, n, m // 2), dtype=torch.uint8, device=device) for n, m in ((2 * I, H), (H, I))]
+    q13, q2 = (b.view(torch.float4_e2m1fn_x2) for b in blocks)
+    s13, s2 = (torch.full((E, n, m // 32), 119, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+               for n, m in ((2 * I, H), (H, I)))
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) * H**-0.5
+    w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * I**-0.5
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    weights, ids = onegemm.route(torch.randn(T, E, device=device), k)
+    print(timing_line(f"gpt-oss-120b experts, {T} tokens, MXFP4 vs bf16",
+                      lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2),
+                      lambda: onegemm.moe_ffn(x, w13, w2, weights, ids)).replace("torch", "bf16"))
+
+
 # DeepSeek-V3's MoE layer (transformers' DeepseekV3Config fields); under the interpreter the same
 # router on 32 experts (8 groups of 4) at a tiny width.
 DEEPSEEK_V3 = dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
@@ -185,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random tokens and weights (default: 0)")
     parser.add_argument("--fp8", action="store_true",
                         help="also run the stored layer's FP8 twin (e4m3 experts + 128x128 weight_scale_inv)")
+    parser.add_argument("--mxfp4", action="store_true",
+                        help="also run its MXFP4 twin (gpt-oss's format; on a GPU also gpt-oss-120b's size)")
     args = parser.parse_args(argv)
     # An inference job: no autograd recording (MoEFFN's parameters are trainable).
     with torch.inference_mode():
@@ -261,6 +308,7 @@ def run(args) -> int:
     print(f"  bitwise identical on a rerun: {torch.equal(layer(x), y)}")
 
     ok_fp8 = fp8_section(x, weights, ids, layer, gpu) if args.fp8 else True
+    ok_mxfp4 = mxfp4_section(x, weights, ids, layer, gpu) if args.mxfp4 else True
 
     one = lambda: onegemm.moe_ffn(x, w_gu, w_dn, weights, ids)  # noqa: E731
     peer = lambda: moe_ffn_torch(x, w_gu, w_dn, weights, ids, use_grouped_mm=gpu)  # noqa: E731
@@ -278,10 +326,11 @@ def run(args) -> int:
 
     c_err = core_gemm_section(T, device, gpu)
     ok = rel_err(y, ref) < 2e-2 and c_err < 1e-2
-    print("\nOK" if ok and ok_fp8 and ok_deepseek else "\nFAILED: error above the bf16 bound (2e-2)" if not ok
-          else "\nFAILED: FP8 layer's calc_diff above 5e-3" if not ok_fp8
+    print("\nOK" if ok and ok_fp8 and ok_mxfp4 and ok_deepseek else "\nFAILED: error above the bf16 bound (2e-2)"
+          if not ok else "\nFAILED: FP8 layer's calc_diff above 5e-3" if not ok_fp8
+          else "\nFAILED: the MXFP4 layer's error above 2e-2" if not ok_mxfp4
           else "\nFAILED: the DeepSeek-V3-shaped layer's error above the bound (or 1.5x transformers' on a GPU)")
-    return 0 if ok and ok_fp8 and ok_deepseek else 1
+    return 0 if ok and ok_fp8 and ok_mxfp4 and ok_deepseek else 1
 
 
 if __name__ == "__main__":

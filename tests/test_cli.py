@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from onegemm.__main__ import DEEPSEEK_TINY, TRUNCATION_NOTE, bf16_errors, deepseek_section, main
+import onegemm
+from onegemm.__main__ import DEEPSEEK_TINY, TRUNCATION_NOTE, bf16_errors, deepseek_section, main, mxfp4_section
+from onegemm.grouped import STORED_LAYER
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +32,7 @@ def test_main_job_help_describes_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert "--tokens" in out and "--seed" in out and "seed of the random" in out and "--fp8" in out
+    assert "--tokens" in out and "--seed" in out and "seed of the random" in out and "--fp8" in out and "--mxfp4" in out
 
 
 def test_main_job_help_names_every_part(capsys):
@@ -38,7 +40,8 @@ def test_main_job_help_names_every_part(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     description = " ".join(capsys.readouterr().out.split("options:")[0].split())
-    for part in ("mixtral_tiny.safetensors", "with --fp8, the layer's FP8 twin", "Qwen3-30B-A3B",
+    for part in ("mixtral_tiny.safetensors", "with --fp8, the layer's FP8 twin", "with --mxfp4, the layer's MXFP4 twin",
+                 "gpt-oss-120b-shaped layer", "Qwen3-30B-A3B",
                  "DeepSeek-V3-shaped layer", "DeepseekV3MoE", "the core GEMM, onegemm.matmul"):
         assert part in description, part
 
@@ -94,3 +97,16 @@ def test_a_partial_benchmark_run_keeps_the_sections_it_did_not_measure(tmp_path)
                          check=True).stdout
     assert out == ("## A one\n\n_Kept from the run at abc1234 (D0): not re-measured by the run above._\n\nold a\n\n"
                    "## B two\n\n_Kept from the run at e1 (d1): not re-measured by the run above._\n\nold b\n\n''")
+
+
+def test_main_job_mxfp4_section(device, capsys):
+    """--mxfp4's part: the stored layer's MXFP4 twin within the bf16 bound of float64 on the
+    same 4-bit values, and the format's calc_diff printed."""
+    layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, top_k=2, device=device)
+    x = torch.randn(16, layer.gate_weight.shape[1], device=device).to(layer.w_gate_up.dtype)
+    weights, ids = onegemm.route(layer.router_logits(x), 2)
+    with torch.inference_mode():
+        assert mxfp4_section(x, weights, ids, layer, gpu=False)  # (gpu=True adds only timings)
+    out = capsys.readouterr().out
+    assert "relative error against float64 of the same MXFP4 values" in out and "calc_diff" in out
+
