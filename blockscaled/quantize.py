@@ -522,3 +522,15 @@ def quantize_mxfp4(w: torch.Tensor):
     codes = torch.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi) | (torch.signbit(x).long() << 3)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).flatten(-2)
     return packed.view(MXFP4), s.to(torch.uint8).view(MXFP4_SCALE)
+
+
+def dequantize_mxfp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """quantize_mxfp4's inverse in torch: q float4_e2m1fn_x2 [..., K/2] and scale
+    float8_e8m0fnu [..., K/32] -> [..., K] in ``dtype`` (exact where ``dtype`` holds the values;
+    e8m0's 255 gives NaN)."""
+    codes = q.view(torch.uint8)
+    codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
+    table = torch.tensor(_E2M1 + tuple(-v for v in _E2M1), device=q.device)
+    s = scale.view(torch.uint8).float()
+    factor = torch.where(s == 255, torch.nan, torch.exp2(s - 127))
+    return (table[codes].unflatten(-1, (-1, MXFP4_BLOCK)) * factor[..., None]).flatten(-2).to(dtype)

@@ -10,6 +10,7 @@ from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
+from ..blockscaled.quantize import dequantize_mxfp4
 from ..core.scaling import (BLOCKS, COL, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling,
                             read_granularity)
 from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
@@ -297,8 +298,8 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     K, the first in the lower nibble) with ``scale_b [G, K / 32, N]`` of dtype
     torch.float8_e8m0fnu (2^(s - 127) per 32 values along K), no scale_a: the transpose(1, 2)
     of gpt-oss's ``*_blocks`` (flattened to [G, N, K / 2]) and ``*_scales``. The weights are
-    dequantised to a's dtype in core's K loop (pointer loads); output in a's dtype. Not
-    differentiable.
+    dequantised to a's dtype in core's K loop (pointer loads); output in a's dtype.
+    Differentiable in a and bias (the weights are frozen; a's gradient dequantises them).
 
     Differentiable in a, b and bias in every mode; each mode's backward is two other modes
     (docs/autograd.md); list mode in every a_i and b_i (each pair's backward is two list-mode
@@ -313,7 +314,8 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     fp8 = scale_a is not None or scale_b is not None
     if config is None:
         if fp8:
-            return GROUPED_FP8.call(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
+            op = GROUPED_MXFP4 if isinstance(b, torch.Tensor) and b.dtype == MXFP4 else GROUPED_FP8
+            return op.call(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
         return GROUPED.call(a, b, offs, bias, activation, out_dtype, check_offs, tma)
     if fp8:
         _fp8_no_grad(a, b, offs, scale_a, scale_b, bias)
@@ -462,8 +464,8 @@ def _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K):
 
 
 def _fp8_no_grad(a, b, offs, scale_a, scale_b, bias) -> None:
-    what = "grouped_matmul with an MXFP4 b" if b.dtype == MXFP4 else "grouped_matmul with scales (fp8)"
-    checks.check_not_differentiable(what, a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    checks.check_not_differentiable("grouped_matmul with scales (fp8)", a=a, b=b, scale_a=scale_a, scale_b=scale_b,
+                                    bias=bias)
 
 
 def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config=None, scale_a=None,
@@ -478,7 +480,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
     shape, out_dtype, args, scales, bound = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs,
                                                             scale_a, scale_b)
     fp8 = scales is not None
-    if fp8:
+    if fp8 and not args.get("mxfp4"):  # (an MXFP4 b's op has a gradient for a: GROUPED_MXFP4)
         _fp8_no_grad(a, b, offs, scale_a, scale_b, bias)
     # offs values are read on every call (check_offs, or offs on the CPU); the rest is metadata.
     check = None if bound is None else (lambda a, b, offs, *rest: check_offs_values(offs, *bound))
@@ -599,6 +601,39 @@ GROUPED = Op("grouped_mm", _grouped_impl, _grouped_fake, _grouped_setup, _groupe
 GROUPED_FP8 = Op("grouped_mm_fp8", _grouped_fp8_impl, _grouped_fp8_fake, tensors=6,
                  record=lambda a, b, offs, sa, sb, bias, *rest: grouped_record(a, b, offs, bias, *rest, None, sa, sb),
                  no_grad=lambda a, b, offs, sa, sb, bias, *rest: _fp8_no_grad(a, b, offs, sa, sb, bias))
+
+
+def _grouped_mxfp4_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
+                        scale_b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+                        out_dtype: Optional[torch.dtype], check_offs: Optional[bool], tma: Optional[bool]) -> torch.Tensor:
+    return GROUPED_MXFP4.direct(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
+
+
+def _grouped_mxfp4_setup(ctx, inputs, output):
+    a, b, offs, _, scale_b, bias = inputs[:6]
+    ctx.save_for_backward(b, offs, scale_b)
+    ctx.dtypes = (a.dtype, None if bias is None else bias.dtype)
+
+
+def _grouped_mxfp4_backward(ctx, grad):
+    """The weights are frozen (4-bit): da = grad @ W_g per group, W dequantised to a's dtype
+    for it (dx for adapters trained on a 4-bit base), and the bias's group sums."""
+    b, offs, scale_b = ctx.saved_tensors
+    a_dtype, bias_dtype = ctx.dtypes
+    da = dbias = None
+    if ctx.needs_input_grad[0]:
+        w = dequantize_mxfp4(b.transpose(1, 2), scale_b.transpose(1, 2), a_dtype)  # [G, N, K]
+        da = grouped_matmul(grad.to(a_dtype), w, offs, out_dtype=a_dtype)
+    if ctx.needs_input_grad[5]:
+        ones = torch.ones(1, grad.shape[0], device=grad.device, dtype=torch.float32)
+        dbias = grouped_matmul(ones, grad.float(), offs)[:, 0].to(bias_dtype)
+    return da, None, None, None, None, dbias, None, None, None, None
+
+
+# The MXFP4 (weight-only) 2D x 3D call: differentiable in a and bias, the weights frozen.
+GROUPED_MXFP4 = Op("grouped_mm_mxfp4", _grouped_mxfp4_impl, _grouped_fp8_fake, _grouped_mxfp4_setup,
+                   _grouped_mxfp4_backward, tensors=6, activation=6, differentiable=("a",),
+                   record=lambda a, b, offs, sa, sb, bias, *rest: grouped_record(a, b, offs, bias, *rest, None, sa, sb))
 
 
 def _list_mode(As, Bs, activation, out_dtype, config):

@@ -2,7 +2,8 @@
 every byte and every scale decoded as the OCP MX format and gpt-oss's checkpoints define them,
 against a table written here and against transformers' own decoder; the quantiser's scale
 rules, ties, clamping and sign of zero; a round trip of MXFP4 values. Then grouped_matmul with
-MXFP4 b (weight-only) against float64 of the dequantised experts, and what it refuses."""
+MXFP4 b (weight-only) against float64 of the dequantised experts, its gradients for a and bias,
+and what it refuses; moe_ffn, MoEFFN and quantize_experts with MXFP4 experts."""
 
 import math
 
@@ -210,12 +211,24 @@ def test_grouped_matmul_mxfp4_refuses(change, error, match, device):
         onegemm.grouped_matmul(args.pop("a"), args.pop("b"), args.pop("offs"), **args)
 
 
-def test_grouped_matmul_mxfp4_refuses_gradients(device):
-    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
-    a = torch.randn(8, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-    offs = torch.tensor([4, 8], device=device, dtype=torch.int32)
-    with pytest.raises(ValueError, match="MXFP4"):
-        onegemm.grouped_matmul(a, w4, offs, scale_b=s8)
+def test_grouped_matmul_mxfp4_gradients(device):
+    """The weights are frozen; a and bias get their gradients (a LoRA user's dx on a 4-bit
+    base), through the activation, against float64 autograd of the dequantised experts; rows
+    past offs[-1] get none."""
+    G, N, K = 3, 40, 96
+    w4, s8, b_ref = _mxfp4_experts(G, N, K, device)
+    sizes = [5, 0, 12]
+    a = torch.randn(sum(sizes) + 2, K, device=device).to(torch.bfloat16).requires_grad_()
+    bias = (torch.randn(G, N, device=device) * 0.1).to(torch.bfloat16).requires_grad_()
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    out = onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation="gelu")
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    a64, bias64 = a.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    grouped_mm_ref(a64, b_ref, offs, bias64, "gelu").backward(dy.double())
+    assert_close(a.grad, a64.grad, TOL[torch.bfloat16], "a.grad")
+    assert_close(bias.grad, bias64.grad, TOL[torch.bfloat16], "bias.grad")
+    assert (a.grad[sum(sizes):] == 0).all()
 
 
 def test_grouped_matmul_mxfp4_under_torch_compile(device):
