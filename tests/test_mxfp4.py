@@ -375,3 +375,26 @@ def test_quantize_experts_mxfp4_is_the_reference_format(device):
         onegemm.quantize_experts(w13, w2.float(), format="int4")
     with pytest.raises(ValueError, match="multiples of 32 for format='mxfp4'"):
         onegemm.quantize_experts(w13[:, :80, :48], w13.new_zeros(E, 48, 40), format="mxfp4")
+
+
+def test_moeffn_gpt_oss_mxfp4_passes_x_gradients(device):
+    """gpt-oss's MXFP4 layer is frozen but passes dx upstream (adapters on a 4-bit base): the
+    same dx as its twin holding the dequantised experts in bf16."""
+    E, H, I = 4, 64, 96
+    x, q13, q2, scales, _, _, (w13, w2) = _mxfp4_moe(9, H, I, E, 2, torch.bfloat16, device)
+    gate = torch.randn(E, H, device=device).to(torch.bfloat16)
+    extra = dict(gate_bias=torch.randn(E, device=device).to(torch.bfloat16),
+                 w_gate_up_bias=(torch.randn(E, 2 * I, device=device) * 0.1).to(torch.bfloat16),
+                 w_down_bias=(torch.randn(E, H, device=device) * 0.1).to(torch.bfloat16),
+                 swiglu_limit=7.0, scoring="topk_softmax", renormalize=False)
+    layer = onegemm.MoEFFN(gate, q13, q2, top_k=2, **scales, **extra)
+    twin = onegemm.MoEFFN(gate, w13.to(torch.bfloat16), w2.to(torch.bfloat16), top_k=2, **extra)
+    for p in twin.parameters():
+        p.requires_grad_(False)
+    dy = torch.randn(9, H, device=device, dtype=torch.bfloat16)
+    grads = []
+    for model in (layer, twin):
+        xg = x.detach().requires_grad_()
+        model(xg).backward(dy)
+        grads.append(xg.grad)
+    assert_close(grads[0], grads[1].double(), TOL[torch.bfloat16], "dx")
