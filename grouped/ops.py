@@ -317,7 +317,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
             op = GROUPED_MXFP4 if isinstance(b, torch.Tensor) and b.dtype == MXFP4 else GROUPED_FP8
             return op.call(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
         return GROUPED.call(a, b, offs, bias, activation, out_dtype, check_offs, tma)
-    if fp8:
+    if fp8 and b.dtype != MXFP4:  # (MXFP4 has gradients: begin refuses them with a forced config)
         _fp8_no_grad(a, b, offs, scale_a, scale_b, bias)
     begin(config, a, b, bias)
     record = grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config, scale_a, scale_b)

@@ -229,6 +229,8 @@ def test_grouped_matmul_mxfp4_gradients(device):
     assert_close(a.grad, a64.grad, TOL[torch.bfloat16], "a.grad")
     assert_close(bias.grad, bias64.grad, TOL[torch.bfloat16], "bias.grad")
     assert (a.grad[sum(sizes):] == 0).all()
+    with pytest.raises(ValueError, match="config must be None when gradients are recorded"):  # never dropped
+        onegemm.grouped_matmul(a, w4, offs, scale_b=s8, config=onegemm.core.configs.cfg(16, 32, 64, 4, 2))
 
 
 def test_grouped_matmul_mxfp4_under_torch_compile(device):
