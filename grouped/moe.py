@@ -21,8 +21,8 @@ from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch, 
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
 from ..core.scaling import BLOCKWISE, MXFP4, MXFP4_BLOCK, ROW_BLOCKS, SCALE_BLOCK
 from .kernels import NO_GROUPED_SCALES, grouped_scales
-from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_mxfp4_experts, expert_gemm,
-                        expert_launch, expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
+from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_mxfp4_experts, check_routing,
+                        expert_gemm, expert_launch, expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
 from .moe_train import MOE_FP8_TRAIN
 from .ops import combine, combine_launch, gather_quantize, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
@@ -306,9 +306,8 @@ def _check_moe_mxfp4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_sca
     checks.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16))
     if x_scale is not None:
         raise checks.bad_value("x_scale", "None with MXFP4 experts (weight-only: x is not quantised)", "a tensor")
-    (T, H), (E, two_i, _) = x.shape, w_gate_up.shape
-    check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H)
-    check_moe(x, x.new_empty(E, two_i, H), x.new_empty(E, H, two_i // 2), topk_weights, topk_ids)  # routing, devices
+    check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, x.shape[1])
+    check_routing(x, topk_weights, topk_ids)
     checks.check_same_device(x=x, w_gate_up=w_gate_up)
 
 

@@ -133,14 +133,20 @@ def check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=None, 
     checks.check_tensor("x", x, ndim=2, dtypes=x_dtypes)
     checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=weight_dtypes or (x.dtype,))
     checks.check_tensor("w_down", w_down, ndim=3, dtypes=weight_dtypes or (x.dtype,))
+    check_expert_weights(w_gate_up, w_down, x.shape[1])
+    check_routing(x, topk_weights, topk_ids)
+    checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down)
+
+
+def check_routing(x, topk_weights, topk_ids) -> None:
+    """topk_weights (float) and topk_ids (int32 / int64) [T, k] for x's T rows, on x's device."""
     checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=checks.FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
-    T, H = x.shape
-    check_expert_weights(w_gate_up, w_down, H)
+    T = x.shape[0]
     if topk_ids.shape[0] != T:
         raise checks.bad_shape("topk_ids", f"[T, k] with T = {T} (x's rows)", topk_ids.shape)
     checks.check_shape("topk_weights", topk_weights, topk_ids.shape, f"[T, k] = {list(topk_ids.shape)} (topk_ids' shape)")
-    checks.check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
+    checks.check_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
 def check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> None:
