@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import amax_input, fp8_grid, fp8_scale
+from .runtime import INTERPRET
 from .scaling import SCALE_BLOCK
 
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
@@ -156,6 +157,9 @@ class TileSpec(NamedTuple):
     SPLIT_K: K splits per tile. SA_ROWS, SB_COLS: rows / columns per block scale (``Scales``).
     SWIGLU: B holds gate then up columns; the tile writes silu(gate) * up (``gemm_tile``).
     B_MX4: B holds MXFP4 weights (``_mx4_k_block``), dequantised to A's dtype in the K loop.
+    MX4_TMA: with B_MX4 and pointer loads for A and C, B's packed bytes come through a tensor
+        descriptor (``make_operands``): the copy engine fills shared memory with no address or
+        mask arithmetic, which otherwise costs as much as the decode.
     """
 
     BLOCK_M: Any
@@ -173,6 +177,7 @@ class TileSpec(NamedTuple):
     SB_COLS: Any = 1
     SWIGLU: Any = False
     B_MX4: Any = False
+    MX4_TMA: Any = False
 
 
 @triton.jit
@@ -239,8 +244,20 @@ def make_operands(A, B, C, M, N, K, spec):
       B: over B [K, N] with [BLOCK_K, BLOCK_N] boxes, or, if B_K_CONTIG (stride0 == 1, i.e.
          B = W.t()), over W [N, K] with [BLOCK_N, BLOCK_K] boxes;
       C: over C [M, N] (stride1 == 1) with [BLOCK_M, BLOCK_N] boxes.
-    The host (core/tma.py) has checked the unit strides and the 16-byte alignment TMA needs.
+    MX4_TMA (A and C stay pointers): B's ptr becomes a descriptor over the packed weights as
+    stored, W [N, K/2] uint8 (B = W.t() viewed as [K/2, N], stride0 == 1), with
+    [BLOCK_N, BLOCK_K/2] boxes; with SWIGLU over [2, N, K/2] (gate rows, then up rows) with
+    [1, BLOCK_N/2, BLOCK_K/2] boxes. The host (core/tma.py) has checked the unit strides and the
+    16-byte alignment TMA needs.
     """
+    if spec.MX4_TMA:
+        HALF: tl.constexpr = spec.BLOCK_K // 2
+        if spec.SWIGLU:
+            b = tl.make_tensor_descriptor(B.ptr, [2, N, K // 2], [N * B.stride1, B.stride1, 1],
+                                          [1, spec.BLOCK_N // 2, HALF])
+        else:
+            b = tl.make_tensor_descriptor(B.ptr, [N, K // 2], [B.stride1, 1], [spec.BLOCK_N, HALF])
+        return A, Operand(b, B.stride0, B.stride1), C
     if spec.USE_TMA:
         BM: tl.constexpr = spec.BLOCK_M
         BN: tl.constexpr = spec.BLOCK_N
@@ -306,31 +323,46 @@ def _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM: tl.co
 
 
 @triton.jit
-def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX4: tl.constexpr):
+def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX4: tl.constexpr,
+                      MX4_TMA: tl.constexpr):
     """Pointer flavour: the pointers of A[rows, k] and B[k, cols] over the first K block (a
-    split's ``kb_lo``); B_MX4: of B's packed rows (two K each). int64: rows * stride passes
-    2^31 elements for tall or widely strided operands, and so can a split's first column
-    times a transposed A's K stride."""
+    split's ``kb_lo``); B_MX4: of B's packed rows (two K each); MX4_TMA: A's only (B is a
+    descriptor, b_ptrs None). int64: rows * stride passes 2^31 elements for tall or widely
+    strided operands, and so can a split's first column times a transposed A's K stride."""
     a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
-    if B_MX4:
-        b_rows = tl.arange(0, offs_k.shape[0] // 2)
-    else:
-        b_rows = offs_k
-    b_ptrs = B.ptr + b_rows[:, None] * B.stride0 + cols.to(tl.int64)[None, :] * B.stride1
+    b_ptrs = None
+    if not MX4_TMA:
+        if B_MX4:
+            b_rows = tl.arange(0, offs_k.shape[0] // 2)
+        else:
+            b_rows = offs_k
+        b_ptrs = B.ptr + b_rows[:, None] * B.stride0 + cols.to(tl.int64)[None, :] * B.stride1
     if SPLIT:  # without a range the code is the plain loop's, unchanged
         k_first = kb_lo.to(tl.int64) * offs_k.shape[0]
         a_ptrs += k_first * A.stride1
-        b_ptrs += (k_first // 2 if B_MX4 else k_first) * B.stride0
+        if not MX4_TMA:
+            b_ptrs += (k_first // 2 if B_MX4 else k_first) * B.stride0
     return a_ptrs, b_ptrs
 
 
 @triton.jit
-def _pointer_k_block(a_ptrs, b_ptrs, offs_k, k_remaining, kb, cols, scales, spec):
+def _pointer_k_block(a_ptrs, b_ptrs, B, offs_k, k_remaining, kb, cols, off_n, scales, spec):
     """Pointer flavour: the K block of A and B at the pointers, zero past K (``k_remaining``:
-    K left from the block's first column)."""
+    K left from the block's first column). MX4_TMA: B's packed block from its descriptor
+    (``make_operands``; the box past K/2 or N arrives zero-filled), columns from ``off_n``."""
     a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
     if spec.B_MX4:
-        b = _mx4_k_block(b_ptrs, scales.b, kb, cols, k_remaining, offs_k.shape[0], a.dtype)
+        HALF: tl.constexpr = spec.BLOCK_K // 2
+        if spec.MX4_TMA and spec.SWIGLU:
+            # gate and up rows interleaved, as the tile's columns are (``_gate_up``)
+            gate = tl.reshape(B.ptr.load([0, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
+            up = tl.reshape(B.ptr.load([1, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
+            packed = tl.reshape(tl.permute(tl.join(gate, up), (0, 2, 1)), (spec.BLOCK_N, HALF))
+        elif spec.MX4_TMA:
+            packed = B.ptr.load([off_n, kb * HALF])
+        else:
+            packed = tl.trans(tl.load(b_ptrs, mask=(2 * tl.arange(0, HALF))[:, None] < k_remaining, other=0))
+        b = _mx4_k_block(packed, scales.b, kb, cols, k_remaining, a.dtype)
     else:
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
     return a, b
@@ -347,33 +379,75 @@ def _e2m1(code):
     return tl.where((c & 8) != 0, -magnitude, magnitude)
 
 
+# e2m1 -> bf16 for 4 packed bytes (8 values) in one 32-bit register: each nibble's sign to
+# bit 15 and its 3 magnitude bits to bits 8-6 (bf16's low exponent bits and top mantissa bit)
+# make 2^-126 times its value (code 1, 0.5, a bf16 subnormal), which one mul.bf16x2 by 2^126
+# corrects exactly. $0, $1: the low nibbles' values (bytes 0-1, 2-3); $2, $3: the high ones'.
+_E2M1_PTX = tl.constexpr("""
+{
+.reg .b32 n, t, a, b, c;
+mov.b32 c, 0x7E807E80;
+and.b32 n, $4, 0x0F0F0F0F;
+prmt.b32 t, n, 0, 0x4140;
+shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, c;
+prmt.b32 t, n, 0, 0x4342;
+shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mul.rn.bf16x2 $1, a, c;
+shr.u32 n, $4, 4;
+and.b32 n, n, 0x0F0F0F0F;
+prmt.b32 t, n, 0, 0x4140;
+shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mul.rn.bf16x2 $2, a, c;
+prmt.b32 t, n, 0, 0x4342;
+shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mul.rn.bf16x2 $3, a, c;
+}
+""")
+_INTERPRET = tl.constexpr(INTERPRET)
+
+
 @triton.jit
-def _e8m0(s):
-    """fp32 2^(s - 127) of e8m0 scale bytes, exactly: s in the float's exponent field (s = 0,
-    2^-127, is the subnormal 0x00400000; s = 255 is NaN)."""
+def _e2m1_pairs(packed):
+    """bf16 values of the (low, high) nibbles of uint8 ``packed``, exactly. On the GPU a few
+    integer ops per 4 bytes (``_E2M1_PTX``): the arithmetic decode costs as much as the weight
+    stream at decode. The interpreter, which runs no PTX, decodes arithmetically."""
+    if _INTERPRET:
+        return _e2m1(packed & 0xF).to(tl.bfloat16), _e2m1(packed >> 4).to(tl.bfloat16)
+    return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _e8m0_bf16(s):
+    """bf16 2^(s - 127) of e8m0 scale bytes, exactly (s = 0 is the subnormal 0x0040, 255 NaN)."""
     s = s.to(tl.int32)
-    bits = tl.where(s == 0, 0x00400000, s << 23)
-    bits = tl.where(s == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
+    bits = tl.where(s == 0, 0x0040, s << 7)
+    bits = tl.where(s == 255, 0x7FC0, bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _mx4_k_block(b_ptrs, sb, kb, cols, k_remaining, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """MXFP4 B's K block kb as [BLOCK_K, BLOCK_N] values of ``dtype``: ``b_ptrs`` over its
-    BLOCK_K / 2 packed rows (uint8; row j holds K 2j in its lower nibble and 2j + 1 in its
-    upper one), ``sb`` an Operand over the e8m0 scales [K / 32, N] (one per 32 K of a
-    column). Exact: an e2m1 value times a power of two is a bf16 / fp16 value (fp16: within
-    its range)."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    SCALE_ROWS: tl.constexpr = BLOCK_K // 32
-    packed = tl.load(b_ptrs, mask=(2 * tl.arange(0, HALF))[:, None] < k_remaining, other=0)
-    BLOCK_N: tl.constexpr = packed.shape[1]
-    values = tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4))  # [HALF, BLOCK_N, 2]
-    values = tl.reshape(tl.permute(values, (0, 2, 1)), (SCALE_ROWS, 32, BLOCK_N))
-    srows = tl.arange(0, SCALE_ROWS)
-    s = tl.load(sb.ptr + (srows + kb * SCALE_ROWS).to(tl.int64)[:, None] * sb.stride0
-                + cols.to(tl.int64)[None, :] * sb.stride1, mask=(srows * 32 < k_remaining)[:, None], other=127)
-    return tl.reshape(values * _e8m0(s)[:, None, :], (BLOCK_K, BLOCK_N)).to(dtype)
+def _mx4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr):
+    """MXFP4 B's K block kb as [BLOCK_K, BLOCK_N] values of ``dtype`` from ``packed``
+    [BLOCK_N, BLOCK_K/2] uint8 (byte j of a column holds K 2j in its low nibble and 2j + 1 in
+    its high one) and ``sb``, an Operand over the e8m0 scales [K / 32, N] (one per 32 K of a
+    column). Exact: an e2m1 value times a power of two is a bf16 value (the product in bf16 is
+    that value; fp16: rounded once, as a conversion of it would be)."""
+    BLOCK_N: tl.constexpr = packed.shape[0]
+    BLOCK_K: tl.constexpr = 2 * packed.shape[1]
+    SCALE_COLS: tl.constexpr = BLOCK_K // 32
+    lo, hi = _e2m1_pairs(packed)
+    values = tl.reshape(tl.join(lo, hi), (BLOCK_N, SCALE_COLS, 32))
+    sk = tl.arange(0, SCALE_COLS)
+    s = tl.load(sb.ptr + cols.to(tl.int64)[:, None] * sb.stride1 + (sk + kb * SCALE_COLS).to(tl.int64)[None, :]
+                * sb.stride0, mask=(sk * 32 < k_remaining)[None, :], other=127)
+    scale = _e8m0_bf16(s)[:, :, None]
+    if _INTERPRET:  # the interpreter's bf16 products are garbage (docs/interpreter.md)
+        values = (values.to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16)
+    else:
+        values = values * scale
+    return tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K))).to(dtype)
 
 
 @triton.jit
@@ -433,7 +507,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
     sa_idx, sb_idx = _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM, SB_UNIFORM)
     offs_k = tl.arange(0, BLOCK_K)
     if not spec.USE_TMA:
-        a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None, spec.B_MX4)
+        a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None, spec.B_MX4,
+                                           spec.MX4_TMA)
     if kb_hi is None:
         kb_hi = tl.cdiv(K, BLOCK_K)
     if SCALED:
@@ -446,7 +521,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         if spec.USE_TMA:
             a, b = _tma_k_block(A, B, kb * BLOCK_K, off_m, off_n, spec)
         else:
-            a, b = _pointer_k_block(a_ptrs, b_ptrs, offs_k, K - kb * BLOCK_K, kb, cols, scales, spec)
+            a, b = _pointer_k_block(a_ptrs, b_ptrs, B, offs_k, K - kb * BLOCK_K, kb, cols, off_n, scales, spec)
         if spec.UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -469,7 +544,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
             col_scale = next_col
         if not spec.USE_TMA:
             a_ptrs += BLOCK_K * A.stride1
-            b_ptrs += (BLOCK_K // 2 if spec.B_MX4 else BLOCK_K) * B.stride0
+            if not spec.MX4_TMA:
+                b_ptrs += (BLOCK_K // 2 if spec.B_MX4 else BLOCK_K) * B.stride0
     return acc
 
 

@@ -16,7 +16,7 @@ from ..core.scaling import (BLOCKS, COL, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, R
 from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
-from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
+from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma, tma_hardware
 from .configs import ListKey, RaggedKey, gather_col_blocks
 from .kernels import (NO_GROUPED_SCALES, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
                       ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
@@ -166,7 +166,28 @@ def _bias_operand(bias):
     return Operand(bias, *bias.stride()) if bias.dim() == 2 else Operand(bias, 0, bias.stride(0))
 
 
-def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3, mxfp4=False):
+def _mx4_flavour(tma, b, strides_b) -> str:
+    """How an MXFP4 b's packed bytes are read: "tma" (tiles.TileSpec.MX4_TMA: a descriptor
+    over each expert's weights as stored, [N, K/2] rows) or "ptr" (pointer loads). The view b
+    [G, K/2, N] needs unit stride along K/2 and 16-byte aligned base, row and group strides.
+    Automatic (tma=None): TMA on a Hopper GPU where b allows it; the interpreter, which runs
+    descriptors too, defaults to pointers, as for every other operand."""
+    if tma is False or (tma is None and (INTERPRET or not b.is_cuda)):
+        return "ptr"
+    reason = None
+    if not tma_hardware(b.device):
+        reason = f"TMA needs a Hopper (sm_90) or newer GPU, the operands are on {b.device}"
+    elif strides_b[1] != 1 or strides_b[2] % 16 or strides_b[0] % 16 or b.data_ptr() % 16:
+        reason = (f"an MXFP4 b through TMA is the weights as stored ([G, N, K/2] rows, b = w.transpose(1, 2)) with "
+                  f"16-byte aligned rows; b has strides {tuple(strides_b)} and data_ptr % 16 = {b.data_ptr() % 16}")
+    if reason is None:
+        return "tma"
+    if tma:
+        raise no_tma(reason)
+    return "ptr"
+
+
+def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     """core.tma.choose_tma for one group, plus what per-group base pointers add.
 
     Group g's operands start at base + g * stride_g + start * stride (start read on the device),
@@ -181,8 +202,6 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3, mxfp4=False):
     reason = None
     if gather or swiglu:
         reason = "a row gather / SwiGLU tile reads through pointers"
-    elif mxfp4:
-        reason = "MXFP4 b is read through pointers (its K loop unpacks two values per byte)"
     elif ragged == "N":
         reason = "offs over N shift the output's group bases by single elements (TMA needs 16-byte alignment)"
     elif any(st[0] % (16 // t.element_size()) for st, t in zip(strides3, (a, b, c))):
@@ -215,7 +234,7 @@ def ragged_launch(
     core/scaling.py Scaling (scale_a 1x128 or row, scale_b 128x128 or col; ``fp8_out`` when
     C is fp8 and the tiles write its 1x128 scales, ``scales.out``); None without scales.
     mxfp4: b is MXFP4 (uint8 pairs of e2m1 values along K) and ``scales.b`` its e8m0 scales,
-    dequantised in the K loop (pointer loads). rows_per_group: what the config is chosen for
+    dequantised in the K loop; a and c through pointers, b as ``_mx4_flavour`` says. rows_per_group: what the config is chosen for
     (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
@@ -225,18 +244,20 @@ def ragged_launch(
     if scaling is not None and config is not None and config.kwargs.get("BLOCK_K") != SCALE_BLOCK:
         raise checks.bad_value("config", f"a config with BLOCK_K = {SCALE_BLOCK} (the scale block) for an FP8 grouped GEMM",
                                f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
-    layout = _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu, (strides_a, strides_b, strides_c), mxfp4)
+    mx4 = _mx4_flavour(tma, b, strides_b) if mxfp4 else ""
+    layout = None if mxfp4 else _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu,
+                                             (strides_a, strides_b, strides_c))
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
     routing = Routing(a_rows, c_rows, weight)
     strides = (strides_a, strides_b, strides_c)
     own = lambda c: ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K)  # noqa: E731
     plan = RAGGED.plan_for(Request(
         RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
-                          configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling, mxfp4),
+                          configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling, mx4),
         dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
              PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
              SA_ROWS=1 if scaling is None else scaling.sa_rows, SB_COLS=1 if scaling is None else scaling.sb_cols,
-             B_MX4=mxfp4, **layout_meta(layout)),
+             B_MX4=mxfp4, MX4_TMA=mx4 == "tma", **layout_meta(layout)),
         a.device, forced_flavour(config, layout),
         lambda plan: Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own).run(c),
     ))

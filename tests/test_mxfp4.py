@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import onegemm
+from onegemm.core import launch
+from onegemm.grouped import ops as grouped_ops
 from onegemm.testing import (
     E2M1_MAGNITUDES,
     MXFP4_BLOCK,
@@ -163,19 +165,26 @@ MXFP4_CASES = [
 ]
 
 
-@pytest.mark.parametrize("sizes,N,K,dtype,with_bias,layout", MXFP4_CASES)
-def test_grouped_matmul_mxfp4_matches_reference(sizes, N, K, dtype, with_bias, layout, device):
+# each case with b's bytes read both ways: pointers, and a descriptor over the weights as stored
+# (the interpreter runs descriptors too); an N-major b has no descriptor (tma=True refuses it)
+MXFP4_FLAVOURED = [pytest.param(*case.values, tma, id=f"{case.id}-{name}") for case in MXFP4_CASES
+                   for tma, name in ((None, "auto"), (False, "pointers"), (True, "tma"))
+                   if not (tma and case.values[-1] == "n_major")]
+
+
+@pytest.mark.parametrize("sizes,N,K,dtype,with_bias,layout,tma", MXFP4_FLAVOURED)
+def test_grouped_matmul_mxfp4_matches_reference(sizes, N, K, dtype, with_bias, layout, tma, device):
     G = len(sizes)
     w4, s8, b_ref = _mxfp4_experts(G, N, K, device, layout)
     a = torch.randn(sum(sizes) + 3, K, device=device).to(dtype)  # 3 rows past offs[-1]
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
     bias = torch.randn(G, N, device=device).to(dtype) if with_bias else None
     act = "gelu" if with_bias else None
-    out = onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation=act)
+    out = onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation=act, tma=tma)
     assert out.dtype == dtype and out.shape == (a.shape[0], N)
     assert_close(out, grouped_mm_ref(a.double(), b_ref, offs, bias, act), TOL[dtype])
     assert (out[sum(sizes):] == 0).all()
-    assert torch.equal(onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation=act), out)
+    assert torch.equal(onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation=act, tma=tma), out)
 
 
 def test_grouped_matmul_mxfp4_nan_scale(device):
@@ -197,7 +206,8 @@ MXFP4_BAD = [
     (lambda a, w4, s8: dict(scale_b=s8[:, :1]), ValueError, r"scale_b .*\[G, K / 32, N\]"),
     (lambda a, w4, s8: dict(a=a[:, :32]), ValueError, "MXFP4 \\[G, K / 2, N\\] with K = 32"),
     (lambda a, w4, s8: dict(a=a.reshape(2, 4, 64), offs=None), ValueError, "only in the 2D x 3D mode"),
-    (lambda a, w4, s8: dict(tma=True), ValueError, "MXFP4 b is read through pointers"),
+    (lambda a, w4, s8: dict(b=w4.view(torch.uint8).contiguous().view(torch.float4_e2m1fn_x2), tma=True), ValueError,
+     "MXFP4 b through TMA is the weights as stored"),
 ]
 
 
@@ -271,8 +281,19 @@ MXFP4_MOE_CASES = [
 ]
 
 
+@pytest.fixture(params=["pointers", "tma"])
+def mx4_flavour(request, monkeypatch):
+    """moe_ffn's MXFP4 GEMMs with their weight bytes read one way, forced (grouped/ops.py
+    _mx4_flavour; moe_ffn has no tma argument). The interpreter runs descriptors too."""
+    real = grouped_ops._mx4_flavour
+    monkeypatch.setattr(grouped_ops, "_mx4_flavour", lambda tma, b, strides: real(request.param == "tma", b, strides))
+    launch.clear_plans()  # records built under the other flavour
+    yield request.param
+    launch.clear_plans()
+
+
 @pytest.mark.parametrize("T,H,I,E,k,dtype,foreign", MXFP4_MOE_CASES)
-def test_moe_ffn_mxfp4_matches_reference(T, H, I, E, k, dtype, foreign, device):
+def test_moe_ffn_mxfp4_matches_reference(T, H, I, E, k, dtype, foreign, mx4_flavour, device):
     x, q13, q2, scales, weights, ids, (w13, w2) = _mxfp4_moe(T, H, I, E, k, dtype, device, foreign)
     y = onegemm.moe_ffn(x, q13, q2, weights, ids, **scales)
     assert y.dtype == dtype and y.shape == (T, H)
