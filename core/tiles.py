@@ -258,7 +258,7 @@ def make_operands(A, B, C, M, N, K, spec):
         else:
             b = tl.make_tensor_descriptor(B.ptr, [N, K // 2], [B.stride1, 1], [spec.BLOCK_N, HALF])
         return A, Operand(b, B.stride0, B.stride1), C
-    if spec.USE_TMA:
+    elif spec.USE_TMA:
         BM: tl.constexpr = spec.BLOCK_M
         BN: tl.constexpr = spec.BLOCK_N
         BK: tl.constexpr = spec.BLOCK_K
@@ -326,11 +326,11 @@ def _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM: tl.co
 def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX4: tl.constexpr,
                       MX4_TMA: tl.constexpr):
     """Pointer flavour: the pointers of A[rows, k] and B[k, cols] over the first K block (a
-    split's ``kb_lo``); B_MX4: of B's packed rows (two K each); MX4_TMA: A's only (B is a
-    descriptor, b_ptrs None). int64: rows * stride passes 2^31 elements for tall or widely
+    split's ``kb_lo``); B_MX4: of B's packed rows (two K each); MX4_TMA: A's, and B's descriptor
+    itself (``make_operands``), which is read by coordinates. int64: rows * stride passes 2^31 elements for tall or widely
     strided operands, and so can a split's first column times a transposed A's K stride."""
     a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
-    b_ptrs = None
+    b_ptrs = B.ptr
     if not MX4_TMA:
         if B_MX4:
             b_rows = tl.arange(0, offs_k.shape[0] // 2)
@@ -346,20 +346,20 @@ def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX
 
 
 @triton.jit
-def _pointer_k_block(a_ptrs, b_ptrs, B, offs_k, k_remaining, kb, cols, off_n, scales, spec):
+def _pointer_k_block(a_ptrs, b_ptrs, offs_k, k_remaining, kb, cols, off_n, scales, spec):
     """Pointer flavour: the K block of A and B at the pointers, zero past K (``k_remaining``:
     K left from the block's first column). MX4_TMA: B's packed block from its descriptor
-    (``make_operands``; the box past K/2 or N arrives zero-filled), columns from ``off_n``."""
+    ``b_ptrs`` (the box past K/2 or N arrives zero-filled), columns from ``off_n``."""
     a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
     if spec.B_MX4:
         HALF: tl.constexpr = spec.BLOCK_K // 2
         if spec.MX4_TMA and spec.SWIGLU:
             # gate and up rows interleaved, as the tile's columns are (``_gate_up``)
-            gate = tl.reshape(B.ptr.load([0, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
-            up = tl.reshape(B.ptr.load([1, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
+            gate = tl.reshape(b_ptrs.load([0, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
+            up = tl.reshape(b_ptrs.load([1, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
             packed = tl.reshape(tl.permute(tl.join(gate, up), (0, 2, 1)), (spec.BLOCK_N, HALF))
         elif spec.MX4_TMA:
-            packed = B.ptr.load([off_n, kb * HALF])
+            packed = b_ptrs.load([off_n, kb * HALF])
         else:
             packed = tl.trans(tl.load(b_ptrs, mask=(2 * tl.arange(0, HALF))[:, None] < k_remaining, other=0))
         b = _mx4_k_block(packed, scales.b, kb, cols, k_remaining, a.dtype)
@@ -521,7 +521,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         if spec.USE_TMA:
             a, b = _tma_k_block(A, B, kb * BLOCK_K, off_m, off_n, spec)
         else:
-            a, b = _pointer_k_block(a_ptrs, b_ptrs, B, offs_k, K - kb * BLOCK_K, kb, cols, off_n, scales, spec)
+            a, b = _pointer_k_block(a_ptrs, b_ptrs, offs_k, K - kb * BLOCK_K, kb, cols, off_n, scales, spec)
         if spec.UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
