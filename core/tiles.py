@@ -327,8 +327,9 @@ def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX
                       MX4_TMA: tl.constexpr):
     """Pointer flavour: the pointers of A[rows, k] and B[k, cols] over the first K block (a
     split's ``kb_lo``); B_MX4: of B's packed rows (two K each); MX4_TMA: A's, and B's descriptor
-    itself (``make_operands``), which is read by coordinates. int64: rows * stride passes 2^31 elements for tall or widely
-    strided operands, and so can a split's first column times a transposed A's K stride."""
+    itself (``make_operands``), which is read by coordinates. int64: rows * stride passes 2^31
+    elements for tall or widely strided operands, and so can a split's first column times a
+    transposed A's K stride."""
     a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
     b_ptrs = B.ptr
     if not MX4_TMA:

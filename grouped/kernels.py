@@ -220,8 +220,7 @@ def ragged_kernel(
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
         A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
         edges, which is what the masks do for pointers (not with a gather or SWIGLU; the host
-        decides). A scattered C is still stored through pointers. MX4_TMA: only B (MXFP4) through
-        a descriptor over each group's packed weights (tiles.make_operands).
+        decides). A scattered C is still stored through pointers. MX4_TMA: B (MXFP4) alone.
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values:
       "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT); "N": cdiv(M, BLOCK_M) *
       (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
@@ -230,8 +229,7 @@ def ragged_kernel(
     past the total) every element of C is written as NaN: never a silent wrong answer.
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_MX4=B_MX4,
-                                  MX4_TMA=MX4_TMA)
+                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_MX4=B_MX4, MX4_TMA=MX4_TMA)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     g, start, pid_m, pid_n, valid, bad, M_g, N_g, K_g = _ragged_tile(
         tl.program_id(0), offs, G, M, N, K, RAGGED, BLOCK_M, BLOCK_N, BLOCK_N_OUT, GROUP_M, G_BLOCK)

@@ -234,8 +234,8 @@ def ragged_launch(
     core/scaling.py Scaling (scale_a 1x128 or row, scale_b 128x128 or col; ``fp8_out`` when
     C is fp8 and the tiles write its 1x128 scales, ``scales.out``); None without scales.
     mxfp4: b is MXFP4 (uint8 pairs of e2m1 values along K) and ``scales.b`` its e8m0 scales,
-    dequantised in the K loop; a and c through pointers, b as ``_mx4_flavour`` says. rows_per_group: what the config is chosen for
-    (default M). tma: None (TMA on Hopper where
+    dequantised in the K loop; a and c through pointers, b as ``_mx4_flavour`` says.
+    rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
     build: the launch's argument builder ``build(c, *tensors)`` for a record that launches it
