@@ -7,6 +7,7 @@
   whose float64 scores nearly tie (which fp32 may order either way);
 * ``assert_moe_fp8_close``: the FP8 expert FFN against ``moe_fp8_ref``, allowing for SwiGLU
   outputs that sit on an FP8 rounding midpoint (which fp32 may round either way);
+* ``int4_dequantize_ref``: compressed-tensors' INT4 (pack-quantized) weights in float64.
 * ``mxfp4_quantize_ref`` / ``mxfp4_dequantize_ref``: the MXFP4 format gpt-oss stores its
   experts in, in float64 (what 4-bit kernels are checked against);
 * ``moe_ffn_torch``: the expert FFN in plain torch (the benchmarks' peer);
@@ -388,6 +389,21 @@ def mxfp4_dequantize_ref(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Te
     values = table[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0).double()
     scale = torch.where(scales == 255, math.nan, torch.exp2(scales.double() - 127))
     return (values * scale[..., None]).flatten(-2)
+
+
+def int4_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 [..., rows, K] of INT4 weights as compressed-tensors' symmetric pack-quantized
+    format stores them: ``packed`` int32 [..., rows, K / 8] (value j of a word in bits 4j..4j+3
+    as value + 8) and ``scales`` [..., rows, K / group] (any float dtype), word by word."""
+    if packed.dtype != torch.int32 or packed.shape[:-1] != scales.shape[:-1] or \
+            (packed.shape[-1] * 8) % max(scales.shape[-1], 1):
+        raise ValueError(f"packed must be int32 [..., K / 8] and scales [..., K / group], got {packed.dtype} "
+                         f"{tuple(packed.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    words = packed.long() & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=packed.device)
+    values = ((words[..., None] >> shifts) & 0xF).double() - 8  # [..., K / 8, 8]
+    values = values.flatten(-2)
+    return (values.unflatten(-1, (scales.shape[-1], -1)) * scales.double()[..., None]).flatten(-2)
 
 
 def mxfp4_quantize_ref(w: torch.Tensor, scale_rounding: str = "floor"):

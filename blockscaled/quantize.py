@@ -31,7 +31,8 @@ from ..core.dispatch import Cached, Launch, Op
 from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import BLOCKS, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity
+from ..core.scaling import (BLOCKS, INT4, INT4_MIN_GROUP, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK,
+                             TENSOR, Granularity)
 from .configs import QuantKey
 
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
@@ -534,3 +535,34 @@ def dequantize_mxfp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     s = scale.view(torch.uint8).float()
     factor = torch.where(s == 255, torch.nan, torch.exp2(s - 127))
     return (table[codes].unflatten(-1, (-1, MXFP4_BLOCK)) * factor[..., None]).flatten(-2).to(dtype)
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | None = None):
+    """w [..., K] (fp32, bf16, fp16; K a multiple of ``group``, a power of two >= 32) -> INT4 as
+    compressed-tensors' symmetric "pack-quantized" format stores it: (q int32 [..., K/8], scale
+    [..., K/group] in ``scale_dtype``, default w's dtype). Each group's scale is amax / 7.5
+    (the range -8..7 over 15 steps; an all-zero group 1), rounded to scale_dtype; each value
+    round(w / scale) (half to even) clamped to -8..7, stored as value + 8, eight per int32
+    along K, the first in the lowest 4 bits."""
+    checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES)
+    if group < INT4_MIN_GROUP or group & (group - 1):
+        raise checks.bad_value("group", f"a power of two >= {INT4_MIN_GROUP}", group)
+    if w.dim() == 0 or w.shape[-1] % group:
+        raise checks.bad_shape("w", f"[..., K] with K a multiple of group ({group})", w.shape)
+    x = w.detach().float().unflatten(-1, (-1, group))
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 7.5, 1.0).to(scale_dtype or w.dtype)
+    codes = (torch.round(x / scale.float()[..., None]).clamp(-8, 7) + 8).to(torch.int32).flatten(-2)
+    shifts = torch.arange(0, 32, 4, device=w.device, dtype=torch.int32)
+    packed = (codes.unflatten(-1, (-1, 8)) << shifts).sum(-1, dtype=torch.int64)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(INT4)  # the int32 bit pattern
+    return packed, scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """quantize_int4's inverse in torch: q int32 [..., K/8] and scale [..., K/group] ->
+    [..., K] in ``dtype``: (code - 8) * scale in fp32, rounded once to ``dtype``."""
+    codes = torch.stack([(q.view(torch.uint8) & 0xF), q.view(torch.uint8) >> 4], dim=-1).flatten(-2)
+    values = codes.float() - 8
+    group = values.shape[-1] // scale.shape[-1]
+    return (values.unflatten(-1, (-1, group)) * scale.float()[..., None]).flatten(-2).to(dtype)

@@ -21,10 +21,21 @@ from .runtime import cdiv
 SCALE_BLOCK = 128
 # MXFP4 weights (OCP MX, as gpt-oss stores its experts): two e2m1 values per element along K
 # (the first in the lower nibble), one e8m0 power-of-two scale per MXFP4_BLOCK values
-# (core/tiles.py's _mx4_k_block decodes them).
+# (core/tiles.py's _w4_k_block decodes them).
 MXFP4 = torch.float4_e2m1fn_x2
 MXFP4_SCALE = torch.float8_e8m0fnu
 MXFP4_BLOCK = 32
+# INT4 weights (W4A16, compressed-tensors' symmetric "pack-quantized" format): eight values per
+# int32 along K, the first in the lowest 4 bits, each stored as value + 8 (0..15 for -8..7), so
+# the int32's bytes hold two values each, the first in the lower nibble, as MXFP4's do. One
+# 16-bit or fp32 scale per group of G values along K, G a power of two from INT4_MIN_GROUP.
+INT4 = torch.int32
+INT4_MIN_GROUP = 32
+
+
+def weight_4bit(w: torch.Tensor) -> str:
+    """The 4-bit weight format a packed tensor's dtype names: "mxfp4", "int4", or ""."""
+    return "mxfp4" if w.dtype == MXFP4 else "int4" if w.dtype == INT4 else ""
 
 
 class Granularity(NamedTuple):

@@ -156,8 +156,9 @@ class TileSpec(NamedTuple):
         (``make_operands``). WARP_SPECIALIZE: the warp-specialised K loop (``mma_k_loop``).
     SPLIT_K: K splits per tile. SA_ROWS, SB_COLS: rows / columns per block scale (``Scales``).
     SWIGLU: B holds gate then up columns; the tile writes silu(gate) * up (``gemm_tile``).
-    B_MX4: B holds MXFP4 weights (``_mx4_k_block``), dequantised to A's dtype in the K loop.
-    MX4_TMA: with B_MX4 and pointer loads for A and C, B's packed bytes come through a tensor
+    B_W4: B holds 4-bit weights, "mxfp4" or "int4" (core/scaling.py; ``_w4_k_block``), two per
+        byte along K, dequantised to A's dtype in the K loop; W4_GROUP values along K per scale.
+    W4_TMA: with B_W4 and pointer loads for A and C, B's packed bytes come through a tensor
         descriptor (``make_operands``): the copy engine fills shared memory with no address or
         mask arithmetic, which otherwise costs as much as the decode.
     """
@@ -176,8 +177,9 @@ class TileSpec(NamedTuple):
     SA_ROWS: Any = 1
     SB_COLS: Any = 1
     SWIGLU: Any = False
-    B_MX4: Any = False
-    MX4_TMA: Any = False
+    B_W4: Any = None
+    W4_GROUP: Any = 32
+    W4_TMA: Any = False
 
 
 @triton.jit
@@ -244,13 +246,13 @@ def make_operands(A, B, C, M, N, K, spec):
       B: over B [K, N] with [BLOCK_K, BLOCK_N] boxes, or, if B_K_CONTIG (stride0 == 1, i.e.
          B = W.t()), over W [N, K] with [BLOCK_N, BLOCK_K] boxes;
       C: over C [M, N] (stride1 == 1) with [BLOCK_M, BLOCK_N] boxes.
-    MX4_TMA (A and C stay pointers): B's ptr becomes a descriptor over the packed weights as
+    W4_TMA (A and C stay pointers): B's ptr becomes a descriptor over the packed weights as
     stored, W [N, K/2] uint8 (B = W.t() viewed as [K/2, N], stride0 == 1), with
     [BLOCK_N, BLOCK_K/2] boxes; with SWIGLU over [2, N, K/2] (gate rows, then up rows) with
     [1, BLOCK_N/2, BLOCK_K/2] boxes. The host (core/tma.py) has checked the unit strides and the
     16-byte alignment TMA needs.
     """
-    if spec.MX4_TMA:
+    if spec.W4_TMA:
         HALF: tl.constexpr = spec.BLOCK_K // 2
         if spec.SWIGLU:
             b = tl.make_tensor_descriptor(B.ptr, [2, N, K // 2], [N * B.stride1, B.stride1, 1],
@@ -323,17 +325,17 @@ def _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM: tl.co
 
 
 @triton.jit
-def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX4: tl.constexpr,
-                      MX4_TMA: tl.constexpr):
+def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, W4: tl.constexpr,
+                      W4_TMA: tl.constexpr):
     """Pointer flavour: the pointers of A[rows, k] and B[k, cols] over the first K block (a
-    split's ``kb_lo``); B_MX4: of B's packed rows (two K each); MX4_TMA: A's, and B's descriptor
+    split's ``kb_lo``); W4: of B's packed rows (two K each); W4_TMA: A's, and B's descriptor
     itself (``make_operands``), which is read by coordinates. int64: rows * stride passes 2^31
     elements for tall or widely strided operands, and so can a split's first column times a
     transposed A's K stride."""
     a_ptrs = A.ptr + rows.to(tl.int64)[:, None] * A.stride0 + offs_k[None, :] * A.stride1
     b_ptrs = B.ptr
-    if not MX4_TMA:
-        if B_MX4:
+    if not W4_TMA:
+        if W4:
             b_rows = tl.arange(0, offs_k.shape[0] // 2)
         else:
             b_rows = offs_k
@@ -341,29 +343,29 @@ def _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, SPLIT: tl.constexpr, B_MX
     if SPLIT:  # without a range the code is the plain loop's, unchanged
         k_first = kb_lo.to(tl.int64) * offs_k.shape[0]
         a_ptrs += k_first * A.stride1
-        if not MX4_TMA:
-            b_ptrs += (k_first // 2 if B_MX4 else k_first) * B.stride0
+        if not W4_TMA:
+            b_ptrs += (k_first // 2 if W4 else k_first) * B.stride0
     return a_ptrs, b_ptrs
 
 
 @triton.jit
 def _pointer_k_block(a_ptrs, b_ptrs, offs_k, k_remaining, kb, cols, off_n, scales, spec):
     """Pointer flavour: the K block of A and B at the pointers, zero past K (``k_remaining``:
-    K left from the block's first column). MX4_TMA: B's packed block from its descriptor
+    K left from the block's first column). W4_TMA: B's packed block from its descriptor
     ``b_ptrs`` (the box past K/2 or N arrives zero-filled), columns from ``off_n``."""
     a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
-    if spec.B_MX4:
+    if spec.B_W4 is not None:
         HALF: tl.constexpr = spec.BLOCK_K // 2
-        if spec.MX4_TMA and spec.SWIGLU:
+        if spec.W4_TMA and spec.SWIGLU:
             # gate and up rows interleaved, as the tile's columns are (``_gate_up``)
             gate = tl.reshape(b_ptrs.load([0, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
             up = tl.reshape(b_ptrs.load([1, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
             packed = tl.reshape(tl.permute(tl.join(gate, up), (0, 2, 1)), (spec.BLOCK_N, HALF))
-        elif spec.MX4_TMA:
+        elif spec.W4_TMA:
             packed = b_ptrs.load([off_n, kb * HALF])
         else:
             packed = tl.trans(tl.load(b_ptrs, mask=(2 * tl.arange(0, HALF))[:, None] < k_remaining, other=0))
-        b = _mx4_k_block(packed, scales.b, kb, cols, k_remaining, a.dtype)
+        b = _w4_k_block(packed, scales.b, kb, cols, k_remaining, a.dtype, spec.B_W4, spec.W4_GROUP)
     else:
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
     return a, b
@@ -429,25 +431,34 @@ def _e8m0_bf16(s):
 
 
 @triton.jit
-def _mx4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr):
-    """MXFP4 B's K block kb as [BLOCK_K, BLOCK_N] values of ``dtype`` from ``packed``
+def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: tl.constexpr, GROUP: tl.constexpr):
+    """4-bit B's K block kb as [BLOCK_K, BLOCK_N] values of ``dtype`` from ``packed``
     [BLOCK_N, BLOCK_K/2] uint8 (byte j of a column holds K 2j in its low nibble and 2j + 1 in
-    its high one) and ``sb``, an Operand over the e8m0 scales [K / 32, N] (one per 32 K of a
-    column). Exact: an e2m1 value times a power of two is a bf16 value (the product in bf16 is
-    that value; fp16: rounded once, as a conversion of it would be)."""
+    its high one) and ``sb``, an Operand over the scales [K / GROUP, N] (one per GROUP K of a
+    column). FORMAT "mxfp4": e2m1 values, e8m0 scales, exact (an e2m1 value times a power of
+    two is a bf16 value; fp16: rounded once, as a conversion of it would be). "int4": nibble - 8
+    times the scale in fp32, rounded once to ``dtype``."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     BLOCK_K: tl.constexpr = 2 * packed.shape[1]
-    SCALE_COLS: tl.constexpr = BLOCK_K // 32
-    lo, hi = _e2m1_pairs(packed)
-    values = tl.reshape(tl.join(lo, hi), (BLOCK_N, SCALE_COLS, 32))
-    sk = tl.arange(0, SCALE_COLS)
-    s = tl.load(sb.ptr + cols.to(tl.int64)[:, None] * sb.stride1 + (sk + kb * SCALE_COLS).to(tl.int64)[None, :]
-                * sb.stride0, mask=(sk * 32 < k_remaining)[None, :], other=127)
-    scale = _e8m0_bf16(s)[:, :, None]
-    if _INTERPRET:  # the interpreter's bf16 products are garbage (docs/interpreter.md)
-        values = (values.to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16)
+    # the K block's scale groups; a group longer than the block gives one sub-block
+    SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
+    GROUPS: tl.constexpr = BLOCK_K // SUB
+    sk = tl.arange(0, GROUPS)
+    first = kb * BLOCK_K + sk * SUB
+    s = tl.load(sb.ptr + cols.to(tl.int64)[:, None] * sb.stride1 + (first // GROUP).to(tl.int64)[None, :] * sb.stride0,
+                mask=(sk * SUB < k_remaining)[None, :], other=127 if FORMAT == "mxfp4" else 0)
+    if FORMAT == "mxfp4":
+        lo, hi = _e2m1_pairs(packed)
+        values = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUPS, SUB))
+        scale = _e8m0_bf16(s)[:, :, None]
+        if _INTERPRET:  # the interpreter's bf16 products are garbage (docs/interpreter.md)
+            values = (values.to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16)
+        else:
+            values = values * scale
     else:
-        values = values * scale
+        lo = ((packed & 0xF).to(tl.int32) - 8).to(tl.float32)
+        hi = ((packed >> 4).to(tl.int32) - 8).to(tl.float32)
+        values = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUPS, SUB)) * s.to(tl.float32)[:, :, None]
     return tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K))).to(dtype)
 
 
@@ -480,7 +491,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         only index the scales. Boxes past M, N or K arrive zero-filled.
     K: the reduction length, any (the last block is masked by ``k_remaining``).
     spec: the TileSpec (BLOCK_K, UPCAST, PRECISION, the TMA flags, WARP_SPECIALIZE, SA_ROWS,
-        SB_COLS; B_MX4, pointers only: B MXFP4 with its scales in ``scales.b``).
+        SB_COLS; B_W4, W4_GROUP, W4_TMA: B 4-bit with its scales in ``scales.b``).
 
     Per-K-block scales (``scales.a`` / ``scales.b``, blockscaled/): K block ``kb`` of the
     product is multiplied by sa[rows // SA_ROWS, kb] per row and sb[kb, cols // SB_COLS] per
@@ -501,15 +512,15 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
     for fp8 operands that are not both K-major (docs/hopper.md).
     """
     BLOCK_K: tl.constexpr = spec.BLOCK_K
-    SCALED: tl.constexpr = (scales.a.ptr is not None or scales.b.ptr is not None) and not spec.B_MX4
+    W4: tl.constexpr = spec.B_W4 is not None
+    SCALED: tl.constexpr = (scales.a.ptr is not None or scales.b.ptr is not None) and not W4
     SA_UNIFORM: tl.constexpr = spec.SA_ROWS % spec.BLOCK_M == 0
     # SwiGLU's interleaved gate and up columns are never one scale block.
     SB_UNIFORM: tl.constexpr = spec.SB_COLS % spec.BLOCK_N == 0 and not spec.SWIGLU
     sa_idx, sb_idx = _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM, SB_UNIFORM)
     offs_k = tl.arange(0, BLOCK_K)
     if not spec.USE_TMA:
-        a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None, spec.B_MX4,
-                                           spec.MX4_TMA)
+        a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None, W4, spec.W4_TMA)
     if kb_hi is None:
         kb_hi = tl.cdiv(K, BLOCK_K)
     if SCALED:
@@ -545,8 +556,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
             col_scale = next_col
         if not spec.USE_TMA:
             a_ptrs += BLOCK_K * A.stride1
-            if not spec.MX4_TMA:
-                b_ptrs += (BLOCK_K // 2 if spec.B_MX4 else BLOCK_K) * B.stride0
+            if not spec.W4_TMA:
+                b_ptrs += (BLOCK_K // 2 if W4 else BLOCK_K) * B.stride0
     return acc
 
 

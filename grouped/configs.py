@@ -36,12 +36,15 @@ class RaggedKey(NamedTuple):
     swiglu: bool    # MoE GEMM1: gate and up columns in one tile, SwiGLU in the epilogue
     gather: bool    # MoE GEMM1 reads token rows through an index (pointer loads)
     scaling: Scaling | None = None  # an FP8 grouped GEMM's (None: unscaled)
-    mxfp4: str = ""  # b holds MXFP4 weights, dequantised in the K loop: "ptr" or "tma" (its bytes' flavour)
+    w4: str = ""    # b holds 4-bit weights ("mxfp4", "int4"), dequantised in the K loop (a 16-bit a)
+    w4_group: int = 0  # a 4-bit b's values along K per scale
+    w4_tma: bool = False  # a 4-bit b's bytes through a descriptor (tiles.TileSpec.W4_TMA)
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
                 f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
-                + (f" scaling={self.scaling}" if self.scaling is not None else "") + (f" mxfp4={self.mxfp4}" if self.mxfp4 else ""))
+                + (f" scaling={self.scaling}" if self.scaling is not None else "")
+                + (f" w4={self.w4}/{self.w4_group}{' tma' if self.w4_tma else ''}" if self.w4 else ""))
 
 
 # Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
@@ -128,8 +131,8 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         bm = min(64, max(16, next_pow2(m)))
         return with_meta(cfg(bm, fp8_out_width(key), SCALE_BLOCK, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
                          USE_TMA=key.tma == TMA_ONLY)
-    if key.mxfp4 == "tma":
-        # The decode, not the MMA, bounds an MXFP4 tile: 128-wide K blocks (64-byte boxes) for the
+    if key.w4_tma:
+        # The decode, not the MMA, bounds a 4-bit tile: 128-wide K blocks (64-byte boxes) for the
         # thin tiles, where the weight stream is the cost; 64 for tall ones (bench/results/moe_w4.md).
         base = cfg(max(16, next_pow2(m)), 128, 128, 4, 3) if m <= 64 else cfg(128, 128, 64, 8, 3)
         return with_meta(base, USE_TMA=False)

@@ -189,10 +189,10 @@ def ragged_kernel(
     A, B, C, bias, offs, routing, scales, G, M, N, K,
     RAGGED: tl.constexpr, SWIGLU: tl.constexpr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
-    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1, B_MX4: tl.constexpr = False, MX4_TMA: tl.constexpr = False,
+    SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1, B_W4: tl.constexpr = None, W4_GROUP: tl.constexpr = 32,
+    W4_TMA: tl.constexpr = False,
 ):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
@@ -212,15 +212,14 @@ def ragged_kernel(
         A's per-K-block scales [rows of A, ceil(K/128)] (1x128, SA_ROWS = 1; with a gather
         indexed by token row, like A), ``m`` a Vector over A's row scales [M] (not with a
         gather); ``b`` a Stacked over [G, ceil(K/128), ceil(N/128)] (128x128, SB_COLS = 128;
-        with SWIGLU 2 * ceil(N/128) columns, the gate's blocks then the up's; B_MX4: B is
-        MXFP4 [G, K/2, N] uint8 and ``b`` its e8m0 scales [G, K/32, N], tiles.TileSpec), ``n`` an Operand over [G, N] (element
-        [g, j]; per output channel); ``out`` an Operand over C's own scales [M, ceil(N/128)]
-        when C is fp8 (written; they follow C's rows, scattered or not).
+        with SWIGLU 2 * ceil(N/128) columns, the gate's blocks then the up's; B_W4: B 4-bit, uint8
+        [G, K/2, N], ``b`` its scales [G, K/W4_GROUP, N]), ``n`` an Operand over [G, N] (per
+        column); ``out`` over C's own scales [M, ceil(N/128)] when C is fp8 (written, by C's rows).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
         A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
         edges, which is what the masks do for pointers (not with a gather or SWIGLU; the host
-        decides). A scattered C is still stored through pointers. MX4_TMA: B (MXFP4) alone.
+        decides). A scattered C is still stored through pointers. W4_TMA: B (4-bit) alone.
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values:
       "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT); "N": cdiv(M, BLOCK_M) *
       (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
@@ -229,7 +228,8 @@ def ragged_kernel(
     past the total) every element of C is written as NaN: never a silent wrong answer.
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_MX4=B_MX4, MX4_TMA=MX4_TMA)
+                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_W4=B_W4,
+                                  W4_GROUP=W4_GROUP, W4_TMA=W4_TMA)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     g, start, pid_m, pid_n, valid, bad, M_g, N_g, K_g = _ragged_tile(
         tl.program_id(0), offs, G, M, N, K, RAGGED, BLOCK_M, BLOCK_N, BLOCK_N_OUT, GROUP_M, G_BLOCK)
@@ -271,8 +271,7 @@ def list_kernel(
     a_ptrs, b_ptrs, c_ptrs, sizes_ptr, strides_ptr, G,
     a_like, b_like, c_like,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr,
 ):
     """List mode: C_g = act(A_g @ B_g) for G independent problems, one persistent launch.
 

@@ -14,9 +14,9 @@ from torch import nn
 from ..blockscaled.linear import register_fp8_training
 from ..core import checks
 from ..core.matmul import linear, matmul
-from ..core.scaling import MXFP4
+from ..core.scaling import weight_4bit
 from .moe import moe_ffn
-from .moe_steps import (check_expert_scales, check_expert_weights, check_layer_tensors, check_mxfp4_experts,
+from .moe_steps import (check_expert_scales, check_expert_weights, check_layer_tensors, check_w4_experts,
                         sort_by_expert)
 from .moe_train import check_fp8_training
 from .ops import grouped_matmul
@@ -41,8 +41,8 @@ class MoEFFN(nn.Module):
     FP8 experts: w_gate_up and w_down in float8_e4m3fn with w_gate_up_scale and w_down_scale
     (moe_ffn's format; ``quantize_experts`` makes it); x, the router and the shared experts
     keep gate_weight's dtype, and the whole layer is frozen (FP8 experts have no gradient).
-    MXFP4 experts (moe_ffn's MXFP4 format, weight-only; gpt-oss's biases and SwiGLU too): the
-    same, gate_weight bf16 / fp16.
+    4-bit experts (moe_ffn's MXFP4 and INT4 formats, weight-only; gpt-oss's biases and SwiGLU
+    too): the same, gate_weight bf16 / fp16.
     gpt-oss: ``gate_bias`` [E] (the router's bias), ``w_gate_up_bias`` [E, 2I] and
     ``w_down_bias`` [E, H] (the experts' biases) and ``swiglu_limit`` (its clamped SwiGLU:
     g = min(g, limit), u = clamp(u, -limit, limit), a = g * sigmoid(swiglu_alpha * g) * (u + 1));
@@ -56,8 +56,8 @@ class MoEFFN(nn.Module):
                  gate_bias=None, w_gate_up_bias=None, w_down_bias=None, swiglu_limit=None,
                  swiglu_alpha: float = 1.702):
         super().__init__()
-        mxfp4 = isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype == MXFP4
-        if mxfp4:  # weight-only: x, the router and the biases in gate_weight's 16-bit dtype
+        w4 = isinstance(w_gate_up, torch.Tensor) and bool(weight_4bit(w_gate_up))
+        if w4:  # weight-only: x, the router and the biases in gate_weight's 16-bit dtype
             checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=(torch.bfloat16, torch.float16))
             fp8 = False
         else:
@@ -65,8 +65,8 @@ class MoEFFN(nn.Module):
         E, H = gate_weight.shape
         if w_gate_up.shape[0] != E:
             raise checks.bad_shape("w_gate_up", f"[{E}, 2I, {H}] (gate_weight is [E, H] = {[E, H]})", w_gate_up.shape)
-        if mxfp4:
-            check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H)
+        if w4:
+            check_w4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H)
         else:
             check_expert_weights(w_gate_up, w_down, H)
         checks.check_bool("weights_on_input", weights_on_input)
@@ -82,7 +82,7 @@ class MoEFFN(nn.Module):
                                 w_gate_up, fp8, weights_on_input)
         # Trainable, as nn.Module parameters are; inference runs under torch.inference_mode()
         # (or no_grad), which takes the direct kernel path. FP8 experts have no gradient.
-        train = not (fp8 or mxfp4)
+        train = not (fp8 or w4)
         self.gate_weight = nn.Parameter(gate_weight, requires_grad=train)
         self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=train)
         self.w_down = nn.Parameter(w_down, requires_grad=train)
@@ -112,7 +112,7 @@ class MoEFFN(nn.Module):
             raise checks.bad_value("module", "MoEFFN layers with 16/32-bit experts and no expert biases for "
                                    "fp8_training (pass a module_filter_fn that leaves this one out)",
                                    "biased (gpt-oss) experts" if self.biased_experts else
-                                   f"{'MXFP4' if self.w_gate_up.dtype == MXFP4 else 'fp8'} experts")
+                                   f"{weight_4bit(self.w_gate_up).upper() or 'fp8'} experts")
         check_fp8_training(self.w_gate_up)
 
     @property
@@ -123,7 +123,7 @@ class MoEFFN(nn.Module):
         E, H = self.gate_weight.shape
         shared = "none" if self.shared_w_down is None else (
             f"{self.shared_w_down.shape[1]}" + (" gated" if self.shared_gate is not None else ""))
-        intermediate = self.w_down.shape[2] * (2 if self.w_down.dtype == MXFP4 else 1)
+        intermediate = self.w_down.shape[2] * {"mxfp4": 2, "int4": 8}.get(weight_4bit(self.w_down), 1)
         return (f"experts={E}, hidden={H}, intermediate={intermediate}, top_k={self.top_k}, "
                 f"renormalize={self.renormalize}, scoring={self.routing['scoring']!r}, "
                 f"n_group={self.routing['n_group']}, correction_bias={self.correction_bias is not None}, "
@@ -173,7 +173,7 @@ class MoEFFN(nn.Module):
         grouped_matmul's, with their bias."""
         T, k = ids.shape
         pair, token, offs = sort_by_expert(ids, self.num_experts)
-        s13, s2 = ((None, None) if self.w_gate_up_scale is None else  # MXFP4 experts' scales
+        s13, s2 = ((None, None) if self.w_gate_up_scale is None else  # 4-bit experts' scales
                    (self.w_gate_up_scale.transpose(1, 2), self.w_down_scale.transpose(1, 2)))
         h = grouped_matmul(x[token.long()], self.w_gate_up.transpose(1, 2), offs, bias=self.w_gate_up_bias, scale_b=s13)
         gate, up = h.chunk(2, dim=-1)

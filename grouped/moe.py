@@ -17,11 +17,11 @@ import torch
 
 from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Op, Step, Workspace, wants_grad
-from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_launch, quantize_mxfp4
+from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_int4, quantize_launch, quantize_mxfp4
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import BLOCKWISE, MXFP4, MXFP4_BLOCK, ROW_BLOCKS, SCALE_BLOCK
+from ..core.scaling import BLOCKWISE, MXFP4_BLOCK, ROW_BLOCKS, SCALE_BLOCK, weight_4bit
 from .kernels import NO_GROUPED_SCALES, grouped_scales
-from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_mxfp4_experts, check_routing,
+from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_routing, check_w4_experts,
                         expert_gemm, expert_launch, expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
 from .moe_train import MOE_FP8_TRAIN
 from .ops import combine, combine_launch, gather_quantize, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
@@ -49,12 +49,15 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     [T, ceil(H/128)] (quantize_fp8(x), any strides); nothing is quantised again and the output
     is bfloat16.
 
-    MXFP4 experts (gpt-oss's format, weight-only): w_gate_up [E, 2I, H/2] and w_down [E, H, I/2]
-    of torch.float4_e2m1fn_x2 (two e2m1 values per element along the reduction dimension, the
-    first in the lower nibble; H and I multiples of 32) with their e8m0 block scales
-    w_gate_up_scale [E, 2I, H/32] and w_down_scale [E, H, I/32] (torch.float8_e8m0fnu, one per
-    32 values; gate rows then up rows, as above). x stays bf16 / fp16; both GEMMs dequantise the
-    weights in core's K loop. Not differentiable.
+    4-bit experts (weight-only). MXFP4 (gpt-oss's format): w_gate_up [E, 2I, H/2] and w_down
+    [E, H, I/2] of torch.float4_e2m1fn_x2 (two e2m1 values per element along the reduction
+    dimension, the first in the lower nibble; H and I multiples of 32) with their e8m0 block
+    scales w_gate_up_scale [E, 2I, H/32] and w_down_scale [E, H, I/32] (torch.float8_e8m0fnu,
+    one per 32 values; gate rows then up rows, as above). INT4 (compressed-tensors' symmetric
+    pack-quantized format): w_gate_up [E, 2I, H/8] and w_down [E, H, I/8] of torch.int32 (eight
+    values along the reduction dimension, each stored as value + 8, the first lowest) with
+    16-bit / fp32 group scales [E, 2I, H/g1] and [E, H, I/g2] (groups powers of two >= 32).
+    x stays bf16 / fp16; both GEMMs dequantise the weights in core's K loop. Not differentiable.
 
     ``fp8_training=True`` (high-precision experts; 2I and H multiples of 128): the expert GEMMs
     of the forward and of the input gradient run in FP8 with DeepSeek-V3's block scales (the
@@ -64,7 +67,7 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     """
     checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
                                   w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, x_scale=x_scale)
-    fp8_weights = w_gate_up is not None and (w_gate_up.dtype in checks.FP8_DTYPES or w_gate_up.dtype == MXFP4)
+    fp8_weights = w_gate_up is not None and (w_gate_up.dtype in checks.FP8_DTYPES or bool(weight_4bit(w_gate_up)))
     if fp8_training is not False:  # (checked only when given: moe_ffn's hot path)
         checks.check_bool("fp8_training", fp8_training)
         if w_gate_up_scale is not None or w_down_scale is not None or x_scale is not None or fp8_weights:
@@ -78,7 +81,7 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     return MOE.call(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def quantize_experts(w_gate_up, w_down, *, format: str = "fp8"):
+def quantize_experts(w_gate_up, w_down, *, format: str = "fp8", group: int = 32):
     """Expert weights -> moe_ffn's quantised experts: (w_gate_up, w_gate_up_scale, w_down, w_down_scale).
 
     w_gate_up [E, 2I, H], w_down [E, H, I] (fp32, bf16, fp16). ``format``:
@@ -88,12 +91,15 @@ def quantize_experts(w_gate_up, w_down, *, format: str = "fp8"):
     "mxfp4" (H and I multiples of 32): MXFP4 as gpt-oss stores it, every row's 32-value blocks
     along the reduction dimension (the OCP MX rule): w_gate_up [E, 2I, H/2] and w_down
     [E, H, I/2] in float4_e2m1fn_x2, scales [E, 2I, H/32] and [E, H, I/32] in float8_e8m0fnu.
-    A one-time conversion.
+    "int4" (H and I multiples of ``group``, a power of two >= 32): compressed-tensors' symmetric
+    pack-quantized INT4 (blockscaled.quantize_int4), every row's ``group``-value groups along the
+    reduction dimension: w_gate_up [E, 2I, H/8] and w_down [E, H, I/8] in int32, scales
+    [E, 2I, H/group] and [E, H, I/group] in the weights' dtype. A one-time conversion.
     """
     checks.check_tensor("w_gate_up", w_gate_up, ndim=3, dtypes=checks.FLOAT_DTYPES)
     checks.check_tensor("w_down", w_down, ndim=3, dtypes=(w_gate_up.dtype,))
     check_expert_weights(w_gate_up, w_down, w_gate_up.shape[2])
-    checks.check_choice("format", format, ("fp8", "mxfp4"))
+    checks.check_choice("format", format, ("fp8", "mxfp4", "int4"))
     I = w_down.shape[2]
     if format == "mxfp4":
         if w_gate_up.shape[2] % MXFP4_BLOCK or I % MXFP4_BLOCK:
@@ -101,6 +107,14 @@ def quantize_experts(w_gate_up, w_down, *, format: str = "fp8"):
                                    "format='mxfp4' (its 32-value blocks along H and I)", w_gate_up.shape)
         q13, s13 = quantize_mxfp4(w_gate_up)
         q2, s2 = quantize_mxfp4(w_down)
+        return q13, s13, q2, s2
+    if format == "int4":
+        checks.check_int("group", group)
+        if w_gate_up.shape[2] % group or I % group:
+            raise checks.bad_shape("w_gate_up", f"[E, 2I, H] with H and I multiples of group ({group}) for "
+                                   "format='int4'", w_gate_up.shape)
+        q13, s13 = quantize_int4(w_gate_up, group)
+        q2, s2 = quantize_int4(w_down, group)
         return q13, s13, q2, s2
 
     def blocks(w):
@@ -133,7 +147,7 @@ class _Intermediates:
     ``y_pairs``), and the tensors each step of the pipeline takes from it, in its launch
     builder's order (each step's ``.on``)."""
 
-    def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool, mxfp4: bool = False):
+    def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool, w4: bool = False):
         T, H, E, I, k, P = sizes
         kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
         parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
@@ -145,7 +159,7 @@ class _Intermediates:
         parts["y_pairs"] = ((P, H), dtype)
         self.names = tuple(parts)
         self.workspace = Workspace(device, *parts.values())
-        self.fp8, self.quantize_x, self.mxfp4 = fp8, quantize_x, mxfp4
+        self.fp8, self.quantize_x, self.w4 = fp8, quantize_x, w4
         self._h = self.names.index("h")
 
     def views(self, buffer) -> dict:
@@ -169,16 +183,16 @@ class _Intermediates:
 
     def scales1(self, v, x_scale, w_gate_up_scale):
         """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel), W13's, h's
-        (written); MXFP4 experts: W13's e8m0 scales as bytes."""
-        if self.mxfp4:
-            return grouped_scales(b=w_gate_up_scale.transpose(1, 2).view(torch.uint8))
+        (written); 4-bit experts: W13's scales (MXFP4's e8m0 as bytes)."""
+        if self.w4:
+            return grouped_scales(b=_w4_scale(w_gate_up_scale))
         if not self.fp8:
             return NO_GROUPED_SCALES
         return grouped_scales(a=v["xs"] if self.quantize_x else x_scale, b=w_gate_up_scale.transpose(1, 2), out=v["hs"])
 
     def scales2(self, v, w_down_scale):
-        if self.mxfp4:
-            return grouped_scales(b=w_down_scale.transpose(1, 2).view(torch.uint8))
+        if self.w4:
+            return grouped_scales(b=_w4_scale(w_down_scale))
         return grouped_scales(a=v["hs"], b=w_down_scale.transpose(1, 2)) if self.fp8 else NO_GROUPED_SCALES
 
     def gemm1_tensors(self, c, buffer, x, x_scale, w_gate_up, w_gate_up_scale):
@@ -243,11 +257,13 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         if keep_pre:
             return lambda x, *rest: (torch.zeros_like(x), x.new_empty((0, 2 * I), dtype=torch.float32))
         return lambda x, *rest: torch.zeros_like(x, dtype=dtype)
-    mxfp4 = w_gate_up.dtype == MXFP4  # weight-only: x, h and the GEMMs' operands in x's dtype
-    fp8 = w_gate_up_scale is not None and not mxfp4
+    w4 = weight_4bit(w_gate_up)  # weight-only: x, h and the GEMMs' operands in x's dtype
+    fp8 = w_gate_up_scale is not None and not w4
     quantize_x = fp8 and x_scale is None
     h_dtype = w_gate_up.dtype if fp8 else dtype
-    inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, mxfp4)
+    inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, bool(w4))
+    # a 4-bit GEMM's (format, values per scale along K): H / GEMM1's scale columns, I / GEMM2's
+    w4_1, w4_2 = ((w4, H // w_gate_up_scale.shape[2]), (w4, I // w_down_scale.shape[2])) if w4 else (None, None)
     sort = sort_step(topk_ids, E).on(inter.sort_tensors)
     quantize = _x_quantizer(x, w_gate_up.dtype).on(inter.quantize_tensors) if quantize_x else None
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
@@ -258,12 +274,12 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         gemm1 = expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],
                               a_rows=v["token"]).on(inter.gemm1_tensors)
     else:
-        gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True, mxfp4=mxfp4,
+        gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True, w4=w4_1,
                               scales=inter.scales1(v, x_scale, w_gate_up_scale),
                               **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
         gemm1 = gemm1.on(inter.fused_gemm1_tensors)
     gemm2 = expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
-                          scales=inter.scales2(v, w_down_scale), mxfp4=mxfp4,
+                          scales=inter.scales2(v, w_down_scale), w4=w4_2,
                           **(dict(scaling=BLOCKWISE) if fp8 else {})).on(inter.gemm2_tensors)
     combine = combine_launch(v["y_pairs"], topk_ids, E, dtype).on(inter.combine_tensors)
     new_buffer = inter.workspace.new
@@ -288,8 +304,8 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
 
 
 def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
-    if w_gate_up is not None and w_gate_up.dtype == MXFP4:
-        return _check_moe_mxfp4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+    if w_gate_up is not None and weight_4bit(w_gate_up):
+        return _check_moe_w4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     x_dtypes = checks.FLOAT_DTYPES if x_scale is None else (torch.float8_e4m3fn,)
     check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, weight_dtypes=(torch.float8_e4m3fn,), x_dtypes=x_dtypes)
     check_expert_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
@@ -301,14 +317,22 @@ def _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale
         checks.check_same_device(x=x, x_scale=x_scale)
 
 
-def _check_moe_mxfp4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale):
-    """MXFP4 experts (check_mxfp4_experts) under a bf16 / fp16 x [T, H], nothing quantised."""
+def _check_moe_w4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale):
+    """4-bit experts (check_w4_experts) under a bf16 / fp16 x [T, H], nothing quantised."""
     checks.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16))
     if x_scale is not None:
-        raise checks.bad_value("x_scale", "None with MXFP4 experts (weight-only: x is not quantised)", "a tensor")
-    check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, x.shape[1])
+        raise checks.bad_value("x_scale", f"None with {weight_4bit(w_gate_up).upper()} experts (weight-only: x is not "
+                               "quantised)", "a tensor")
+    check_w4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, x.shape[1])
     check_routing(x, topk_weights, topk_ids)
     checks.check_same_device(x=x, w_gate_up=w_gate_up)
+
+
+def _w4_scale(scale):
+    """A 4-bit expert stack's scales [E, rows, K / group] as the GEMM reads them: transposed, an
+    e8m0 (MXFP4) scale as its bytes."""
+    scale = scale.transpose(1, 2)
+    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
 
 
 def _out_dtype(x):
@@ -324,7 +348,7 @@ def _moe_fp8_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 
 def _moe_fp8_no_grad(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
-    what = "moe_ffn with MXFP4 experts" if w_gate_up.dtype == MXFP4 else "moe_ffn with fp8 experts"
+    what = f"moe_ffn with {(weight_4bit(w_gate_up) or 'fp8').upper().replace('FP8', 'fp8')} experts"
     checks.check_not_differentiable(what, x=x, w_gate_up=w_gate_up, w_down=w_down,
                                     topk_weights=topk_weights, w_gate_up_scale=w_gate_up_scale,
                                     w_down_scale=w_down_scale, x_scale=x_scale)

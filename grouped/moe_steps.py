@@ -14,11 +14,12 @@ from ..core import checks
 from ..core.dispatch import Launch, Step, Workspace
 from ..core.launch import Launcher, Request
 from ..core.runtime import cdiv, next_pow2
-from ..core.scaling import MXFP4, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK
+from ..core.scaling import INT4_MIN_GROUP, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK, weight_4bit
 from ..core.tiles import Routing
 from .configs import SORT_MAX_PAIRS, SortKey
 from .kernels import NO_GROUPED_SCALES, sort_by_expert_kernel
 from .ops import grouped_matmul, ragged_args, ragged_launch
+from .w4 import w4_bytes
 
 
 def sort_by_expert(topk_ids, num_experts: int):
@@ -93,27 +94,51 @@ def check_expert_weights(w_gate_up, w_down, H: int) -> None:
     checks.check_shape("w_down", w_down, (E, H, two_i // 2), f"[E, H, I] = {[E, H, two_i // 2]}")
 
 
-def check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H: int) -> None:
-    """MXFP4 experts (weight-only): w_gate_up [E, 2I, H/2] and w_down [E, H, I/2] of
-    float4_e2m1fn_x2 (E >= 1; H and I multiples of 32) with their e8m0 block scales
-    [E, 2I, H/32] and [E, H, I/32]."""
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        checks.check_tensor(name, w, ndim=3, dtypes=(MXFP4,))
+def check_w4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H: int) -> tuple:
+    """4-bit experts (weight-only; core/scaling.py): w_gate_up [E, 2I, H/p] and w_down
+    [E, H, I/p] (E >= 1) in one format, MXFP4 (float4_e2m1fn_x2, p = 2; H and I multiples of
+    32) with e8m0 block scales [E, 2I, H/32] and [E, H, I/32], or INT4 (int32, p = 8, unit
+    stride along the packed dimension) with float group scales [E, 2I, H/g1] and [E, H, I/g2],
+    each group a power of two >= 32. Returns (format, g1, g2)."""
+    fmt = weight_4bit(w_gate_up)
+    dtype, name = w_gate_up.dtype, fmt.upper()
+    for arg, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        checks.check_tensor(arg, w, ndim=3, dtypes=(dtype,))
+    per = 2 if fmt == "mxfp4" else 8
+    align = MXFP4_BLOCK if fmt == "mxfp4" else per  # (INT4: its groups' own check below)
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
-    if H % MXFP4_BLOCK or E == 0 or two_i % 2 or I % MXFP4_BLOCK:
-        raise checks.bad_shape("w_gate_up", f"MXFP4 [E, 2I, H/2] with E >= 1 and H ({H}) and I multiples of "
-                               f"{MXFP4_BLOCK}", w_gate_up.shape)
-    checks.check_shape("w_gate_up", w_gate_up, (E, two_i, H // 2), f"MXFP4 [E, 2I, H/2] = {[E, two_i, H // 2]}")
-    checks.check_shape("w_down", w_down, (E, H, I // 2), f"MXFP4 [E, H, I/2] = {[E, H, I // 2]}")
-    for name, t, shape in (("w_gate_up_scale", w_gate_up_scale, (E, two_i, H // MXFP4_BLOCK)),
-                           ("w_down_scale", w_down_scale, (E, H, I // MXFP4_BLOCK))):
+    if H % align or E == 0 or two_i % 2 or I % align:
+        raise checks.bad_shape("w_gate_up", f"{name} [E, 2I, H/{per}] with E >= 1 and H ({H}) and I multiples of "
+                               f"{align}", w_gate_up.shape)
+    checks.check_shape("w_gate_up", w_gate_up, (E, two_i, H // per),
+                       f"{name} [E, 2I, H/{per}] = {[E, two_i, H // per]}")
+    checks.check_shape("w_down", w_down, (E, H, I // per), f"{name} [E, H, I/{per}] = {[E, H, I // per]}")
+    groups = []
+    for arg, t, w, wt, rows, K in (("w_gate_up_scale", w_gate_up_scale, "w_gate_up", w_gate_up, two_i, H),
+                                   ("w_down_scale", w_down_scale, "w_down", w_down, H, I)):
+        if fmt == "mxfp4":
+            shape = (E, rows, K // MXFP4_BLOCK)
+            if t is None:
+                raise checks.bad_value(arg, f"the e8m0 block scales {list(shape)} of the MXFP4 experts", None)
+            checks.check_tensor(arg, t, ndim=3, dtypes=(MXFP4_SCALE,))
+            checks.check_shape(arg, t, shape, f"{list(shape)} (one e8m0 scale per {MXFP4_BLOCK} values)")
+            groups.append(MXFP4_BLOCK)
+            continue
         if t is None:
-            raise checks.bad_value(name, f"the e8m0 block scales {list(shape)} of the MXFP4 experts", None)
-        checks.check_tensor(name, t, ndim=3, dtypes=(MXFP4_SCALE,))
-        checks.check_shape(name, t, shape, f"{list(shape)} (one e8m0 scale per {MXFP4_BLOCK} values)")
+            raise checks.bad_value(arg, f"the group scales [E, {rows}, {K}/group] of the INT4 experts", None)
+        checks.check_tensor(arg, t, ndim=3, dtypes=checks.FLOAT_DTYPES)
+        g = K // t.shape[2] if t.shape[2] and K % t.shape[2] == 0 else 0
+        if g < INT4_MIN_GROUP or g & (g - 1) or t.shape[:2] != (E, rows):
+            raise checks.bad_shape(arg, f"[E, {rows}, {K}/group] with the group a power of two >= {INT4_MIN_GROUP}",
+                                   t.shape)
+        if wt.stride(2) != 1:
+            raise checks.bad_value(w, "INT4 experts with unit stride along the packed dimension (as stored)",
+                                   f"strides {tuple(wt.stride())}")
+        groups.append(g)
     checks.check_same_device(w_gate_up=w_gate_up, w_down=w_down, w_gate_up_scale=w_gate_up_scale,
                              w_down_scale=w_down_scale)
+    return fmt, *groups
 
 
 def check_layer_tensors(gate_weight, w_gate_up, w_down, w_gate_up_scale=None, w_down_scale=None) -> bool:
@@ -185,7 +210,7 @@ def expert_gemm(a, w, c, offs, **kwargs):
 def expert_launch(a, w, c, offs, **kwargs):
     """``expert_gemm``'s launch for operands shaped like these: a core/dispatch.py Launch whose
     builder takes (c, a, w, offs, a_rows, c_rows, weight, scales)."""
-    wt = w.transpose(1, 2)
+    wt = w4_bytes(w.transpose(1, 2)) if kwargs.get("w4") else w.transpose(1, 2)  # (4-bit: strides in bytes)
     G, N, K, M = w.shape[0], c.shape[1], a.shape[1], c.shape[0]
     strides = ((0, a.stride(0), a.stride(1)), tuple(wt.stride()), (0, c.stride(0), c.stride(1)))
 

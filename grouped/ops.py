@@ -10,16 +10,15 @@ from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
-from ..blockscaled.quantize import dequantize_mxfp4
-from ..core.scaling import (BLOCKS, COL, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling,
-                            read_granularity)
+from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling, read_granularity, weight_4bit
 from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
-from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma, tma_hardware
+from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from .configs import ListKey, RaggedKey, gather_col_blocks
 from .kernels import (NO_GROUPED_SCALES, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
                       ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
+from .w4 import check_w4_operands, dequantize_w4, w4_bytes, w4_flavour, w4_scales
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
 
 RAGGED = Launcher(ragged_kernel, "ragged")
@@ -166,27 +165,6 @@ def _bias_operand(bias):
     return Operand(bias, *bias.stride()) if bias.dim() == 2 else Operand(bias, 0, bias.stride(0))
 
 
-def _mx4_flavour(tma, b, strides_b) -> str:
-    """How an MXFP4 b's packed bytes are read: "tma" (tiles.TileSpec.MX4_TMA: a descriptor
-    over each expert's weights as stored, [N, K/2] rows) or "ptr" (pointer loads). The view b
-    [G, K/2, N] needs unit stride along K/2 and 16-byte aligned base, row and group strides.
-    Automatic (tma=None): TMA on a Hopper GPU where b allows it; the interpreter, which runs
-    descriptors too, defaults to pointers, as for every other operand."""
-    if tma is False or (tma is None and (INTERPRET or not b.is_cuda)):
-        return "ptr"
-    reason = None
-    if not tma_hardware(b.device):
-        reason = f"TMA needs a Hopper (sm_90) or newer GPU, the operands are on {b.device}"
-    elif strides_b[1] != 1 or strides_b[2] % 16 or strides_b[0] % 16 or b.data_ptr() % 16:
-        reason = (f"an MXFP4 b through TMA is the weights as stored ([G, N, K/2] rows, b = w.transpose(1, 2)) with "
-                  f"16-byte aligned rows; b has strides {tuple(strides_b)} and data_ptr % 16 = {b.data_ptr() % 16}")
-    if reason is None:
-        return "tma"
-    if tma:
-        raise no_tma(reason)
-    return "ptr"
-
-
 def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
     """core.tma.choose_tma for one group, plus what per-group base pointers add.
 
@@ -225,7 +203,7 @@ def ragged_launch(
     a, b, c, offs, *, ragged, G, M, N, K, strides_a, strides_b, strides_c,
     bias=None, activation=None, a_rows=None, c_rows=None, weight=None, swiglu=False,
     rows_per_group=None, config=None, tma=None, scales=NO_GROUPED_SCALES, scaling: Scaling | None = None, build=None,
-    mxfp4=False,
+    w4=None,
 ) -> Launch:
     """ragged_kernel's launch (see its docstring for the meaning of every argument), as a
     core/dispatch.py Launch.
@@ -233,8 +211,8 @@ def ragged_launch(
     scales, scaling: an FP8 grouped GEMM's tiles.Scales (kernels.grouped_scales) and its
     core/scaling.py Scaling (scale_a 1x128 or row, scale_b 128x128 or col; ``fp8_out`` when
     C is fp8 and the tiles write its 1x128 scales, ``scales.out``); None without scales.
-    mxfp4: b is MXFP4 (uint8 pairs of e2m1 values along K) and ``scales.b`` its e8m0 scales,
-    dequantised in the K loop; a and c through pointers, b as ``_mx4_flavour`` says.
+    w4: (format, group) of a 4-bit b (grouped/w4.py; b its bytes ``w4_bytes``, ``scales.b`` its
+    scales), dequantised in the K loop; a and c through pointers, b as ``w4_flavour`` says.
     rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
@@ -244,8 +222,8 @@ def ragged_launch(
     if scaling is not None and config is not None and config.kwargs.get("BLOCK_K") != SCALE_BLOCK:
         raise checks.bad_value("config", f"a config with BLOCK_K = {SCALE_BLOCK} (the scale block) for an FP8 grouped GEMM",
                                f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
-    mx4 = _mx4_flavour(tma, b, strides_b) if mxfp4 else ""
-    layout = None if mxfp4 else _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu,
+    w4_tma = w4 is not None and w4_flavour(tma, b, strides_b) == "tma"
+    layout = None if w4 else _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu,
                                              (strides_a, strides_b, strides_c))
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
     routing = Routing(a_rows, c_rows, weight)
@@ -253,11 +231,12 @@ def ragged_launch(
     own = lambda c: ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K)  # noqa: E731
     plan = RAGGED.plan_for(Request(
         RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
-                          configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling, mx4),
+                          configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling,
+                          *(w4 or ("", 0)), w4_tma),
         dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
              PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
              SA_ROWS=1 if scaling is None else scaling.sa_rows, SB_COLS=1 if scaling is None else scaling.sb_cols,
-             B_MX4=mxfp4, MX4_TMA=mx4 == "tma", **layout_meta(layout)),
+             B_W4=w4 and w4[0], W4_GROUP=w4[1] if w4 else 32, W4_TMA=w4_tma, **layout_meta(layout)),
         a.device, forced_flavour(config, layout),
         lambda plan: Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own).run(c),
     ))
@@ -268,7 +247,7 @@ def ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K) -> tu
     """ragged_kernel's runtime arguments. strides: per operand, its (group, dim 0, dim 1)
     strides; routing: a tiles.Routing; scales: kernels.grouped_scales' Scales."""
     sa, sb, sc = strides
-    b = b.view(torch.uint8) if b.dtype == MXFP4 else interpretable(b)  # packed pairs, read as bytes
+    b = w4_bytes(b) if weight_4bit(b) else interpretable(b)  # packed pairs, read as bytes
     return (Stacked(interpretable(a), *sa), Stacked(b, *sb), Stacked(c, *sc), _bias_operand(bias),
             None if offs is None else Vector(offs, offs.stride(0)), routing, scales, G, M, N, K)
 
@@ -314,13 +293,17 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     checkpoint's [G, ceil(N/128), ceil(K/128)] weight_scale_inv) or [G, 1, N] (per output
     channel). Output bf16 by default; bias and activation as above. Not differentiable.
 
-    MXFP4 weights (2D x 3D, weight-only): a bf16 / fp16 ``a [sum_M, K]`` (K a multiple of 32)
-    and ``b [G, K / 2, N]`` of dtype torch.float4_e2m1fn_x2 (two e2m1 values per element along
-    K, the first in the lower nibble) with ``scale_b [G, K / 32, N]`` of dtype
-    torch.float8_e8m0fnu (2^(s - 127) per 32 values along K), no scale_a: the transpose(1, 2)
-    of gpt-oss's ``*_blocks`` (flattened to [G, N, K / 2]) and ``*_scales``. The weights are
-    dequantised to a's dtype in core's K loop (pointer loads); output in a's dtype.
-    Differentiable in a and bias (the weights are frozen; a's gradient dequantises them).
+    4-bit weights (2D x 3D, weight-only; grouped/w4.py): a bf16 / fp16 ``a [sum_M, K]`` and
+    MXFP4 ``b [G, K / 2, N]`` of dtype torch.float4_e2m1fn_x2 (two e2m1 values per element
+    along K, the first in the lower nibble) with ``scale_b [G, K / 32, N]`` of dtype
+    torch.float8_e8m0fnu (2^(s - 127) per 32 values along K): the transpose(1, 2) of gpt-oss's
+    ``*_blocks`` (flattened to [G, N, K / 2]) and ``*_scales``; or INT4 ``b [G, K / 8, N]`` of
+    dtype torch.int32 (eight values per element along K, each stored as value + 8 in 4 bits,
+    the first lowest) with ``scale_b [G, K / group, N]`` (16-bit or fp32, the group a power of
+    two >= 32): the transpose(1, 2) of compressed-tensors' ``weight_packed`` and
+    ``weight_scale``. No scale_a. The weights are dequantised to a's dtype in core's K loop;
+    output in a's dtype. Differentiable in a and bias (the weights are frozen; a's gradient
+    dequantises them).
 
     Differentiable in a, b and bias in every mode; each mode's backward is two other modes
     (docs/autograd.md); list mode in every a_i and b_i (each pair's backward is two list-mode
@@ -335,10 +318,10 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     fp8 = scale_a is not None or scale_b is not None
     if config is None:
         if fp8:
-            op = GROUPED_MXFP4 if isinstance(b, torch.Tensor) and b.dtype == MXFP4 else GROUPED_FP8
+            op = GROUPED_W4 if isinstance(b, torch.Tensor) and weight_4bit(b) else GROUPED_FP8
             return op.call(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
         return GROUPED.call(a, b, offs, bias, activation, out_dtype, check_offs, tma)
-    if fp8 and b.dtype != MXFP4:  # (MXFP4 has gradients: begin refuses them with a forced config)
+    if fp8 and not weight_4bit(b):  # (4-bit b has gradients: begin refuses them with a forced config)
         _fp8_no_grad(a, b, offs, scale_a, scale_b, bias)
     begin(config, a, b, bias)
     record = grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, config, scale_a, scale_b)
@@ -362,9 +345,9 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     tensors (no offs values to read)."""
     checks.check_tensor("a", a, ndim=(2, 3))
     checks.check_tensor("b", b, ndim=(2, 3))
-    mxfp4 = b.dtype == MXFP4
-    if mxfp4:
-        _check_mxfp4_operands(a, b, scale_a, scale_b)
+    w4 = weight_4bit(b)
+    if w4:
+        check_w4_operands(a, b, scale_a, scale_b)
     else:
         checks.check_operand_dtypes(a, b)
     checks.check_activation(activation)
@@ -385,12 +368,8 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     if mode == (2, 3):
         G, K, N = b.shape
         M = a.shape[0]
-        if mxfp4:
-            K *= 2  # two values per element
-            if a.shape[1] != K:
-                raise checks.bad_shape("b", f"MXFP4 [G, K / 2, N] with K = {a.shape[1]} (a is [sum_M, K] = "
-                                       f"{tuple(a.shape)}; each float4_e2m1fn_x2 element holds two values along K)",
-                                       b.shape)
+        if w4:
+            K = a.shape[1]  # (check_w4_operands checked b's packed K)
         if a.shape[1] != K:
             raise checks.bad_shape("b", f"[G, K, N] with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)})", b.shape)
         checks.check_bias(bias, (G, N), "each group's output")
@@ -419,38 +398,12 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
         shape, ragged, rows_per_group = (M, N), "N", M
     args = dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
     scales = None
-    if mxfp4:
-        scales, args["mxfp4"] = _mxfp4_scales(scale_b, G, N, K), True
+    if w4:
+        scales, group = w4_scales(w4, scale_b, G, N, K)
+        args["w4"] = (w4, group)
     elif scale_a is not None or scale_b is not None:
         scales, args["scaling"] = _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K)
     return shape, out_dtype, args, scales, bound
-
-
-def _check_mxfp4_operands(a, b, scale_a, scale_b) -> None:
-    """An MXFP4 b (weight-only): a 16-bit a [sum_M, K], b [G, K / 2, N], scale_b e8m0, no scale_a."""
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        raise checks.bad_dtype("a", "bfloat16 or float16 with an MXFP4 b (weight-only: the weights are dequantised "
-                               "to a's dtype)", a.dtype)
-    if (a.dim(), b.dim()) != (2, 3):
-        raise checks.bad_value("b", "an MXFP4 b only in the 2D x 3D mode (a [sum_M, K], b [G, K / 2, N])",
-                               f"a {a.dim()}D x {b.dim()}D call")
-    if scale_a is not None:
-        raise checks.bad_value("scale_a", "None with an MXFP4 b (a is not quantised)", "a tensor")
-    if scale_b is None:
-        raise checks.bad_value("scale_b", "b's e8m0 block scales [G, K / 32, N] with an MXFP4 b", None)
-    checks.check_tensor("scale_b", scale_b, ndim=3, dtypes=(MXFP4_SCALE,))
-    checks.check_same_device(a=a, b=b, scale_b=scale_b)
-
-
-def _mxfp4_scales(scale_b, G, N, K):
-    """An MXFP4 b's scales as ragged_kernel takes them: K a multiple of the 32-value block,
-    scale_b [G, K / 32, N] (the transpose(1, 2) of gpt-oss's [G, N, K / 32] ``*_scales``)."""
-    if K % MXFP4_BLOCK:
-        raise checks.bad_shape("a", f"[sum_M, K] with K a multiple of {MXFP4_BLOCK} (MXFP4's block)", (K,))
-    checks.check_shape("scale_b", scale_b, (G, K // MXFP4_BLOCK, N),
-                       f"[G, K / {MXFP4_BLOCK}, N] = [{G}, {K // MXFP4_BLOCK}, {N}] (one e8m0 scale per {MXFP4_BLOCK} "
-                       "values along K)")
-    return lambda sa, sb: grouped_scales(b=sb.view(torch.uint8))
 
 
 # What each scale's shape may give (core.scaling.read_granularity), tried in this order: the
@@ -501,7 +454,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
     shape, out_dtype, args, scales, bound = _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs,
                                                             scale_a, scale_b)
     fp8 = scales is not None
-    if fp8 and not args.get("mxfp4"):  # (an MXFP4 b's op has a gradient for a: GROUPED_MXFP4)
+    if fp8 and not args.get("w4"):  # (a 4-bit b's op has a gradient for a: GROUPED_W4)
         _fp8_no_grad(a, b, offs, scale_a, scale_b, bias)
     # offs values are read on every call (check_offs, or offs on the CPU); the rest is metadata.
     check = None if bound is None else (lambda a, b, offs, *rest: check_offs_values(offs, *bound))
@@ -510,7 +463,7 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
     if c.numel() == 0 or args["G"] == 0:
         return Record(shape, out_dtype, device, finish=torch.Tensor.zero_, check=check)
     G, M, N, K = args["G"], args["M"], args["N"], args["K"]
-    if fp8 and not args.get("mxfp4"):
+    if fp8 and not args.get("w4"):
         w = b.transpose(1, 2)  # the experts [G, N, K], K-major: what the Gluon body reads
         mode = gluon_grouped_mode(w, M, G, args["scaling"], a=a, tma=tma, config=config)
         if mode is not None:
@@ -526,7 +479,8 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
 
             return run
     # The group stride of a 2-D operand is 0: offs cuts it instead.
-    strides = tuple((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()) for t in (a, b, c))
+    bytes_b = w4_bytes(b) if args.get("w4") else b  # a 4-bit b's strides as the kernel reads it: in bytes
+    strides = tuple((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()) for t in (a, bytes_b, c))
     if fp8:
         def build(c, a, b, offs, sa, sb, bias):
             return ragged_args(a, b, c, bias, offs, strides, NO_ROUTING, scales(sa, sb), G, M, N, K)
@@ -534,8 +488,8 @@ def grouped_record(a, b, offs, bias, activation, out_dtype, check_offs, tma, con
     else:
         def build(c, a, b, offs, bias):
             return ragged_args(a, b, c, bias, offs, strides, NO_ROUTING, NO_GROUPED_SCALES, G, M, N, K)
-    launch = ragged_launch(a, b, c, offs, strides_a=strides[0], strides_b=strides[1], strides_c=strides[2], bias=bias,
-                           activation=activation, config=config, tma=tma, build=build, **args)
+    launch = ragged_launch(a, bytes_b, c, offs, strides_a=strides[0], strides_b=strides[1], strides_c=strides[2],
+                           bias=bias, activation=activation, config=config, tma=tma, build=build, **args)
     return Record(shape, out_dtype, device, [launch], check=check)
 
 
@@ -624,26 +578,26 @@ GROUPED_FP8 = Op("grouped_mm_fp8", _grouped_fp8_impl, _grouped_fp8_fake, tensors
                  no_grad=lambda a, b, offs, sa, sb, bias, *rest: _fp8_no_grad(a, b, offs, sa, sb, bias))
 
 
-def _grouped_mxfp4_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
+def _grouped_w4_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
                         scale_b: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
                         out_dtype: Optional[torch.dtype], check_offs: Optional[bool], tma: Optional[bool]) -> torch.Tensor:
-    return GROUPED_MXFP4.direct(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
+    return GROUPED_W4.direct(a, b, offs, scale_a, scale_b, bias, activation, out_dtype, check_offs, tma)
 
 
-def _grouped_mxfp4_setup(ctx, inputs, output):
+def _grouped_w4_setup(ctx, inputs, output):
     a, b, offs, _, scale_b, bias = inputs[:6]
     ctx.save_for_backward(b, offs, scale_b)
     ctx.dtypes = (a.dtype, None if bias is None else bias.dtype)
 
 
-def _grouped_mxfp4_backward(ctx, grad):
+def _grouped_w4_backward(ctx, grad):
     """The weights are frozen (4-bit): da = grad @ W_g per group, W dequantised to a's dtype
     for it (dx for adapters trained on a 4-bit base), and the bias's group sums."""
     b, offs, scale_b = ctx.saved_tensors
     a_dtype, bias_dtype = ctx.dtypes
     da = dbias = None
     if ctx.needs_input_grad[0]:
-        w = dequantize_mxfp4(b.transpose(1, 2), scale_b.transpose(1, 2), a_dtype)  # [G, N, K]
+        w = dequantize_w4(b, scale_b, a_dtype)  # [G, N, K]
         da = grouped_matmul(grad.to(a_dtype), w, offs, out_dtype=a_dtype)
     if ctx.needs_input_grad[5]:
         ones = torch.ones(1, grad.shape[0], device=grad.device, dtype=torch.float32)
@@ -651,9 +605,9 @@ def _grouped_mxfp4_backward(ctx, grad):
     return da, None, None, None, None, dbias, None, None, None, None
 
 
-# The MXFP4 (weight-only) 2D x 3D call: differentiable in a and bias, the weights frozen.
-GROUPED_MXFP4 = Op("grouped_mm_mxfp4", _grouped_mxfp4_impl, _grouped_fp8_fake, _grouped_mxfp4_setup,
-                   _grouped_mxfp4_backward, tensors=6, activation=6, differentiable=("a",),
+# The 4-bit (weight-only) 2D x 3D call: differentiable in a and bias, the weights frozen.
+GROUPED_W4 = Op("grouped_mm_w4", _grouped_w4_impl, _grouped_fp8_fake, _grouped_w4_setup,
+                   _grouped_w4_backward, tensors=6, activation=6, differentiable=("a",),
                    record=lambda a, b, offs, sa, sb, bias, *rest: grouped_record(a, b, offs, bias, *rest, None, sa, sb))
 
 

@@ -207,7 +207,7 @@ MXFP4_BAD = [
     (lambda a, w4, s8: dict(a=a[:, :32]), ValueError, "MXFP4 \\[G, K / 2, N\\] with K = 32"),
     (lambda a, w4, s8: dict(a=a.reshape(2, 4, 64), offs=None), ValueError, "only in the 2D x 3D mode"),
     (lambda a, w4, s8: dict(b=w4.view(torch.uint8).contiguous().view(torch.float4_e2m1fn_x2), tma=True), ValueError,
-     "MXFP4 b through TMA is the weights as stored"),
+     "4-bit b through TMA is the weights as stored"),
 ]
 
 
@@ -284,9 +284,9 @@ MXFP4_MOE_CASES = [
 @pytest.fixture(params=["pointers", "tma"])
 def mx4_flavour(request, monkeypatch):
     """moe_ffn's MXFP4 GEMMs with their weight bytes read one way, forced (grouped/ops.py
-    _mx4_flavour; moe_ffn has no tma argument). The interpreter runs descriptors too."""
-    real = grouped_ops._mx4_flavour
-    monkeypatch.setattr(grouped_ops, "_mx4_flavour", lambda tma, b, strides: real(request.param == "tma", b, strides))
+    w4_flavour; moe_ffn has no tma argument). The interpreter runs descriptors too."""
+    real = grouped_ops.w4_flavour
+    monkeypatch.setattr(grouped_ops, "w4_flavour", lambda tma, b, strides: real(request.param == "tma", b, strides))
     launch.clear_plans()  # records built under the other flavour
     yield request.param
     launch.clear_plans()
@@ -395,7 +395,7 @@ def test_quantize_experts_mxfp4_is_the_reference_format(device):
                for q, s in ((q13, s13), (q2, s2))]
     assert_close(y, moe_ref(x, *decoded, weights, ids), 2 * TOL[torch.bfloat16])
     with pytest.raises(ValueError, match="format must be one of"):
-        onegemm.quantize_experts(w13, w2.float(), format="int4")
+        onegemm.quantize_experts(w13, w2.float(), format="int8")
     with pytest.raises(ValueError, match="multiples of 32 for format='mxfp4'"):
         onegemm.quantize_experts(w13[:, :80, :48], w13.new_zeros(E, 48, 40), format="mxfp4")
 
