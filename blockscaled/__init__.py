@@ -2,6 +2,6 @@
 
 from .linear import Fp8Linear, fp8_training
 from .matmul import blockscaled_matmul
-from .quantize import quantize_fp8
+from .quantize import quantize_fp8, quantize_int4
 
-__all__ = ["quantize_fp8", "blockscaled_matmul", "Fp8Linear", "fp8_training"]
+__all__ = ["quantize_fp8", "quantize_int4", "blockscaled_matmul", "Fp8Linear", "fp8_training"]

@@ -547,6 +547,8 @@ def quantize_int4(w: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | N
     checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES)
     if group < INT4_MIN_GROUP or group & (group - 1):
         raise checks.bad_value("group", f"a power of two >= {INT4_MIN_GROUP}", group)
+    if scale_dtype is not None and scale_dtype not in checks.FLOAT_DTYPES:
+        raise checks.bad_dtype("scale_dtype", "None (w's dtype), float32, bfloat16 or float16", scale_dtype)
     if w.dim() == 0 or w.shape[-1] % group:
         raise checks.bad_shape("w", f"[..., K] with K a multiple of group ({group})", w.shape)
     x = w.detach().float().unflatten(-1, (-1, group))

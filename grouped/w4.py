@@ -18,7 +18,7 @@ from ..core.tma import no_tma, tma_hardware
 from .kernels import grouped_scales
 
 # values along K per element of b, by format
-_PER_ELEMENT = {"mxfp4": 2, "int4": 8}
+PER_ELEMENT = {"mxfp4": 2, "int4": 8}
 _WHAT = {"mxfp4": "MXFP4 [G, K / 2, N]", "int4": "INT4 [G, K / 8, N]"}
 _ELEMENT = {"mxfp4": "float4_e2m1fn_x2: two values along K per element",
             "int4": "int32: eight values along K per element"}
@@ -57,7 +57,7 @@ def check_w4_operands(a, b, scale_a, scale_b) -> str:
             raise checks.bad_value("b", "an INT4 b [G, K / 8, N] with unit stride along K / 8 (the transpose(1, 2) "
                                    "of the weights as stored, [G, N, K / 8])", f"strides {tuple(b.stride())}")
     checks.check_same_device(a=a, b=b, scale_b=scale_b)
-    if a.shape[1] != b.shape[1] * _PER_ELEMENT[fmt]:
+    if a.shape[1] != b.shape[1] * PER_ELEMENT[fmt]:
         raise checks.bad_shape("b", f"{_WHAT[fmt]} with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)}; "
                                f"{_ELEMENT[fmt]})", b.shape)
     return fmt
@@ -110,3 +110,4 @@ def dequantize_w4(b: torch.Tensor, scale_b: torch.Tensor, dtype: torch.dtype) ->
     if b.dtype == MXFP4:
         return dequantize_mxfp4(b.transpose(1, 2), scale_b.transpose(1, 2), dtype)
     return dequantize_int4(b.transpose(1, 2), scale_b.transpose(1, 2), dtype)
+

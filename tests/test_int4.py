@@ -1,6 +1,6 @@
 """INT4 weight-only experts (compressed-tensors' symmetric pack-quantized format): the quantiser
 and its inverse against a float64 decode written here, grouped_matmul 2D x 3D and moe_ffn /
-MoEFFN on INT4 experts against float64 of the dequantised weights, both ways the packed bytes
+MoEFFN on INT4 experts and linear_4bit against float64 of the dequantised weights, both ways the packed bytes
 are read (pointers, descriptors), and what is refused."""
 
 import pytest
@@ -10,7 +10,8 @@ import onegemm
 from onegemm.blockscaled.quantize import dequantize_int4, quantize_int4
 from onegemm.core import launch
 from onegemm.grouped import ops as grouped_ops
-from onegemm.testing import TOL, assert_close, grouped_mm_ref, int4_dequantize_ref, moe_layer_ref, moe_ref
+from onegemm.testing import (TOL, assert_close, grouped_mm_ref, int4_dequantize_ref, moe_layer_ref, moe_ref,
+                             mxfp4_dequantize_ref, mxfp4_quantize_ref)
 
 # ---- the format
 
@@ -54,6 +55,8 @@ def test_quantize_int4_refuses(device):
         quantize_int4(w[:, :48], 32)
     with pytest.raises(TypeError, match="w must be"):
         quantize_int4(w.to(torch.int32), 32)
+    with pytest.raises(TypeError, match="scale_dtype must be"):
+        quantize_int4(w, 32, torch.int8)
 
 
 # ---- grouped_matmul with INT4 experts
@@ -233,3 +236,50 @@ def test_quantize_experts_int4(device):
     assert_close(y, ref, 2 * TOL[torch.bfloat16])
     with pytest.raises(ValueError, match="multiples of group \\(64\\)"):
         onegemm.quantize_experts(w13[:, :, :96], w2[:, :96], format="int4", group=64)
+
+
+# ---- linear_4bit: a dense Linear with a 4-bit weight (one group of the same GEMM)
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_linear_4bit_matches_reference(fmt, device):
+    """x [2, 17, K] @ W.T + bias with W as stored, against float64 of the decoded weight; x's
+    gradient against float64 autograd."""
+    N, K = 48, 256
+    w = torch.randn(N, K, device=device) * K**-0.5
+    if fmt == "int4":
+        q, s = quantize_int4(w, 128)
+        decoded = int4_dequantize_ref(q, s)
+    else:
+        blocks, scales = mxfp4_quantize_ref(w)
+        q, s = blocks.flatten(-2).view(torch.float4_e2m1fn_x2), scales.view(torch.float8_e8m0fnu)
+        decoded = mxfp4_dequantize_ref(blocks, scales)
+    x = torch.randn(2, 17, K, device=device).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(N, device=device).to(torch.bfloat16)
+    out = onegemm.linear_4bit(x, q, s, bias, activation="gelu")
+    assert out.shape == (2, 17, N) and out.dtype == torch.bfloat16
+    x64 = x.detach().double().requires_grad_()
+    ref = torch.nn.functional.gelu(x64 @ decoded.to(torch.bfloat16).double().T + bias.double())
+    assert_close(out, ref, TOL[torch.bfloat16])
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert_close(x.grad, x64.grad, TOL[torch.bfloat16])
+
+
+LINEAR_4BIT_BAD = [
+    (lambda x, q, s: dict(x=x.float()), TypeError, "x must be"),
+    (lambda x, q, s: dict(weight=q.float()), TypeError, "weight must be a 4-bit weight"),
+    (lambda x, q, s: dict(x=x[..., :128]), ValueError, "weight must be INT4 \\[out_features, 128 / 8\\]"),
+    (lambda x, q, s: dict(weight=q.t().contiguous().t()), ValueError, "weight must be an INT4 weight with unit stride"),
+    (lambda x, q, s: dict(weight_scale=s[:5]), ValueError, "weight_scale must be \\[48, K / group\\]"),
+    (lambda x, q, s: dict(bias=torch.zeros(3)), ValueError, "bias"),
+]
+
+
+@pytest.mark.parametrize("change,error,match", LINEAR_4BIT_BAD, ids=[m[:30] for _, _, m in LINEAR_4BIT_BAD])
+def test_linear_4bit_refuses(change, error, match, device):
+    q, s = quantize_int4(torch.randn(48, 256, device=device), 32)
+    args = dict(x=torch.randn(3, 256, device=device, dtype=torch.bfloat16), weight=q, weight_scale=s, bias=None)
+    args.update(change(args["x"], q, s))
+    with pytest.raises(error, match=match):
+        onegemm.linear_4bit(args.pop("x"), args.pop("weight"), args.pop("weight_scale"), args.pop("bias"))
