@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from ..core import checks
 from ..core.runtime import cdiv
-from ..core.scaling import MXFP4, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK
+from ..core.scaling import INT4, INT4_MIN_GROUP, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK
 
 # An expert's (gate, up, down) weight names, and what the errors call them.
 EXPERT_NAMES = {"w1/w3/w2 (Mixtral)": ("w1", "w3", "w2"),
@@ -169,6 +169,11 @@ def _experts(keys: LayerKeys, gate, llama4_layout: bool, experts=None) -> dict:
         (l1, k1), (l2, k2) = found.items()
         raise keys.fail(k2, f"uses the expert names {l2}, but {keys.prefix + k1!r} uses {l1}: one naming per layer")
     g_name, u_name, d_name = EXPERT_NAMES[next(iter(found))] if found else EXPERT_NAMES["w1/w3/w2 (Mixtral)"]
+    # Other ranks' experts are known names, accounted for without being read.
+    keys.left -= {n for n in per_expert if int(n.split(".")[1]) not in mine}
+    if _packed_int4(keys, per_expert):
+        return _int4_experts(keys, gate, (g_name, u_name, d_name), mine,
+                             "router.weight" if llama4_layout else "gate.weight")
     first = f"experts.{mine.start}.{g_name}.weight"
     w1 = keys.take(first)
     fp8 = w1.dtype in checks.FP8_DTYPES
@@ -184,8 +189,6 @@ def _experts(keys: LayerKeys, gate, llama4_layout: bool, experts=None) -> dict:
         return w, (_scale(keys, f"experts.{e}.{name}", rows, cols) if fp8 else None)
 
     gate_up, down, gate_up_s, down_s = [], [], [], []
-    # Other ranks' experts are known names, accounted for without being read.
-    keys.left -= {n for n in per_expert if int(n.split(".")[1]) not in mine}
     for e in mine:
         (wg, sg), (wu, su), (wd, sd) = weight(e, g_name, I, H), weight(e, u_name, I, H), weight(e, d_name, H, I)
         gate_up.append(torch.cat([wg, wu]))
@@ -203,6 +206,91 @@ def _scale(keys: LayerKeys, name: str, rows: int, cols: int) -> torch.Tensor:
     """The fp32 128x128 block scales of an FP8 weight [rows, cols] ("...weight_scale_inv")."""
     return keys.take(f"{name}.weight_scale_inv", (cdiv(rows, SCALE_BLOCK), cdiv(cols, SCALE_BLOCK)),
                      (torch.float32, torch.bfloat16), " (the 128x128 block scales)").float()
+
+
+# compressed-tensors' pack-quantized INT4 (symmetric, group scales): each projection's tensors
+INT4_PACKED = ((INT4,), " (pack-quantized INT4: eight 4-bit values per int32)")
+INT4_REFUSED = {"weight_zero_point": "is a zero point (asymmetric INT4): only symmetric pack-quantized experts are read",
+                "weight_g_idx": "is a group index (activation-ordered groups): only contiguous groups of the input "
+                                "dimension are read"}
+
+
+def _packed_int4(keys: LayerKeys, per_expert: list) -> bool:
+    """Whether the per-expert experts are compressed-tensors' pack-quantized INT4 (``weight_packed``
+    keys); a layer mixing them with plain ``weight`` experts, and zero points or group indices
+    (of any expert), are refused."""
+    for n in per_expert:
+        if n.rsplit(".", 1)[1] in INT4_REFUSED:
+            raise keys.fail(n, INT4_REFUSED[n.rsplit(".", 1)[1]])
+    packed = [n for n in per_expert if n.endswith(".weight_packed")]
+    plain = [n for n in per_expert if n.endswith(".weight")]
+    if packed and plain:
+        raise keys.fail(plain[0], f"is a plain expert weight, but {keys.prefix + packed[0]!r} is packed INT4: the "
+                                  "experts of one layer are all packed or all plain")
+    return bool(packed)
+
+
+class _Int4Reader:
+    """Reads pack-quantized matrices [rows, cols]: ``{name}.weight_packed`` [rows, cols/8] int32,
+    ``{name}.weight_scale`` [rows, cols/group] and ``{name}.weight_shape`` (rows, cols). The first
+    matrix of each kind (the gate/up projections, the down projection) sets the kind's group and
+    scale dtype; the others must have them."""
+
+    def __init__(self, keys: LayerKeys):
+        self.keys, self.kinds = keys, {}
+
+    def __call__(self, name: str, rows, cols: int, kind: str) -> tuple:
+        keys = self.keys
+        if cols % 8:
+            raise keys.fail(f"{name}.weight_packed", f"packs rows of {cols} values, not a multiple of 8")
+        q = keys.take(f"{name}.weight_packed", None if rows is None else (rows, cols // 8), *INT4_PACKED)
+        if rows is None:  # the layer's first matrix: its rows are I
+            if q.dim() != 2 or q.shape[1] != cols // 8:
+                raise keys.fail(f"{name}.weight_packed", f"has shape {tuple(q.shape)}, expected [I, {cols}/8]")
+            rows = q.shape[0]
+        shape = keys.take(f"{name}.weight_shape", (2,), (torch.int32, torch.int64), " (the weight's [rows, columns])")
+        if shape.tolist() != [rows, cols]:
+            raise keys.fail(f"{name}.weight_shape", f"is {shape.tolist()}, but {keys.prefix + name + '.weight_packed'!r} "
+                                                    f"holds a [{rows}, {cols}] weight")
+        group, dtype = self.kinds.get(kind, (None, None))
+        whose = " (the group scales)" if dtype is None else f" (the group scales; the layer's other {kind} scales')"
+        s = keys.take(f"{name}.weight_scale", None if group is None else (rows, cols // group),
+                      checks.FLOAT_DTYPES if dtype is None else (dtype,), whose)
+        if group is None:
+            n = s.shape[1] if s.dim() == 2 else 0
+            group = cols // n if n and cols % n == 0 else 0
+            if s.dim() != 2 or s.shape[0] != rows or group < INT4_MIN_GROUP or group & (group - 1):
+                raise keys.fail(f"{name}.weight_scale", f"has shape {tuple(s.shape)}, expected [{rows}, {cols}/group] "
+                                                        f"with the group a power of two >= {INT4_MIN_GROUP} dividing "
+                                                        f"{cols}")
+            self.kinds[kind] = group, s.dtype
+        return q, s
+
+
+def _int4_experts(keys: LayerKeys, gate, names: tuple, mine: range, router: str) -> dict:
+    """compressed-tensors' pack-quantized INT4 experts (Kimi-K2-Thinking, llm-compressor's
+    W4A16): per expert and projection ``weight_packed``, ``weight_scale``, ``weight_shape``
+    (``_Int4Reader``). Kept packed, as stored: moe_ffn's INT4 experts, each expert's gate rows
+    then its up rows."""
+    E, H = gate.shape
+    if gate.dtype not in (torch.bfloat16, torch.float16):
+        raise keys.fail(router, f"has dtype {gate.dtype}, expected bfloat16 or float16 (INT4 experts are "
+                                "weight-only: they run in the router's dtype)")
+    g_name, u_name, d_name = names
+    read = _Int4Reader(keys)
+    first = read(f"experts.{mine.start}.{g_name}", None, H, "gate/up")
+    I = first[0].shape[0]
+    gate_up, down, gate_up_s, down_s = [], [], [], []
+    for e in mine:
+        wg, sg = first if e == mine.start else read(f"experts.{e}.{g_name}", I, H, "gate/up")
+        wu, su = read(f"experts.{e}.{u_name}", I, H, "gate/up")
+        wd, sd = read(f"experts.{e}.{d_name}", H, I, "down")
+        gate_up.append(torch.cat([wg, wu]))
+        gate_up_s.append(torch.cat([sg, su]))
+        down.append(wd)
+        down_s.append(sd)
+    return dict(w_gate_up=torch.stack(gate_up), w_down=torch.stack(down), w_gate_up_scale=torch.stack(gate_up_s),
+                w_down_scale=torch.stack(down_s))
 
 
 def _fused_experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
@@ -302,6 +390,11 @@ def _shared(keys: LayerKeys, gate) -> dict:
     out = {}
     if present:
         s = present[0]
+        packed = sorted(n for n in keys.left if n.startswith(s + ".") and n.endswith(".weight_packed"))
+        if packed:
+            raise keys.fail(packed[0], "is a packed INT4 shared expert: MoEFFN's shared experts are dense (the "
+                                       "router's dtype, or FP8 with weight_scale_inv); keep them unquantised "
+                                       "(compressed-tensors' ignore list)")
         wg = keys.take(f"{s}.gate_proj.weight")
         if wg.dim() != 2 or wg.shape[1] != H:
             raise keys.fail(f"{s}.gate_proj.weight", f"has shape {tuple(wg.shape)}, expected [S, {H}]")
@@ -474,7 +567,7 @@ def _index(folder: Path) -> dict:
 
 def _family(cfg: dict, config_path):
     """config.json's (text) config and model_type, checked: an MoE family MoEFFN reads, SwiGLU
-    experts, FP8 with 128x128 blocks if quantised."""
+    experts, FP8 with 128x128 blocks or compressed-tensors' pack-quantized INT4 if quantised."""
     model_type = cfg.get("model_type")
     if model_type == "llama4":  # the multimodal checkpoint: the text model's config is nested
         cfg, model_type = cfg.get("text_config") or {}, "llama4_text"
@@ -485,11 +578,55 @@ def _family(cfg: dict, config_path):
         raise checks.in_file(config_path, f"hidden_act = {cfg['hidden_act']!r}: MoEFFN's experts are SwiGLU (silu)")
     quant = cfg.get("quantization_config") or {}
     mxfp4 = model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"  # the experts' *_blocks, *_scales
-    if quant and not mxfp4 and (quant.get("quant_method") != "fp8" or list(
+    if quant.get("quant_method") == "compressed-tensors":
+        _int4_groups(quant, config_path)
+    elif quant and not mxfp4 and (quant.get("quant_method") != "fp8" or list(
             quant.get("weight_block_size") or [SCALE_BLOCK, SCALE_BLOCK]) != [SCALE_BLOCK, SCALE_BLOCK]):
         raise checks.in_file(config_path, f"quantization_config {quant}: only FP8 with 128x128 weight blocks "
-                                          "(weight_scale_inv) and gpt-oss's MXFP4 experts are read")
+                                          "(weight_scale_inv), compressed-tensors' pack-quantized INT4 and gpt-oss's "
+                                          "MXFP4 experts are read")
     return cfg, model_type
+
+
+# compressed-tensors' weight arguments a pack-quantized INT4 scheme must have (None: may be absent)
+INT4_WEIGHTS = (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"), ("dynamic", False),
+                ("actorder", None))
+
+
+def _int4_groups(quant: dict, where) -> set:
+    """A compressed-tensors quantization_config, checked: every scheme of config_groups is
+    weight-only symmetric INT4 with group scales, stored pack-quantized (W4A16; which modules
+    it covers, its targets and the ignore list, the tensors show). Returns its group sizes."""
+    field = "quantization_config"
+    for extra in ("sparsity_config", "transform_config"):
+        if quant.get(extra):
+            raise checks.in_file(where, f"{field}.{extra} = {quant[extra]}: only quantised (not sparse or "
+                                        "transformed) weights are read")
+    schemes = quant.get("config_groups")
+    if not isinstance(schemes, dict) or not schemes:
+        raise checks.in_file(where, f"{field}.config_groups = {schemes!r}: expected the quantisation schemes")
+    groups = set()
+    for name, scheme in schemes.items():
+        at = f"{field}.config_groups.{name}"
+        fmt = scheme.get("format") or quant.get("format")
+        if fmt != "pack-quantized":
+            raise checks.in_file(where, f"{at}: format {fmt!r}, only 'pack-quantized' INT4 is read")
+        for act in ("input_activations", "output_activations"):
+            if scheme.get(act):
+                raise checks.in_file(where, f"{at}.{act} = {scheme[act]}: activation quantisation; only "
+                                            "weight-only INT4 (W4A16) is read")
+        weights = scheme.get("weights") or {}
+        for arg, want in INT4_WEIGHTS:
+            got = weights.get(arg, None if want in (None, False) else "absent")
+            if got != want and not (want is False and got is None):
+                raise checks.in_file(where, f"{at}.weights.{arg} = {got!r}, expected {want!r} (symmetric INT4 "
+                                            "with group scales)")
+        g = weights.get("group_size")
+        if not isinstance(g, int) or g < INT4_MIN_GROUP or g & (g - 1):
+            raise checks.in_file(where, f"{at}.weights.group_size = {g!r}: expected a power of two >= "
+                                        f"{INT4_MIN_GROUP}")
+        groups.add(g)
+    return groups
 
 
 def _check_with_config(tensors_, cfg, model_type, options, *, prefix, where, config_path, config_name, block):
@@ -516,6 +653,24 @@ def _check_with_config(tensors_, cfg, model_type, options, *, prefix, where, con
     if "correction_bias" in tensors_ and options.get("scoring") != "sigmoid":
         raise checks.in_file(where, f"tensor {prefix + 'gate.e_score_correction_bias'!r}: a correction bias in a "
                                     f"{model_type} layer, whose routing has none")
+    if tensors_["w_gate_up"].dtype == INT4:
+        _check_int4_with_config(tensors_, cfg, prefix=prefix, where=where, config_name=config_name)
+
+
+def _check_int4_with_config(tensors_, cfg, *, prefix, where, config_name):
+    """Packed INT4 experts need the config's compressed-tensors quantization_config, and its
+    group size."""
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") != "compressed-tensors":
+        raise checks.in_file(where, f"the experts of {prefix!r} are packed INT4 (weight_packed), but {config_name} "
+                                    "has no compressed-tensors quantization_config")
+    groups = _int4_groups(quant, config_name)
+    H, I = tensors_["w_down"].shape[1], tensors_["w_down"].shape[2] * 8
+    for what, K, scale in (("gate_proj / up_proj", H, "w_gate_up_scale"), ("down_proj", I, "w_down_scale")):
+        g = K // tensors_[scale].shape[2]
+        if g not in groups:
+            raise checks.in_file(where, f"the {what} scales of {prefix!r} give groups of {g} values, but "
+                                        f"{config_name}'s quantization_config has group_size {sorted(groups)}")
 
 
 def read_pretrained_layer(cls, path, layer, device):
