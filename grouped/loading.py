@@ -588,9 +588,29 @@ def _family(cfg: dict, config_path):
     return cfg, model_type
 
 
-# compressed-tensors' weight arguments a pack-quantized INT4 scheme must have (None: may be absent)
-INT4_WEIGHTS = (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"), ("dynamic", False),
-                ("actorder", None))
+# compressed-tensors' weight arguments of a scheme moe_ffn reads: (argument, its value when
+# absent (compressed-tensors' default), the values read). actorder "weight" (alias "static")
+# orders the calibration only and stores plain groups; "group" (alias "dynamic", or true) stores
+# a g_idx.
+INT4_WEIGHTS = (("num_bits", 8, (4,)), ("type", "int", ("int",)), ("symmetric", True, (True,)),
+                ("dynamic", False, (False,)), ("actorder", None, (None, False, "weight", "static")))
+
+
+def _int4_weights(weights: dict, at: str, where) -> int:
+    """One scheme's ``weights`` arguments, checked (INT4_WEIGHTS, strategy "group" with a
+    power-of-two group_size >= 32). Returns the group size."""
+    g = weights.get("group_size")
+    # an absent strategy follows group_size, as compressed-tensors infers it
+    inferred = "group" if isinstance(g, int) and g > 0 else "channel" if g == -1 else "tensor"
+    for arg, default, read in (*INT4_WEIGHTS, ("strategy", inferred, ("group",))):
+        got = weights.get(arg, default)
+        got = got.lower() if isinstance(got, str) else got
+        if got not in read:
+            raise checks.in_file(where, f"{at}.weights.{arg} = {got!r}: only {' / '.join(map(repr, read))} is read "
+                                        "(symmetric INT4 with contiguous groups of scales)")
+    if not isinstance(g, int) or g < INT4_MIN_GROUP or g & (g - 1):
+        raise checks.in_file(where, f"{at}.weights.group_size = {g!r}: expected a power of two >= {INT4_MIN_GROUP}")
+    return g
 
 
 def _int4_groups(quant: dict, where) -> set:
@@ -615,17 +635,7 @@ def _int4_groups(quant: dict, where) -> set:
             if scheme.get(act):
                 raise checks.in_file(where, f"{at}.{act} = {scheme[act]}: activation quantisation; only "
                                             "weight-only INT4 (W4A16) is read")
-        weights = scheme.get("weights") or {}
-        for arg, want in INT4_WEIGHTS:
-            got = weights.get(arg, None if want in (None, False) else "absent")
-            if got != want and not (want is False and got is None):
-                raise checks.in_file(where, f"{at}.weights.{arg} = {got!r}, expected {want!r} (symmetric INT4 "
-                                            "with group scales)")
-        g = weights.get("group_size")
-        if not isinstance(g, int) or g < INT4_MIN_GROUP or g & (g - 1):
-            raise checks.in_file(where, f"{at}.weights.group_size = {g!r}: expected a power of two >= "
-                                        f"{INT4_MIN_GROUP}")
-        groups.add(g)
+        groups.add(_int4_weights(scheme.get("weights") or {}, at, where))
     return groups
 
 

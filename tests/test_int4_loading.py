@@ -20,9 +20,11 @@ P = "model.layers.1.mlp."
 
 
 def _scheme(group=32, **weights):
+    """A W4A16 scheme of config_groups; a weights argument given as None is left out (its default)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+               "dynamic": False, "actorder": None, "observer": "minmax", **weights}
     return {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
-                        "dynamic": False, "actorder": None, "observer": "minmax", **weights}}
+            "weights": {k: v for k, v in weights.items() if v is not None}}
 
 
 def _quant(group=32, **weights):
@@ -199,12 +201,16 @@ def test_int4_layer_refuses_what_it_cannot_account_for(name, corrupt, match, tmp
 
 G0 = "config.json: quantization_config.config_groups.group_0"
 BAD_CONFIGS = [
-    ("asymmetric", dict(symmetric=False), f"{G0}.weights.symmetric = False, expected True"),
-    ("8 bits", dict(num_bits=8), f"{G0}.weights.num_bits = 8, expected 4"),
-    ("float weights", dict(type="float"), f"{G0}.weights.type = 'float', expected 'int'"),
-    ("channel scales", dict(strategy="channel"), f"{G0}.weights.strategy = 'channel', expected 'group'"),
-    ("activation-ordered groups", dict(actorder="group"), f"{G0}.weights.actorder = 'group', expected None"),
-    ("dynamic weights", dict(dynamic=True), f"{G0}.weights.dynamic = True, expected False"),
+    ("asymmetric", dict(symmetric=False), f"{G0}.weights.symmetric = False: only True is read"),
+    ("8 bits", dict(num_bits=8), f"{G0}.weights.num_bits = 8: only 4 is read"),
+    ("8 bits by default", dict(num_bits=None), f"{G0}.weights.num_bits = 8: only 4 is read"),
+    ("float weights", dict(type="float"), f"{G0}.weights.type = 'float': only 'int' is read"),
+    ("channel scales", dict(strategy="channel", group_size=None), f"{G0}.weights.strategy = 'channel'"),
+    ("channel scales by default", dict(strategy=None, group_size=-1), f"{G0}.weights.strategy = 'channel'"),
+    ("activation-ordered groups", dict(actorder="group"),
+     f"{G0}.weights.actorder = 'group': only None / False / 'weight' / 'static' is read"),
+    ("activation-ordered groups (alias)", dict(actorder="dynamic"), f"{G0}.weights.actorder = 'dynamic'"),
+    ("dynamic weights", dict(dynamic=True), f"{G0}.weights.dynamic = True: only False is read"),
     ("a group of 48", dict(group_size=48), f"{G0}.weights.group_size = 48: expected a power of two >= 32"),
     ("a group of 16", dict(group_size=16), f"{G0}.weights.group_size = 16: expected a power of two >= 32"),
 ]
@@ -245,6 +251,20 @@ def test_int4_config_refuses(name, change, match, tmp_path):
     assert re.search(match, str(e.value)) and str(e.value).startswith(str(folder / "config.json")), str(e.value)
     with pytest.raises(ValueError, match=match.replace("config.json", "config")):
         onegemm.MoEFFN.from_state_dict(t, config, prefix=P)
+
+
+@pytest.mark.parametrize("weights", [dict(actorder="static"), dict(actorder="weight"), dict(actorder=False),
+                                     dict(symmetric=None, type=None, strategy=None, dynamic=None),
+                                     dict(type="INT", strategy="GROUP")],
+                         ids=["actorder-static", "actorder-weight", "actorder-false", "defaults", "upper-case"])
+def test_int4_config_that_stores_plain_groups_loads(weights, tmp_path):
+    """Schemes whose stored tensors are plain groups: activation ordering of the calibration
+    only ("weight", alias "static"), and arguments left to compressed-tensors' defaults
+    (symmetric int, the strategy inferred from group_size)."""
+    t, _ = _int4_layer("kimi_k2", 4, H_, I_, 32)
+    config = dict(_config("kimi_k2", 4, I_, 32), quantization_config=_quant(**weights))
+    layer = onegemm.MoEFFN.from_pretrained(_folder(tmp_path, config, t), layer=1)
+    assert layer.w_gate_up.dtype == torch.int32 and layer.w_down_scale.shape == (4, H_, I_ // 32)
 
 
 def test_int4_experts_need_the_config_that_describes_them(tmp_path):
