@@ -110,6 +110,19 @@ def test_grouped_matmul_int4_gradients(device):
     assert_close(a.grad, a64.grad, TOL[torch.bfloat16])
 
 
+def test_grouped_matmul_int4_under_torch_compile(device):
+    """The registered op's fake takes an INT4 b (int32) and its scales: a fullgraph compile
+    gives the eager result bit for bit; so does linear_4bit's."""
+    b, s, _ = _int4_experts(2, 16, 128, 64, device)
+    a = torch.randn(8, 128, device=device, dtype=torch.bfloat16)
+    offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+    compiled = torch.compile(lambda a: onegemm.grouped_matmul(a, b, offs, scale_b=s), fullgraph=True)
+    assert torch.equal(compiled(a), onegemm.grouped_matmul(a, b, offs, scale_b=s))
+    w, ws = b[0].t(), s[0].t()  # one expert as stored: [N, K/8], [N, K/64]
+    linear = torch.compile(lambda a: onegemm.linear_4bit(a, w, ws), fullgraph=True)
+    assert torch.equal(linear(a), onegemm.linear_4bit(a, w, ws))
+
+
 INT4_BAD = [
     (lambda a, b, s: dict(b=b.contiguous()), ValueError, "INT4 b \\[G, K / 8, N\\] with unit stride along K / 8"),
     (lambda a, b, s: dict(scale_b=s[:, :3]), ValueError, "power of two >= 32 dividing K"),
