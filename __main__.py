@@ -21,6 +21,7 @@ small there and the timings only say that it ran (they are not performance numbe
     python -m onegemm --tokens 16384
     python -m onegemm --fp8           # also the FP8 twin of the stored layer (DeepSeek-V3 format)
     python -m onegemm --mxfp4         # also its MXFP4 twin (gpt-oss's format), and on a GPU gpt-oss-120b's size
+    python -m onegemm --int4          # also its INT4 twin (compressed-tensors' pack-quantized, group 32)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 import onegemm
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER
-from onegemm.testing import calc_diff, moe_ffn_torch, mxfp4_dequantize_ref
+from onegemm.testing import calc_diff, int4_dequantize_ref, moe_ffn_torch, mxfp4_dequantize_ref
 
 
 # The job's parts in the order it runs them: what --help lists.
@@ -44,6 +45,8 @@ PARTS = (
     "with --mxfp4, the layer's MXFP4 twin (gpt-oss's format, weight-only): its error against float64 of the "
     "same 4-bit values and calc_diff against the unquantised layer; on a GPU also a gpt-oss-120b-shaped layer "
     "(random MXFP4 weights) timed next to the same shape in bf16",
+    "with --int4, the layer's INT4 twin (compressed-tensors' symmetric pack-quantized format, group 32, "
+    "weight-only): the same two errors, and on a GPU its time next to bf16",
     "on a GPU only, the expert FFN at Qwen3-30B-A3B's size (random weights), timed next to torch",
     "a DeepSeek-V3-shaped layer (random weights, the real router, a shared expert) next to transformers' "
     "DeepseekV3MoE holding the same tensors (skipped without transformers)",
@@ -124,26 +127,35 @@ def fp8_section(x, weights, ids, layer, gpu: bool) -> bool:
     return diff < 5e-3
 
 
-def mxfp4_section(x, weights, ids, layer, gpu: bool) -> bool:
-    """The stored layer's experts in MXFP4 (quantize_experts(format="mxfp4")) on the same
+# what each 4-bit format is, as the job prints it, and its float64 decode
+W4_FORMATS = {
+    "mxfp4": ("MXFP4 layer: the stored layer's experts in gpt-oss's format (e2m1 values, an e8m0 scale per 32; "
+              "weight-only, x stays bf16)",
+              lambda q, s: mxfp4_dequantize_ref(q.view(torch.uint8).unflatten(-1, (-1, 16)), s.view(torch.uint8))),
+    "int4": ("INT4 layer: the stored layer's experts in compressed-tensors' symmetric pack-quantized format (eight "
+             "values per int32, a bf16 scale per 32; weight-only, x stays bf16)", int4_dequantize_ref),
+}
+
+
+def w4_section(fmt, x, weights, ids, layer, gpu: bool) -> bool:
+    """The stored layer's experts in a 4-bit format (quantize_experts(format=fmt)) on the same
     tokens and routing: the error against float64 of the same 4-bit values (the kernels'
     own; True when within the bf16 bound 2e-2) and calc_diff against the unquantised layer
-    (the format's); on a GPU its time next to bf16, then a gpt-oss-120b-shaped layer's."""
-    q13, s13, q2, s2 = onegemm.quantize_experts(layer.w_gate_up, layer.w_down, format="mxfp4")
+    (the format's); on a GPU its time next to bf16 (MXFP4: then a gpt-oss-120b-shaped layer's)."""
+    q13, s13, q2, s2 = onegemm.quantize_experts(layer.w_gate_up, layer.w_down, format=fmt)
     scales = dict(w_gate_up_scale=s13, w_down_scale=s2)
     y4 = onegemm.moe_ffn(x, q13, q2, weights, ids, **scales)
-    decoded = [mxfp4_dequantize_ref(q.view(torch.uint8).unflatten(-1, (-1, 16)), s.view(torch.uint8))
-               for q, s in ((q13, s13), (q2, s2))]
-    err = rel_err(y4, moe_ffn_torch(x.double(), *decoded, weights, ids))
+    title, decode = W4_FORMATS[fmt]
+    err = rel_err(y4, moe_ffn_torch(x.double(), decode(q13, s13), decode(q2, s2), weights, ids))
     ref = moe_ffn_torch(x.double(), layer.w_gate_up.double(), layer.w_down.double(), weights, ids)
-    print("MXFP4 layer: the stored layer's experts in gpt-oss's format (e2m1 values, an e8m0 scale per 32; "
-          "weight-only, x stays bf16)")
-    print(f"  relative error against float64 of the same MXFP4 values: {err:.2e} (bound 2e-2)")
+    print(title)
+    print(f"  relative error against float64 of the same {fmt.upper()} values: {err:.2e} (bound 2e-2)")
     print(f"  calc_diff against the unquantised float64 layer: {calc_diff(y4, ref):.2e} (the format's own error)")
     if gpu:
-        print(timing_line("MXFP4 vs bf16 moe_ffn", lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, **scales),
+        print(timing_line(f"{fmt.upper()} vs bf16 moe_ffn", lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, **scales),
                           lambda: onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, weights, ids)).replace("torch", "bf16"))
-        gpt_oss_120b_timing(x.shape[0], x.device)
+        if fmt == "mxfp4":
+            gpt_oss_120b_timing(x.shape[0], x.device)
     print()
     return err < 2e-2
 
@@ -232,6 +244,8 @@ def main(argv=None) -> int:
                         help="also run the stored layer's FP8 twin (e4m3 experts + 128x128 weight_scale_inv)")
     parser.add_argument("--mxfp4", action="store_true",
                         help="also run its MXFP4 twin (gpt-oss's format; on a GPU also gpt-oss-120b's size)")
+    parser.add_argument("--int4", action="store_true",
+                        help="also run its INT4 twin (compressed-tensors' pack-quantized format, group 32)")
     args = parser.parse_args(argv)
     # An inference job: no autograd recording (MoEFFN's parameters are trainable).
     with torch.inference_mode():
@@ -308,7 +322,7 @@ def run(args) -> int:
     print(f"  bitwise identical on a rerun: {torch.equal(layer(x), y)}")
 
     ok_fp8 = fp8_section(x, weights, ids, layer, gpu) if args.fp8 else True
-    ok_mxfp4 = mxfp4_section(x, weights, ids, layer, gpu) if args.mxfp4 else True
+    ok_w4 = all(w4_section(fmt, x, weights, ids, layer, gpu) for fmt in ("mxfp4", "int4") if getattr(args, fmt))
 
     one = lambda: onegemm.moe_ffn(x, w_gu, w_dn, weights, ids)  # noqa: E731
     peer = lambda: moe_ffn_torch(x, w_gu, w_dn, weights, ids, use_grouped_mm=gpu)  # noqa: E731
@@ -326,11 +340,11 @@ def run(args) -> int:
 
     c_err = core_gemm_section(T, device, gpu)
     ok = rel_err(y, ref) < 2e-2 and c_err < 1e-2
-    print("\nOK" if ok and ok_fp8 and ok_mxfp4 and ok_deepseek else "\nFAILED: error above the bf16 bound (2e-2)"
+    print("\nOK" if ok and ok_fp8 and ok_w4 and ok_deepseek else "\nFAILED: error above the bf16 bound (2e-2)"
           if not ok else "\nFAILED: FP8 layer's calc_diff above 5e-3" if not ok_fp8
-          else "\nFAILED: the MXFP4 layer's error above 2e-2" if not ok_mxfp4
+          else "\nFAILED: a 4-bit layer's error above 2e-2" if not ok_w4
           else "\nFAILED: the DeepSeek-V3-shaped layer's error above the bound (or 1.5x transformers' on a GPU)")
-    return 0 if ok and ok_fp8 and ok_mxfp4 and ok_deepseek else 1
+    return 0 if ok and ok_fp8 and ok_w4 and ok_deepseek else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import onegemm
-from onegemm.__main__ import DEEPSEEK_TINY, TRUNCATION_NOTE, bf16_errors, deepseek_section, main, mxfp4_section
+from onegemm.__main__ import DEEPSEEK_TINY, TRUNCATION_NOTE, bf16_errors, deepseek_section, main, w4_section
 from onegemm.grouped import STORED_LAYER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,8 @@ def test_main_job_help_describes_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert "--tokens" in out and "--seed" in out and "seed of the random" in out and "--fp8" in out and "--mxfp4" in out
+    assert "--tokens" in out and "--seed" in out and "seed of the random" in out and "--fp8" in out and "--mxfp4" in out \
+        and "--int4" in out
 
 
 def test_main_job_help_names_every_part(capsys):
@@ -41,6 +42,7 @@ def test_main_job_help_names_every_part(capsys):
         main(["--help"])
     description = " ".join(capsys.readouterr().out.split("options:")[0].split())
     for part in ("mixtral_tiny.safetensors", "with --fp8, the layer's FP8 twin", "with --mxfp4, the layer's MXFP4 twin",
+                 "with --int4, the layer's INT4 twin",
                  "gpt-oss-120b-shaped layer", "Qwen3-30B-A3B",
                  "DeepSeek-V3-shaped layer", "DeepseekV3MoE", "the core GEMM, onegemm.matmul"):
         assert part in description, part
@@ -99,14 +101,15 @@ def test_a_partial_benchmark_run_keeps_the_sections_it_did_not_measure(tmp_path)
                    "## B two\n\n_Kept from the run at e1 (d1): not re-measured by the run above._\n\nold b\n\n''")
 
 
-def test_main_job_mxfp4_section(device, capsys):
-    """--mxfp4's part: the stored layer's MXFP4 twin within the bf16 bound of float64 on the
-    same 4-bit values, and the format's calc_diff printed."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_main_job_w4_section(fmt, device, capsys):
+    """--mxfp4's and --int4's part: the stored layer's 4-bit twin within the bf16 bound of
+    float64 on the same 4-bit values, and the format's calc_diff printed."""
     layer = onegemm.MoEFFN.from_safetensors(STORED_LAYER, top_k=2, device=device)
     x = torch.randn(16, layer.gate_weight.shape[1], device=device).to(layer.w_gate_up.dtype)
     weights, ids = onegemm.route(layer.router_logits(x), 2)
     with torch.inference_mode():
-        assert mxfp4_section(x, weights, ids, layer, gpu=False)  # (gpu=True adds only timings)
+        assert w4_section(fmt, x, weights, ids, layer, gpu=False)  # (gpu=True adds only timings)
     out = capsys.readouterr().out
-    assert "relative error against float64 of the same MXFP4 values" in out and "calc_diff" in out
+    assert f"relative error against float64 of the same {fmt.upper()} values" in out and "calc_diff" in out
 
