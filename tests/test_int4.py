@@ -221,6 +221,10 @@ def test_moeffn_int4_matches_its_dequantised_twin(device):
     twin = onegemm.MoEFFN(gate, w13.to(torch.bfloat16), w2.to(torch.bfloat16), top_k=k)
     assert "intermediate=96" in repr(layer)
     assert not any(p.requires_grad for p in (layer.w_gate_up, layer.w_down, layer.gate_weight))
+    # resident weights = the packed words and scales as given: no copy, no dequantised twin
+    held = (layer.w_gate_up, layer.w_down, layer.w_gate_up_scale, layer.w_down_scale)
+    given = (q13, q2, scales["w_gate_up_scale"], scales["w_down_scale"])
+    assert all(h.data_ptr() == g.data_ptr() and h.dtype == g.dtype for h, g in zip(held, given))
     with torch.no_grad():
         y = layer(x)
         ids = layer.route(x)[1]
