@@ -407,6 +407,29 @@ shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x800
 mul.rn.bf16x2 $3, a, c;
 }
 """)
+# INT4 -> bf16 likewise: each nibble n into a bf16 half as 0x4300 | n (128 + n, exact: the ulp
+# at 128 is 1), then one sub.bf16x2 of 136 gives n - 8 exactly. Same registers as _E2M1_PTX.
+_INT4_PTX = tl.constexpr("""
+{
+.reg .b32 n, t, c;
+mov.b32 c, 0x43084308;
+and.b32 n, $4, 0x0F0F0F0F;
+prmt.b32 t, n, 0, 0x4140;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 $0, t, c;
+prmt.b32 t, n, 0, 0x4342;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 $1, t, c;
+shr.u32 n, $4, 4;
+and.b32 n, n, 0x0F0F0F0F;
+prmt.b32 t, n, 0, 0x4140;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 $2, t, c;
+prmt.b32 t, n, 0, 0x4342;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 $3, t, c;
+}
+""")
 _INTERPRET = tl.constexpr(INTERPRET)
 
 
@@ -418,6 +441,17 @@ def _e2m1_pairs(packed):
     if _INTERPRET:
         return _e2m1(packed & 0xF).to(tl.bfloat16), _e2m1(packed >> 4).to(tl.bfloat16)
     return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _int4_pairs(packed):
+    """bf16 values (nibble - 8) of the (low, high) nibbles of uint8 ``packed``, exactly: on the
+    GPU ``_INT4_PTX``, under the interpreter integer ops."""
+    if _INTERPRET:
+        lo = ((packed & 0xF).to(tl.int32) - 8).to(tl.float32)  # (the interpreter bit-casts int -> bf16: via fp32)
+        return lo.to(tl.bfloat16), ((packed >> 4).to(tl.int32) - 8).to(tl.float32).to(tl.bfloat16)
+    return tl.inline_asm_elementwise(_INT4_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
                                      is_pure=True, pack=4)
 
 
@@ -437,7 +471,7 @@ def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: 
     its high one) and ``sb``, an Operand over the scales [K / GROUP, N] (one per GROUP K of a
     column). FORMAT "mxfp4": e2m1 values, e8m0 scales, exact (an e2m1 value times a power of
     two is a bf16 value; fp16: rounded once, as a conversion of it would be). "int4": nibble - 8
-    times the scale in fp32, rounded once to ``dtype``."""
+    (exact in bf16) times the scale, rounded once to ``dtype``."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     BLOCK_K: tl.constexpr = 2 * packed.shape[1]
     # the K block's scale groups; a group longer than the block gives one sub-block
@@ -456,9 +490,12 @@ def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: 
         else:
             values = values * scale
     else:
-        lo = ((packed & 0xF).to(tl.int32) - 8).to(tl.float32)
-        hi = ((packed >> 4).to(tl.int32) - 8).to(tl.float32)
-        values = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUPS, SUB)) * s.to(tl.float32)[:, :, None]
+        lo, hi = _int4_pairs(packed)
+        values = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUPS, SUB))
+        if s.dtype == tl.bfloat16 and dtype == tl.bfloat16 and not _INTERPRET:
+            values = values * s[:, :, None]  # bf16 x bf16, rounded once: the fp32 product's rounding
+        else:
+            values = values.to(tl.float32) * s.to(tl.float32)[:, :, None]
     return tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K))).to(dtype)
 
 
