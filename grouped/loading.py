@@ -109,11 +109,13 @@ class LayerKeys:
 EXPERT_TENSORS = ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale", "w_gate_up_bias", "w_down_bias")
 
 
-def parse_layer(keys: LayerKeys, experts=None) -> dict:
+def parse_layer(keys: LayerKeys, experts=None, gptq_format=None) -> dict:
     """The tensors of one MoE block -> MoEFFN's tensor arguments (CPU). ``experts``: None
     (all) or a callable E -> range: only those experts are kept (expert parallelism; the
     per-expert layout reads only theirs, a fused tensor is read whole and sliced); the other
-    experts' keys still count as accounted for."""
+    experts' keys still count as accounted for. ``gptq_format``: how GPTQ experts' zero points
+    are stored, the config's checkpoint_format ("gptq" or "gptq_v2"), None without a config
+    (read as "gptq", the default), "" when the config is not GPTQ (GPTQ experts refused)."""
     has_gate, has_router = keys.has("gate.weight"), keys.has("router.weight")
     if has_gate and has_router:
         raise keys.fail("router.weight", f"and {keys.prefix + 'gate.weight'!r} are both routers")
@@ -130,7 +132,7 @@ def parse_layer(keys: LayerKeys, experts=None) -> dict:
     if keys.has("router.bias") or keys.has("experts.gate_up_proj_bias"):
         out.update(_sliced(_gpt_oss_experts(keys, gate), experts, E))
     else:
-        out.update(_experts(keys, gate, llama4_layout=has_router, experts=experts))
+        out.update(_experts(keys, gate, llama4_layout=has_router, experts=experts, gptq_format=gptq_format))
     out.update(_shared(keys, gate))
     keys.finish()
     return out
@@ -144,7 +146,7 @@ def _sliced(out: dict, experts, E: int) -> dict:
     return {k: v[mine.start:mine.stop].contiguous() if k in EXPERT_TENSORS else v for k, v in out.items()}
 
 
-def _experts(keys: LayerKeys, gate, llama4_layout: bool, experts=None) -> dict:
+def _experts(keys: LayerKeys, gate, llama4_layout: bool, experts=None, gptq_format=None) -> dict:
     E, H = gate.shape
     mine = range(E) if experts is None else experts(E)
     fused = sorted(n for n in keys.left if n in ("experts.gate_up_proj", "experts.down_proj")
@@ -171,9 +173,11 @@ def _experts(keys: LayerKeys, gate, llama4_layout: bool, experts=None) -> dict:
     g_name, u_name, d_name = EXPERT_NAMES[next(iter(found))] if found else EXPERT_NAMES["w1/w3/w2 (Mixtral)"]
     # Other ranks' experts are known names, accounted for without being read.
     keys.left -= {n for n in per_expert if int(n.split(".")[1]) not in mine}
+    router = "router.weight" if llama4_layout else "gate.weight"
+    if _gptq_int4(keys, per_expert, gptq_format):
+        return _int4_experts(keys, gate, (g_name, u_name, d_name), mine, router, _GptqReader(keys, gptq_format))
     if _packed_int4(keys, per_expert):
-        return _int4_experts(keys, gate, (g_name, u_name, d_name), mine,
-                             "router.weight" if llama4_layout else "gate.weight")
+        return _int4_experts(keys, gate, (g_name, u_name, d_name), mine, router)
     first = f"experts.{mine.start}.{g_name}.weight"
     w1 = keys.take(first)
     fp8 = w1.dtype in checks.FP8_DTYPES
@@ -267,17 +271,17 @@ class _Int4Reader:
         return q, s
 
 
-def _int4_experts(keys: LayerKeys, gate, names: tuple, mine: range, router: str) -> dict:
+def _int4_experts(keys: LayerKeys, gate, names: tuple, mine: range, router: str, read=None) -> dict:
     """compressed-tensors' pack-quantized INT4 experts (Kimi-K2-Thinking, llm-compressor's
     W4A16): per expert and projection ``weight_packed``, ``weight_scale``, ``weight_shape``
-    (``_Int4Reader``). Kept packed, as stored: moe_ffn's INT4 experts, each expert's gate rows
-    then its up rows."""
+    (``_Int4Reader``), or GPTQ's with ``read`` a ``_GptqReader``. Kept packed, as stored (GPTQ's
+    transposed): moe_ffn's INT4 experts, each expert's gate rows then its up rows."""
     E, H = gate.shape
     if gate.dtype not in (torch.bfloat16, torch.float16):
         raise keys.fail(router, f"has dtype {gate.dtype}, expected bfloat16 or float16 (INT4 experts are "
                                 "weight-only: they run in the router's dtype)")
     g_name, u_name, d_name = names
-    read = _Int4Reader(keys)
+    read = read or _Int4Reader(keys)
     first = read(f"experts.{mine.start}.{g_name}", None, H, "gate/up")
     I = first[0].shape[0]
     gate_up, down, gate_up_s, down_s = [], [], [], []
@@ -291,6 +295,106 @@ def _int4_experts(keys: LayerKeys, gate, names: tuple, mine: range, router: str)
         down_s.append(sd)
     return dict(w_gate_up=torch.stack(gate_up), w_down=torch.stack(down), w_gate_up_scale=torch.stack(gate_up_s),
                 w_down_scale=torch.stack(down_s))
+
+
+# GPTQ (AutoGPTQ, GPTQModel, transformers' "gptq" quant_method), symmetric 4-bit: each
+# projection's tensors. The zero point of a symmetric 4-bit GPTQ weight is 8, stored as 7 by
+# checkpoint_format "gptq" (v1 stores zero - 1) and as 8 by "gptq_v2": one int32 word of 8 zero
+# points along the output dimension.
+GPTQ_PACKED = ((INT4,), " (GPTQ: eight 4-bit values per int32)")
+GPTQ_ZERO_WORDS = {"gptq": 0x77777777, "gptq_v2": 0x88888888 - 2**32}  # as int32
+
+
+def _gptq_int4(keys: LayerKeys, per_expert: list, gptq_format) -> bool:
+    """Whether the per-expert experts are GPTQ's (``qweight`` keys). Refused: GPTQ experts under
+    a config whose quantization_config is not GPTQ (``gptq_format`` ""), compressed-tensors'
+    packed experts under a GPTQ one, a GPTQ expert's bias, and plain or packed expert weights
+    beside GPTQ ones."""
+    qweight = [n for n in per_expert if n.endswith(".qweight")]
+    if not qweight:
+        packed = [n for n in per_expert if n.endswith(".weight_packed")]
+        if packed and gptq_format:
+            raise keys.fail(packed[0], "is compressed-tensors' packed INT4, but the config's quantization_config "
+                                       "is GPTQ (quant_method 'gptq', whose experts are qweight, qzeros, scales)")
+        return False
+    if gptq_format == "":
+        raise keys.fail(qweight[0], "is a GPTQ weight, but the config has no GPTQ quantization_config "
+                                    "(quant_method 'gptq')")
+    for n in per_expert:
+        last = n.rsplit(".", 1)[1]
+        if last == "bias":
+            raise keys.fail(n, "is the bias of a GPTQ expert: MoEFFN's INT4 experts have none")
+        if last in ("weight", "weight_packed"):
+            raise keys.fail(n, f"is a {'plain' if last == 'weight' else 'packed INT4'} expert weight, but "
+                               f"{keys.prefix + qweight[0]!r} is GPTQ: the experts of one layer are all in one format")
+    return True
+
+
+class _GptqReader:
+    """Reads GPTQ matrices [rows, cols] (a Linear's [out, in]): ``{name}.qweight`` [cols/8, rows]
+    int32 (eight values along the input per word, value j in bits 4j..4j+3, stored as value +
+    8: the words of compressed-tensors' weight_packed), ``{name}.scales`` [cols/group, rows],
+    ``{name}.qzeros`` [cols/group, rows/8] (every zero point 8: symmetric) and, optionally,
+    ``{name}.g_idx`` [cols] (must be arange(cols) // group: no activation order). Returns
+    (qweight.t(), scales.t()) made contiguous: weight_packed [rows, cols/8] and weight_scale
+    [rows, cols/group], the words and scales unchanged (a layout step on load: transposing them
+    back gives the file's tensors). The first matrix of each kind (gate/up, down) sets the
+    kind's group and scale dtype; the others must have them."""
+
+    def __init__(self, keys: LayerKeys, gptq_format):
+        self.keys, self.format, self.given, self.kinds = keys, gptq_format or "gptq", gptq_format is not None, {}
+
+    def __call__(self, name: str, rows, cols: int, kind: str) -> tuple:
+        keys = self.keys
+        if cols % 8:
+            raise keys.fail(f"{name}.qweight", f"packs columns of {cols} values, not a multiple of 8")
+        q = keys.take(f"{name}.qweight", None if rows is None else (cols // 8, rows), *GPTQ_PACKED)
+        if rows is None:  # the layer's first matrix: its rows are I
+            if q.dim() != 2 or q.shape[0] != cols // 8:
+                raise keys.fail(f"{name}.qweight", f"has shape {tuple(q.shape)}, expected [{cols}/8, I]")
+            rows = q.shape[1]
+        group, dtype = self.kinds.get(kind, (None, None))
+        whose = " (the group scales)" if dtype is None else f" (the group scales; the layer's other {kind} scales')"
+        s = keys.take(f"{name}.scales", None if group is None else (cols // group, rows),
+                      checks.FLOAT_DTYPES if dtype is None else (dtype,), whose)
+        if group is None:
+            n = s.shape[0] if s.dim() == 2 else 0
+            group = cols // n if n and cols % n == 0 else 0
+            if s.dim() != 2 or s.shape[1] != rows or group < INT4_MIN_GROUP or group & (group - 1):
+                raise keys.fail(f"{name}.scales", f"has shape {tuple(s.shape)}, expected [{cols}/group, {rows}] "
+                                                  f"with the group a power of two >= {INT4_MIN_GROUP} dividing {cols}")
+            self.kinds[kind] = group, s.dtype
+        self._zeros(name, rows, cols // group)
+        if keys.has(f"{name}.g_idx"):
+            self._g_idx(name, cols, group)
+        return q.t().contiguous(), s.t().contiguous()
+
+    def _zeros(self, name: str, rows: int, groups: int) -> None:
+        """``{name}.qzeros``: every zero point 8 (the word GPTQ_ZERO_WORDS[format])."""
+        keys, key = self.keys, f"{name}.qzeros"
+        if rows % 8:
+            raise keys.fail(key, f"packs the zero points of {rows} output rows, not a multiple of 8")
+        z = keys.take(key, (groups, rows // 8), *GPTQ_PACKED)
+        word = GPTQ_ZERO_WORDS[self.format]
+        bad = (z != word).nonzero()
+        if len(bad):
+            i, j = bad[0].tolist()
+            given = "" if self.given else ", the default without a config"
+            raise keys.fail(key, f"is not symmetric: word [{i}, {j}] is {int(z[i, j]) & 0xFFFFFFFF:#010x}, expected "
+                                 f"{word & 0xFFFFFFFF:#010x} everywhere (every zero point 8, stored as "
+                                 f"{word & 0xF} by checkpoint_format {self.format!r}{given}): only symmetric GPTQ "
+                                 "experts are read")
+
+    def _g_idx(self, name: str, cols: int, group: int) -> None:
+        """``{name}.g_idx``: input i in group i // group (no activation order)."""
+        keys, key = self.keys, f"{name}.g_idx"
+        g = keys.take(key, (cols,), (torch.int32, torch.int64), " (each input's group)")
+        plain = torch.arange(cols, device=g.device) // group
+        bad = (g.long() != plain).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise keys.fail(key, f"puts input {i} in group {int(g[i])}, not {i} // {group} = {i // group}: "
+                                 "activation-ordered groups (desc_act); only contiguous groups are read")
 
 
 def _fused_experts(keys: LayerKeys, gate, llama4_layout: bool) -> dict:
@@ -390,11 +494,13 @@ def _shared(keys: LayerKeys, gate) -> dict:
     out = {}
     if present:
         s = present[0]
-        packed = sorted(n for n in keys.left if n.startswith(s + ".") and n.endswith(".weight_packed"))
+        packed = sorted(n for n in keys.left if n.startswith(s + ".") and n.endswith((".weight_packed", ".qweight")))
         if packed:
-            raise keys.fail(packed[0], "is a packed INT4 shared expert: MoEFFN's shared experts are dense (the "
-                                       "router's dtype, or FP8 with weight_scale_inv); keep them unquantised "
-                                       "(compressed-tensors' ignore list)")
+            gptq = packed[0].endswith(".qweight")
+            raise keys.fail(packed[0], f"is a {'GPTQ' if gptq else 'packed INT4'} shared expert: MoEFFN's shared "
+                                       "experts are dense (the router's dtype, or FP8 with weight_scale_inv); keep "
+                                       "them unquantised (" + ("GPTQ's modules_in_block_to_quantize" if gptq else
+                                                               "compressed-tensors' ignore list") + ")")
         wg = keys.take(f"{s}.gate_proj.weight")
         if wg.dim() != 2 or wg.shape[1] != H:
             raise keys.fail(f"{s}.gate_proj.weight", f"has shape {tuple(wg.shape)}, expected [S, {H}]")
@@ -567,7 +673,8 @@ def _index(folder: Path) -> dict:
 
 def _family(cfg: dict, config_path):
     """config.json's (text) config and model_type, checked: an MoE family MoEFFN reads, SwiGLU
-    experts, FP8 with 128x128 blocks or compressed-tensors' pack-quantized INT4 if quantised."""
+    experts, FP8 with 128x128 blocks, compressed-tensors' pack-quantized INT4 or symmetric 4-bit
+    GPTQ if quantised."""
     model_type = cfg.get("model_type")
     if model_type == "llama4":  # the multimodal checkpoint: the text model's config is nested
         cfg, model_type = cfg.get("text_config") or {}, "llama4_text"
@@ -580,11 +687,13 @@ def _family(cfg: dict, config_path):
     mxfp4 = model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"  # the experts' *_blocks, *_scales
     if quant.get("quant_method") == "compressed-tensors":
         _int4_groups(quant, config_path)
+    elif quant.get("quant_method") == "gptq":
+        _gptq_config(quant, config_path)
     elif quant and not mxfp4 and (quant.get("quant_method") != "fp8" or list(
             quant.get("weight_block_size") or [SCALE_BLOCK, SCALE_BLOCK]) != [SCALE_BLOCK, SCALE_BLOCK]):
         raise checks.in_file(config_path, f"quantization_config {quant}: only FP8 with 128x128 weight blocks "
-                                          "(weight_scale_inv), compressed-tensors' pack-quantized INT4 and gpt-oss's "
-                                          "MXFP4 experts are read")
+                                          "(weight_scale_inv), compressed-tensors' pack-quantized INT4, symmetric "
+                                          "4-bit GPTQ and gpt-oss's MXFP4 experts are read")
     return cfg, model_type
 
 
@@ -639,6 +748,63 @@ def _int4_groups(quant: dict, where) -> set:
     return groups
 
 
+# A GPTQ quantization_config's fields that decide how the tensors are stored: (field, its value
+# when absent (transformers' GPTQConfig default), the values read). "format" is the newer name
+# of checkpoint_format; "dynamic" (GPTQModel) overrides bits or group per module; an "adapter"
+# (GPTQModel's EoRA / LoRA) adds weights the layer would not have; is_marlin_format stores
+# another layout.
+GPTQ_FIELDS = (("bits", None, (4,)), ("sym", True, (True,)), ("desc_act", False, (False,)),
+               ("checkpoint_format", "gptq", tuple(GPTQ_ZERO_WORDS)), ("format", "gptq", tuple(GPTQ_ZERO_WORDS)),
+               ("pack_dtype", "int32", ("int32",)), ("dynamic", None, (None, {})), ("adapter", None, (None,)),
+               ("is_marlin_format", False, (False,)))
+# Fields GPTQ tooling writes that leave those tensors as read, ignored: the calibration
+# (damp_percent, damp_auto_increment, true_sequential, mse, static_groups, act_group_aware:
+# GPTQModel's group-aware reordering, undone before packing, keeps g_idx arange // group, which
+# the tensors are checked for), provenance (meta, quantizer, model_name_or_path,
+# model_file_base_name), which modules were quantised (the tensors show it) and transformers'
+# / optimum's calibration and kernel options. Any other field is refused.
+GPTQ_IGNORED = frozenset((
+    "damp_percent", "damp_auto_increment", "true_sequential", "mse", "static_groups", "act_group_aware", "meta",
+    "quantizer", "model_name_or_path", "model_file_base_name", "modules_in_block_to_quantize", "lm_head",
+    "block_name_to_quantize", "module_name_preceding_first_block", "tokenizer", "dataset", "batch_size",
+    "pad_token_id", "model_seqlen", "max_input_length", "cache_block_outputs", "backend", "use_exllama",
+    "disable_exllama", "exllama_config", "use_cuda_fp16"))
+
+
+def _gptq_config(quant: dict, where) -> tuple:
+    """A GPTQ quantization_config, checked: 4 bits, symmetric, not activation-ordered, groups of
+    a power of two >= 32, stored as checkpoint_format "gptq" or "gptq_v2" in int32 words, no
+    per-module overrides (GPTQ_FIELDS); other fields must be GPTQ_IGNORED's. Returns (the group
+    size, the checkpoint_format)."""
+    field = "quantization_config"
+    for name in sorted(quant):
+        if name not in GPTQ_IGNORED and name not in {"quant_method", "group_size", *(f for f, _, _ in GPTQ_FIELDS)}:
+            raise checks.in_file(where, f"{field}.{name} = {quant[name]!r}: not a GPTQ field known to leave the "
+                                        "stored tensors as MoEFFN reads them")
+    for name, default, read in GPTQ_FIELDS:
+        got = quant.get(name, default)
+        got = got.lower() if isinstance(got, str) else got
+        if got not in read:
+            raise checks.in_file(where, f"{field}.{name} = {got!r}: only {' / '.join(map(repr, read))} is read "
+                                        "(symmetric 4-bit GPTQ with contiguous groups of scales)")
+    fmt = str(quant.get("checkpoint_format", quant.get("format", "gptq"))).lower()
+    if "format" in quant and str(quant["format"]).lower() != fmt:
+        raise checks.in_file(where, f"{field}.format = {quant['format']!r} and checkpoint_format = "
+                                    f"{quant['checkpoint_format']!r}: two storage formats")
+    g = quant.get("group_size")
+    if not isinstance(g, int) or g < INT4_MIN_GROUP or g & (g - 1):
+        why = " (one scale per output channel)" if g == -1 else ""
+        raise checks.in_file(where, f"{field}.group_size = {g!r}{why}: expected a power of two >= {INT4_MIN_GROUP}")
+    return g, fmt
+
+
+def _gptq_format(cfg: dict) -> str:
+    """parse_layer's ``gptq_format`` for a (checked) config: its GPTQ checkpoint_format, "" if
+    it is not GPTQ."""
+    quant = cfg.get("quantization_config") or {}
+    return _gptq_config(quant, "config")[1] if quant.get("quant_method") == "gptq" else ""
+
+
 def _check_with_config(tensors_, cfg, model_type, options, *, prefix, where, config_path, config_name, block):
     """The layer's tensors against its config: the number of experts, the shared expert's
     presence, size and gate, a correction bias only where the routing has one. ``where``
@@ -669,12 +835,15 @@ def _check_with_config(tensors_, cfg, model_type, options, *, prefix, where, con
 
 def _check_int4_with_config(tensors_, cfg, *, prefix, where, config_name):
     """Packed INT4 experts need the config's compressed-tensors quantization_config, and its
-    group size."""
+    group size; GPTQ ones (parse_layer read them only under a GPTQ config) its group size."""
     quant = cfg.get("quantization_config") or {}
-    if quant.get("quant_method") != "compressed-tensors":
+    if quant.get("quant_method") == "gptq":
+        groups = {_gptq_config(quant, config_name)[0]}
+    elif quant.get("quant_method") != "compressed-tensors":
         raise checks.in_file(where, f"the experts of {prefix!r} are packed INT4 (weight_packed), but {config_name} "
                                     "has no compressed-tensors quantization_config")
-    groups = _int4_groups(quant, config_name)
+    else:
+        groups = _int4_groups(quant, config_name)
     H, I = tensors_["w_down"].shape[1], tensors_["w_down"].shape[2] * 8
     for what, K, scale in (("gate_proj / up_proj", H, "w_gate_up_scale"), ("down_proj", I, "w_down_scale")):
         g = K // tensors_[scale].shape[2]
@@ -714,7 +883,7 @@ def read_pretrained_layer(cls, path, layer, device):
     prefix = prefixes[0]
     with ExitStack() as stack:
         tensors = Tensors({k: v for k, v in files.items() if k.startswith(prefix)}, stack)
-        tensors_ = parse_layer(LayerKeys(tensors, prefix, folder))
+        tensors_ = parse_layer(LayerKeys(tensors, prefix, folder), gptq_format=_gptq_format(cfg))
     _check_with_config(tensors_, cfg, model_type, options, prefix=prefix, where=folder, config_path=config_path,
                        config_name="config.json", block=f"layer {layer} ({prefix!r})")
     return _build(cls, tensors_, device, **options)
@@ -734,7 +903,8 @@ def read_state_dict_layer(cls, state_dict, config, prefix, device):
         raise checks.bad_type("config", "a transformers config or a config.json dict", config)
     cfg, model_type = _family(config, "config")
     options = FAMILIES[model_type][0](cfg, "config", None)
-    tensors_ = parse_layer(LayerKeys(StateTensors(state_dict, "state_dict"), prefix, "state_dict"))
+    tensors_ = parse_layer(LayerKeys(StateTensors(state_dict, "state_dict"), prefix, "state_dict"),
+                           gptq_format=_gptq_format(cfg))
     _check_with_config(tensors_, cfg, model_type, options, prefix=prefix, where="state_dict", config_path="config",
                        config_name="config", block=f"the block ({prefix!r})")
     return _build(cls, tensors_, tensors_["gate_weight"].device if device is None else device, **options)
