@@ -3,7 +3,8 @@
 Kernels: kernels.py; the public ops: ops.py (grouped_matmul), w4.py (4-bit weights' checks), linear4.py (linear_4bit),
 moe.py (moe_ffn, quantize_experts),
 moe_steps.py (sort_by_expert, and the steps moe.py, moe_train.py and ep/ share), routing.py
-(route), layer.py (MoEFFN) and loading.py (MoEFFN's checkpoint reading); the stored test layers
+(route), layer.py (MoEFFN) and loading.py (MoEFFN's checkpoint reading; loading_int4.py its INT4
+readers); the stored test layers
 (bf16 and its FP8 twin): data/, made by make_layer.py.
 """
 
