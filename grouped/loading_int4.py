@@ -34,6 +34,27 @@ def packed_int4(keys, per_expert: list) -> bool:
     return bool(packed)
 
 
+def take_group_scales(keys, kinds: dict, key: str, rows: int, cols: int, kind: str, transposed: bool) -> tuple:
+    """(scales, group) of a [rows, cols] INT4 matrix at ``key``: [rows, cols/group], or GPTQ's
+    [cols/group, rows] (``transposed``). The first matrix of a kind (the gate/up projections,
+    the down projection) sets the kind's group and scale dtype in ``kinds``; the others must
+    have them."""
+    group, dtype = kinds.get(kind, (None, None))
+    whose = " (the group scales)" if dtype is None else f" (the group scales; the layer's other {kind} scales')"
+    shape = None if group is None else ((cols // group, rows) if transposed else (rows, cols // group))
+    s = keys.take(key, shape, checks.FLOAT_DTYPES if dtype is None else (dtype,), whose)
+    if group is None:
+        group_dim = 0 if transposed else 1
+        n = s.shape[group_dim] if s.dim() == 2 else 0
+        group = cols // n if n and cols % n == 0 else 0
+        if s.dim() != 2 or s.shape[1 - group_dim] != rows or group < INT4_MIN_GROUP or group & (group - 1):
+            expected = f"[{cols}/group, {rows}]" if transposed else f"[{rows}, {cols}/group]"
+            raise keys.fail(key, f"has shape {tuple(s.shape)}, expected {expected} with the group a power of two >= "
+                                 f"{INT4_MIN_GROUP} dividing {cols}")
+        kinds[kind] = group, s.dtype
+    return s, group
+
+
 class _Int4Reader:
     """Reads pack-quantized matrices [rows, cols]: ``{name}.weight_packed`` [rows, cols/8] int32,
     ``{name}.weight_scale`` [rows, cols/group] and ``{name}.weight_shape`` (rows, cols). The first
@@ -56,18 +77,7 @@ class _Int4Reader:
         if shape.tolist() != [rows, cols]:
             raise keys.fail(f"{name}.weight_shape", f"is {shape.tolist()}, but {keys.prefix + name + '.weight_packed'!r} "
                                                     f"holds a [{rows}, {cols}] weight")
-        group, dtype = self.kinds.get(kind, (None, None))
-        whose = " (the group scales)" if dtype is None else f" (the group scales; the layer's other {kind} scales')"
-        s = keys.take(f"{name}.weight_scale", None if group is None else (rows, cols // group),
-                      checks.FLOAT_DTYPES if dtype is None else (dtype,), whose)
-        if group is None:
-            n = s.shape[1] if s.dim() == 2 else 0
-            group = cols // n if n and cols % n == 0 else 0
-            if s.dim() != 2 or s.shape[0] != rows or group < INT4_MIN_GROUP or group & (group - 1):
-                raise keys.fail(f"{name}.weight_scale", f"has shape {tuple(s.shape)}, expected [{rows}, {cols}/group] "
-                                                        f"with the group a power of two >= {INT4_MIN_GROUP} dividing "
-                                                        f"{cols}")
-            self.kinds[kind] = group, s.dtype
+        s, _ = take_group_scales(keys, self.kinds, f"{name}.weight_scale", rows, cols, kind, transposed=False)
         return q, s
 
 
@@ -153,17 +163,7 @@ class GptqReader:
             if q.dim() != 2 or q.shape[0] != cols // 8:
                 raise keys.fail(f"{name}.qweight", f"has shape {tuple(q.shape)}, expected [{cols}/8, I]")
             rows = q.shape[1]
-        group, dtype = self.kinds.get(kind, (None, None))
-        whose = " (the group scales)" if dtype is None else f" (the group scales; the layer's other {kind} scales')"
-        s = keys.take(f"{name}.scales", None if group is None else (cols // group, rows),
-                      checks.FLOAT_DTYPES if dtype is None else (dtype,), whose)
-        if group is None:
-            n = s.shape[0] if s.dim() == 2 else 0
-            group = cols // n if n and cols % n == 0 else 0
-            if s.dim() != 2 or s.shape[1] != rows or group < INT4_MIN_GROUP or group & (group - 1):
-                raise keys.fail(f"{name}.scales", f"has shape {tuple(s.shape)}, expected [{cols}/group, {rows}] "
-                                                  f"with the group a power of two >= {INT4_MIN_GROUP} dividing {cols}")
-            self.kinds[kind] = group, s.dtype
+        s, group = take_group_scales(keys, self.kinds, f"{name}.scales", rows, cols, kind, transposed=True)
         self._zeros(name, rows, cols // group)
         if keys.has(f"{name}.g_idx"):
             self._g_idx(name, cols, group)
