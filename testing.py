@@ -321,6 +321,21 @@ def _moe_sum(x, w_gate_up, w_down, topk_weights, topk_ids, round_h=None, *, swig
     return y
 
 
+def assert_layer_close_to_twin(layer, twin, x, tol, min_same=0.7):
+    """A quantised MoEFFN ``layer`` against float64 of its ``twin`` on the dequantised experts
+    (moe_layer_ref), on x: rows whose routing differs by a near tie (the layer routes in fp32,
+    the reference in float64) are left out, and at least ``min_same`` of the rows must remain.
+    Returns the layer's output."""
+    with torch.no_grad():
+        y = layer(x)
+        ids = layer.route(x)[1]
+    ref, (_, ids_ref) = moe_layer_ref(twin, x)
+    same = (ids.long().sort(1).values == ids_ref.sort(1).values).all(1)
+    assert same.float().mean() > min_same, f"only {same.float().mean():.2f} of the rows route as float64 does"
+    assert_close(y[same], ref[same], tol)
+    return y
+
+
 def moe_layer_ref(layer, x):
     """float64 of an MoEFFN's forward from its parameters (16/32-bit experts): the router
     (x @ gate_weight.T + gate_bias), route_ref's routing with the layer's options, the routed

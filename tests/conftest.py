@@ -24,7 +24,8 @@ import torch
 
 os.environ["ONEGEMM_POISON"] = "1"  # read once, when onegemm is imported
 import onegemm  # noqa: E402
-from onegemm.core import runtime  # noqa: E402
+from onegemm.core import launch, runtime  # noqa: E402
+from onegemm.grouped import ops as grouped_ops  # noqa: E402
 
 assert runtime.POISON, "onegemm was imported before tests/conftest.py could switch its output poisoning on"
 
@@ -89,3 +90,14 @@ def _fresh_seed():
 @pytest.fixture
 def device():
     return "cuda" if HAS_GPU else "cpu"
+
+
+@pytest.fixture(params=["pointers", "tma"])
+def w4_flavour(request, monkeypatch):
+    """moe_ffn's 4-bit GEMMs with their weight bytes read one way, forced (grouped/w4.py
+    w4_flavour; moe_ffn has no tma argument). The interpreter runs descriptors too."""
+    real = grouped_ops.w4_flavour
+    monkeypatch.setattr(grouped_ops, "w4_flavour", lambda tma, b, strides: real(request.param == "tma", b, strides))
+    launch.clear_plans()  # records built under the other flavour
+    yield request.param
+    launch.clear_plans()

@@ -8,9 +8,7 @@ import torch
 
 import onegemm
 from onegemm.blockscaled.quantize import dequantize_int4, quantize_int4
-from onegemm.core import launch
-from onegemm.grouped import ops as grouped_ops
-from onegemm.testing import (TOL, assert_close, grouped_mm_ref, int4_dequantize_ref, moe_layer_ref, moe_ref,
+from onegemm.testing import (TOL, assert_close, grouped_mm_ref, int4_dequantize_ref, assert_layer_close_to_twin, moe_ref,
                              mxfp4_dequantize_ref, mxfp4_quantize_ref)
 
 # ---- the format
@@ -161,17 +159,6 @@ def _int4_moe(T, H, I, E, k, groups, dtype, device, foreign=False):
     return x, q13, q2, dict(w_gate_up_scale=s13, w_down_scale=s2), weights, ids, decoded
 
 
-@pytest.fixture(params=["pointers", "tma"])
-def w4_flavour(request, monkeypatch):
-    """moe_ffn's 4-bit GEMMs with their weight bytes read one way, forced (grouped/w4.py
-    w4_flavour; moe_ffn has no tma argument). The interpreter runs descriptors too."""
-    real = grouped_ops.w4_flavour
-    monkeypatch.setattr(grouped_ops, "w4_flavour", lambda tma, b, strides: real(request.param == "tma", b, strides))
-    launch.clear_plans()  # records built under the other flavour
-    yield request.param
-    launch.clear_plans()
-
-
 # (T, H, I, E, k, (GEMM1's group, GEMM2's), x dtype, foreign ids): one token; groups longer
 # than a K block and unequal; more experts than tokens (empty experts)
 INT4_MOE_CASES = [
@@ -225,13 +212,7 @@ def test_moeffn_int4_matches_its_dequantised_twin(device):
     held = (layer.w_gate_up, layer.w_down, layer.w_gate_up_scale, layer.w_down_scale)
     given = (q13, q2, scales["w_gate_up_scale"], scales["w_down_scale"])
     assert all(h.data_ptr() == g.data_ptr() and h.dtype == g.dtype for h, g in zip(held, given))
-    with torch.no_grad():
-        y = layer(x)
-        ids = layer.route(x)[1]
-    ref, (_, ids_ref) = moe_layer_ref(twin, x)
-    same = (ids.long().sort(1).values == ids_ref.sort(1).values).all(1)
-    assert same.float().mean() > 0.7
-    assert_close(y[same], ref[same], 2 * TOL[torch.bfloat16])
+    assert_layer_close_to_twin(layer, twin, x, 2 * TOL[torch.bfloat16])
     with pytest.raises(ValueError, match="INT4 experts"):
         layer.check_fp8_training()
 

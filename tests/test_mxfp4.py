@@ -11,15 +11,13 @@ import pytest
 import torch
 
 import onegemm
-from onegemm.core import launch
-from onegemm.grouped import ops as grouped_ops
 from onegemm.testing import (
     E2M1_MAGNITUDES,
     MXFP4_BLOCK,
     TOL,
     assert_close,
+    assert_layer_close_to_twin,
     grouped_mm_ref,
-    moe_layer_ref,
     moe_ref,
     mxfp4_dequantize_ref,
     mxfp4_quantize_ref,
@@ -281,19 +279,8 @@ MXFP4_MOE_CASES = [
 ]
 
 
-@pytest.fixture(params=["pointers", "tma"])
-def mx4_flavour(request, monkeypatch):
-    """moe_ffn's MXFP4 GEMMs with their weight bytes read one way, forced (grouped/ops.py
-    w4_flavour; moe_ffn has no tma argument). The interpreter runs descriptors too."""
-    real = grouped_ops.w4_flavour
-    monkeypatch.setattr(grouped_ops, "w4_flavour", lambda tma, b, strides: real(request.param == "tma", b, strides))
-    launch.clear_plans()  # records built under the other flavour
-    yield request.param
-    launch.clear_plans()
-
-
 @pytest.mark.parametrize("T,H,I,E,k,dtype,foreign", MXFP4_MOE_CASES)
-def test_moe_ffn_mxfp4_matches_reference(T, H, I, E, k, dtype, foreign, mx4_flavour, device):
+def test_moe_ffn_mxfp4_matches_reference(T, H, I, E, k, dtype, foreign, w4_flavour, device):
     x, q13, q2, scales, weights, ids, (w13, w2) = _mxfp4_moe(T, H, I, E, k, dtype, device, foreign)
     y = onegemm.moe_ffn(x, q13, q2, weights, ids, **scales)
     assert y.dtype == dtype and y.shape == (T, H)
@@ -346,13 +333,7 @@ def test_moeffn_mxfp4_matches_its_dequantised_twin(gpt_oss, device):
     twin = onegemm.MoEFFN(gate, w13.to(torch.bfloat16), w2.to(torch.bfloat16), top_k=k, **extra)
     assert "intermediate=96" in repr(layer)
     assert not any(p.requires_grad for p in (layer.w_gate_up, layer.w_down, layer.gate_weight))
-    with torch.no_grad():
-        y = layer(x)
-        ids = layer.route(x)[1]
-    ref, (_, ids_ref) = moe_layer_ref(twin, x)
-    same = (ids.long().sort(1).values == ids_ref.sort(1).values).all(1)
-    assert same.float().mean() > 0.7
-    assert_close(y[same], ref[same], 2 * TOL[torch.bfloat16])
+    y = assert_layer_close_to_twin(layer, twin, x, 2 * TOL[torch.bfloat16])
     with torch.no_grad():
         assert torch.equal(layer(x), y)
 
