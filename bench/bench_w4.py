@@ -62,12 +62,12 @@ def copy_tb_s(device) -> float:
 
 def measure(model, T, fmt, device, quick):
     name, E, E_routed, H, I, k = model
-    torch.manual_seed(T)
+    torch.manual_seed(T)  # the same tokens and routing for both formats (drawn before the weights)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    weights, ids = onegemm.route(torch.randn(T, E_routed, device=device), k)
     make = random_mxfp4 if fmt == "mxfp4" else random_int4
     q13, s13, w13 = make(E, 2 * I, H, device)
     q2, s2, w2 = make(E, H, I, device)
-    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
-    weights, ids = onegemm.route(torch.randn(T, E_routed, device=device), k)
     w4 = lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)  # noqa: E731
     bf16 = lambda: onegemm.moe_ffn(x, w13, w2, weights, ids)  # noqa: E731
     start = time.perf_counter()

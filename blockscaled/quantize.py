@@ -508,8 +508,9 @@ def quantize_mxfp4(w: torch.Tensor):
     scale float8_e8m0fnu [..., K/32]), the OCP MX rule: each 32 values' scale 2^(floor(log2
     amax) - 2) (e8m0 clamped to [0, 254]; an all-zero block 2^-127), each value / scale rounded
     to the nearest e2m1 value (ties to the even code, +-6 past it), two per byte along K, the
-    first in the lower nibble. In torch, exactly (power-of-two scales divide exactly in fp32)."""
-    checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES)
+    first in the lower nibble. In torch, exactly (power-of-two scales divide exactly in fp32), on
+    any device (checkpoints are written from CPU tensors too)."""
+    checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES, any_device=True)
     if w.dim() == 0 or w.shape[-1] % MXFP4_BLOCK:
         raise checks.bad_shape("w", f"[..., K] with K a multiple of {MXFP4_BLOCK} (MXFP4's block)", w.shape)
     x = w.detach().float().unflatten(-1, (-1, MXFP4_BLOCK))
@@ -543,8 +544,8 @@ def quantize_int4(w: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | N
     [..., K/group] in ``scale_dtype``, default w's dtype). Each group's scale is amax / 7.5
     (the range -8..7 over 15 steps; an all-zero group 1), rounded to scale_dtype; each value
     round(w / scale) (half to even) clamped to -8..7, stored as value + 8, eight per int32
-    along K, the first in the lowest 4 bits."""
-    checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES)
+    along K, the first in the lowest 4 bits. In torch, on any device."""
+    checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES, any_device=True)
     if group < INT4_MIN_GROUP or group & (group - 1):
         raise checks.bad_value("group", f"a power of two >= {INT4_MIN_GROUP}", group)
     if scale_dtype is not None and scale_dtype not in checks.FLOAT_DTYPES:

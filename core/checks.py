@@ -66,8 +66,9 @@ def in_file(path, what: str) -> ValueError:
 # ---- tensors ----
 
 
-def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
-    """TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank or device."""
+def check_tensor(name: str, t, *, ndim=None, dtypes=None, any_device=False) -> None:
+    """TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank or device
+    (``any_device``: the caller runs torch ops only, so every device serves)."""
     if not isinstance(t, torch.Tensor):
         raise bad_type(name, "a torch.Tensor", t)
     if ndim is not None and (t.dim() != ndim if isinstance(ndim, int) else t.dim() not in ndim):
@@ -75,7 +76,8 @@ def check_tensor(name: str, t, *, ndim=None, dtypes=None) -> None:
         raise bad_shape(name, " or ".join(f"{d}-D" for d in allowed), t.shape)
     if dtypes is not None and t.dtype not in dtypes:
         raise bad_dtype(name, f"of dtype in ({dtype_names(dtypes)})", t.dtype)
-    check_device(name, t)
+    if not any_device:
+        check_device(name, t)
 
 
 def check_optional_tensors(**values) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import onegemm
-from onegemm.blockscaled.quantize import dequantize_int4, quantize_int4
+from onegemm.blockscaled.quantize import dequantize_int4, quantize_int4, quantize_mxfp4
 from onegemm.testing import (TOL, assert_close, grouped_mm_ref, int4_dequantize_ref, assert_layer_close_to_twin, moe_ref,
                              mxfp4_dequantize_ref, mxfp4_quantize_ref)
 
@@ -43,6 +43,14 @@ def test_quantize_int4_is_the_symmetric_rule(group, device):
     assert torch.equal(decoded, (codes.double().unflatten(-1, (2, group)) * s.double()[..., None]).flatten(-2))
     assert torch.equal(dequantize_int4(q, s, torch.float32).double(), decoded)
     assert (int4_dequantize_ref(q, s)[0, 0, :group] == 0).all() and s[0, 0, 0] == 1
+
+
+@pytest.mark.parametrize("quantize", [quantize_int4, quantize_mxfp4], ids=["int4", "mxfp4"])
+def test_quantizers_run_on_any_device(quantize):
+    """The 4-bit quantisers are torch ops: checkpoints are written from CPU (here: meta) tensors
+    on a GPU machine too, where core's kernels would refuse them."""
+    q, s = quantize(torch.empty(5, 64, device="meta", dtype=torch.bfloat16))
+    assert q.device.type == s.device.type == "meta" and q.shape[:-1] == s.shape[:-1] == (5,)
 
 
 def test_quantize_int4_refuses(device):
