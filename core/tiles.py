@@ -517,15 +517,15 @@ def _tma_k_block(A, B, k0, off_m, off_n, spec):
 
 
 @triton.jit
-def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None):
+def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None, off_k=0):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
     A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
         likewise; W.t() of an nn.Linear weight has B.stride0 == 1, the K-major layout Hopper's
         fp8 MMA wants), or ``make_operands``' descriptors (TMA flavour).
     rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (see module docstring). In the
-        TMA flavour the tile starts at row ``off_m`` and column ``off_n`` instead, and rows/cols
-        only index the scales. Boxes past M, N or K arrive zero-filled.
+        TMA flavour the tile starts at row ``off_m``, column ``off_n`` and K ``off_k`` (a ragged K's
+        group start) instead; rows/cols only index the scales; boxes past M, N or K arrive zero.
     K: the reduction length, any (the last block is masked by ``k_remaining``).
     spec: the TileSpec (BLOCK_K, UPCAST, PRECISION, the TMA flags, WARP_SPECIALIZE, SA_ROWS,
         SB_COLS; B_W4, W4_GROUP, W4_TMA: B 4-bit with its scales in ``scales.b``).
@@ -568,7 +568,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         (spec.A_K_CONTIG and spec.B_K_CONTIG) or not A.ptr.dtype.is_fp8())
     for kb in tl.range(kb_lo, kb_hi, warp_specialize=WS):
         if spec.USE_TMA:
-            a, b = _tma_k_block(A, B, kb * BLOCK_K, off_m, off_n, spec)
+            a, b = _tma_k_block(A, B, off_k + kb * BLOCK_K, off_m, off_n, spec)
         else:
             a, b = _pointer_k_block(a_ptrs, b_ptrs, offs_k, K - kb * BLOCK_K, kb, cols, off_n, scales, spec)
         if spec.UPCAST:
@@ -792,8 +792,7 @@ def _gate_up(gate, up_offset, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None,
-              segment=None):
+def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None, segment=None, off_k=0):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
 
     A [M, K], B [K, N], C [M, N]: Operands, or ``make_operands``' descriptors (spec.USE_TMA).
@@ -813,7 +812,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
     segment: a stream-K Segment (``stream_k``): only its K blocks, and when other programs
         share the tile, the last of them to finish sums the parts and alone stores.
-    scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``).
+    scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``). off_k:
+    the TMA flavour's first K in A's and B's descriptors (``mma_k_loop``).
     """
     BLOCK_M: tl.constexpr = spec.BLOCK_M
     BLOCK_N: tl.constexpr = spec.BLOCK_N
@@ -835,8 +835,7 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         if scales.b.ptr is not None:
             scale_cols = _gate_up(cols // spec.SB_COLS, tl.cdiv(N, spec.SB_COLS), BLOCK_N)
         cols = _gate_up(cols, N, BLOCK_N)
-    kb_lo = 0
-    kb_hi = None
+    kb_lo, kb_hi = 0, None
     if spec.SPLIT_K > 1:
         kb_lo, kb_hi = split_k_range(split.index, K, spec.BLOCK_K, spec.SPLIT_K)
     if segment is not None:
@@ -852,7 +851,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi, scale_cols)
+        acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi, scale_cols,
+                         off_k)
         if spec.SWIGLU:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N_OUT, 2)))
             acc = activate(gate, "silu") * up

@@ -157,10 +157,13 @@ def _ragged_tile(pid, offs, G, M, N, K, RAGGED: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _group_pointers(A, B, C, g64, start, RAGGED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr):
+def _group_pointers(A, B, C, g64, start, RAGGED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+                    USE_TMA: tl.constexpr):
     """Group g's A, B and C (int64: group offsets times strides pass 2^31 elements on large
     MoE batches), moved to its ``start`` along the ragged dimension; the grouped row of its
-    first row (routing's index) and the rows of A's and C's own scales it starts at."""
+    first row (routing's index) and the rows of A's and C's own scales it starts at. A ragged
+    K in the TMA flavour stays at the matrices' bases (the descriptors start at ``start``
+    instead: a K-contiguous operand's group may begin at any element, TMA's base cannot)."""
     a_g = A.ptr + g64 * A.stride_g
     b_g = B.ptr + g64 * B.stride_g
     c_g = C.ptr + g64 * C.stride_g
@@ -178,7 +181,7 @@ def _group_pointers(A, B, C, g64, start, RAGGED: tl.constexpr, GATHER: tl.conste
     if RAGGED == "N":
         b_g += start.to(tl.int64) * B.stride1
         c_g += start.to(tl.int64) * C.stride1
-    if RAGGED == "K":
+    if RAGGED == "K" and not USE_TMA:
         a_g += start.to(tl.int64) * A.stride1
         b_g += start.to(tl.int64) * B.stride0
     return a_g, b_g, c_g, row0, a_row0, c_row0
@@ -192,8 +195,7 @@ def ragged_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
     SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1, B_W4: tl.constexpr = None, W4_GROUP: tl.constexpr = 32,
-    W4_TMA: tl.constexpr = False,
-):
+    W4_TMA: tl.constexpr = False):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
     A, B, C: Stacked (a 2-D operand has stride_g = 0 and is cut by offs instead). By RAGGED:
@@ -218,14 +220,14 @@ def ragged_kernel(
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
         A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
-        edges, which is what the masks do for pointers (not with a gather or SWIGLU; the host
-        decides). A scattered C is still stored through pointers. W4_TMA: B (4-bit) alone.
-    Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values:
-      "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT); "N": cdiv(M, BLOCK_M) *
-      (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
-      Programs past the real tile count return at once.
-    Rows (columns) past offs[-1] are written as zero; with bad offs (decreasing, negative,
-    past the total) every element of C is written as NaN: never a silent wrong answer.
+        edges, as the masks do for pointers (not with a gather or SWIGLU; the host decides); a ragged
+        K's over A [M, end_g], B [end_g, N], from K = start_g. A scattered C is stored through
+        pointers. W4_TMA: B (4-bit) alone.
+    Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values (programs past
+      the real tile count return at once): "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT);
+      "N": cdiv(M, BLOCK_M) * (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
+    Rows (columns) past offs[-1] are written as zero; bad offs (decreasing, negative, past the
+    total) write every element of C as NaN: never a silent wrong answer.
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
                                   SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_W4=B_W4,
@@ -242,7 +244,8 @@ def ragged_kernel(
     SCATTER: tl.constexpr = routing.scatter is not None
     if valid:
         g64 = g.to(tl.int64)
-        a_g, b_g, c_g, row0, a_row0, c_row0 = _group_pointers(A, B, C, g64, start, RAGGED, GATHER, SCATTER)
+        a_g, b_g, c_g, row0, a_row0, c_row0 = _group_pointers(A, B, C, g64, start, RAGGED, GATHER, SCATTER, USE_TMA)
+        off_k = start if RAGGED == "K" and USE_TMA else 0  # (descriptors to the group's end)
         if HAS_BIAS:
             bias_g = Vector(bias.ptr + g64 * bias.stride0, bias.stride1)
             if RAGGED == "N":
@@ -250,7 +253,7 @@ def ragged_kernel(
         else:
             bias_g = Vector(None, 0)
         a, b, c = make_operands(Operand(a_g, A.stride0, A.stride1), Operand(b_g, B.stride0, B.stride1),
-                                Operand(c_g, C.stride0, C.stride1), M_g, N_g, K_g, spec)
+                                Operand(c_g, C.stride0, C.stride1), M_g, N_g, off_k + K_g, spec)
         if SCATTER:
             c = Operand(c_g, C.stride0, C.stride1)  # scattered rows are stored through pointers
         # The group's scales: A's follow its rows (from a_row0; a gather indexes them by token
@@ -263,7 +266,7 @@ def ragged_kernel(
         sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * sn.stride0, sn.stride1)
         so_g = Operand(None if so.ptr is None else so.ptr + c_row0 * so.stride0, so.stride0, so.stride1)
         gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(sa_g, sb_g, sm_g, sn_g, so_g), routing, bias_g, None,
-                  row0, fill)
+                  row0, fill, off_k=off_k)
 
 
 @triton.jit

@@ -170,10 +170,10 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
 
     Group g's operands start at base + g * stride_g + start * stride (start read on the device),
     so every such offset must keep TMA's 16-byte alignment, i.e. move by whole rows: a ragged M
-    with row-major A and C; a ragged K whose operands both keep K as their outer dimension
-    (A = x.t() of a row-major x, B row-major: the weight-gradient layout); the batched mode.
-    A ragged N shifts C by single elements. A gather (MoE GEMM1) or the interleaved SwiGLU
-    columns need pointer loads.
+    with row-major A and C; the batched mode. A ragged K needs no such move (its descriptors
+    keep the matrices' bases and are read from the group's start), so every layout of it
+    takes TMA. A ragged N shifts C by single elements. A gather (MoE GEMM1) or the interleaved
+    SwiGLU columns need pointer loads.
     """
     if tma is None and (INTERPRET or not a.is_cuda):
         return None  # the automatic choice on the interpreter is pointers
@@ -189,9 +189,6 @@ def _tma_flavour(tma, a, b, c, ragged, gather, swiglu, strides3):
         layout = choose_tma(tma, a, b, c, tuple(st[1:] for st in strides3))
         if layout is not None and ragged == "M" and not layout.a_k_contig:
             reason = "a must be row-major for offs over rows (a column-major slice starts at any element)"
-        elif layout is not None and ragged == "K" and (layout.a_k_contig or layout.b_k_contig):
-            reason = ("offs over K need a with unit stride along M and b with unit stride along N (a K-contiguous "
-                      "operand's groups start at single elements)")
         else:
             return layout
     if tma:

@@ -390,6 +390,22 @@ def test_gpu_list_mode_large(device):
 # ---- core's TMA flavour (descriptors run under the interpreter too) ----
 
 
+# 2D x 2D (offs over K, the weight gradient): which of a [M, sum_K] and b [sum_K, N] keep K
+# contiguous. A token-major step gives a = x.t() and b = dy (neither); the others start each
+# group at any element, which the descriptors read from the group's start.
+WGRAD_LAYOUTS = {"a M-major, b N-major": (False, False), "a K-major, b N-major": (True, False),
+                 "a K-major, b K-major": (True, True), "a M-major, b K-major": (False, True)}
+
+
+def wgrad_operands(M, N, sizes, k_major_a, k_major_b, dtype, device):
+    """a [M, sum_K] and b [sum_K, N] in the layout asked for; 3 to 10 columns of K past offs[-1],
+    so that a K-major operand's rows stay 16-byte aligned (TMA's strides)."""
+    K = (sum(sizes) + 3 + 7) // 8 * 8
+    a = rand(M, K, dtype=dtype, device=device) if k_major_a else rand(K, M, dtype=dtype, device=device).t()
+    b = rand(N, K, dtype=dtype, device=device).t() if k_major_b else rand(K, N, dtype=dtype, device=device)
+    return a, b
+
+
 @pytest.mark.parametrize("mode", ["2d_3d", "3d_3d", "2d_2d"])
 def test_tma_flavour(mode, device):
     G, K, N = 3, 72, 80  # rows of 144 / 160 bytes: 16-byte aligned, as TMA needs
@@ -399,12 +415,10 @@ def test_tma_flavour(mode, device):
         a = rand(sum(sizes) + 3, K, dtype=torch.float16, device=device)
         offs = offs_of(sizes, device)
     elif mode == "2d_2d":
-        # The weight-gradient layout: a = x.t() of a row-major x [sum_K, M], b row-major
-        # [sum_K, N]; groups start at whole rows of both (odd group sizes, an empty group,
-        # rows past offs[-1]).
+        # The weight-gradient layout of a token-major step (odd group sizes, an empty group,
+        # K past offs[-1]); every layout: test_wgrad_layouts_through_descriptors.
         sizes = [37, 0, 50]
-        a = rand(sum(sizes) + 3, 40, dtype=torch.float16, device=device).t()
-        b = rand(sum(sizes) + 3, N, dtype=torch.float16, device=device)
+        a, b = wgrad_operands(40, N, sizes, False, False, torch.float16, device)
         offs = offs_of(sizes, device)
     else:
         a = rand(G, 45, K, dtype=torch.float16, device=device)
@@ -414,6 +428,21 @@ def test_tma_flavour(mode, device):
     assert_close(out, grouped_mm_ref(a, b, offs, bias, "gelu"), TOL[torch.float16])
     if mode == "2d_3d":
         assert (out[sum(sizes):] == 0).all()
+
+
+@pytest.mark.parametrize("layout", WGRAD_LAYOUTS)
+@pytest.mark.parametrize("sizes", [[40, 0, 48], pytest.param([37, 0, 50], marks=pytest.mark.gpu)],
+                         ids=["aligned starts", "odd starts"])
+def test_wgrad_layouts_through_descriptors(layout, sizes, device):
+    """2D x 2D in the TMA flavour, in every layout: the descriptors keep the matrices' bases,
+    are read from each group's first K and end at its last, so a K-major operand's group may
+    start at any element. (Odd starts need the GPU: the interpreter asserts 16-byte-aligned
+    descriptor offsets, which the H200's TMA unit does not.)"""
+    a, b = wgrad_operands(24, 40, sizes, *WGRAD_LAYOUTS[layout], torch.bfloat16, device)
+    offs = offs_of(sizes, device)
+    out = onegemm.grouped_matmul(a, b, offs, tma=True)
+    assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.bfloat16])
+    assert (out[1] == 0).all()  # the empty group
 
 
 @pytest.mark.parametrize("use_tma", [False, True])
@@ -429,19 +458,17 @@ def test_config_names_its_flavour(use_tma, device):
     cfg = type(cfg)({**cfg.kwargs, "USE_TMA": use_tma}, num_warps=1, num_stages=1)
     out = onegemm.grouped_matmul(a, b, offs, config=cfg, tma=True if use_tma else None)
     assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16])
-    if use_tma:  # offs over K of a K-contiguous a shift group bases by single elements: no TMA
-        a_k = rand(20, 16, dtype=torch.float16, device=device)
-        b_k = rand(16, 24, dtype=torch.float16, device=device)
+    if use_tma:  # offs over N shift the output's group bases by single elements: no TMA
+        a_n = rand(2, 20, 16, dtype=torch.float16, device=device)
+        b_n = rand(16, 24, dtype=torch.float16, device=device)
         with pytest.raises(ValueError, match="config must be free of USE_TMA=True"):
-            onegemm.grouped_matmul(a_k, b_k, offs_of([8, 8], device), config=cfg)
+            onegemm.grouped_matmul(a_n, b_n, offs_of([8, 16], device), config=cfg)
 
 
 def test_tma_refused_where_group_bases_misalign(device):
     a = rand(20, 16, dtype=torch.float16, device=device)
     b = rand(16, 24, dtype=torch.float16, device=device)
-    with pytest.raises(ValueError, match="tma must be None .automatic. or False for these operands, got True: offs over K"):
-        onegemm.grouped_matmul(a, b, offs_of([8, 8], device), tma=True)  # a K-contiguous: groups at single elements
-    with pytest.raises(ValueError, match="offs over N"):
+    with pytest.raises(ValueError, match="tma must be None .automatic. or False for these operands, got True: offs over N"):
         onegemm.grouped_matmul(rand(2, 20, 16, dtype=torch.float16, device=device), b, offs_of([8, 16], device), tma=True)
     b3 = expert_weights(2, 16, 24, torch.float16, device)
     with pytest.raises(ValueError, match="row-major"):
