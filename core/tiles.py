@@ -138,6 +138,22 @@ class Routing(NamedTuple):
     weight: Any = None
 
 
+class GroupK(NamedTuple):
+    """A ragged K's group in the TMA flavour (grouped/): the descriptors keep the matrices'
+    bases, end at the group's end and are read from column ``k0``. TMA's box offsets along a
+    contiguous dimension are 16-byte multiples, so where A or B is K-contiguous the group's
+    first ``head`` columns (k0 - head is its start) are summed through pointers first: ``a``,
+    ``b`` pointer Operands at the group's start (``_head_dot``)."""
+
+    k0: Any
+    a: Any
+    b: Any
+    head: Any
+
+
+_HEAD_K = tl.constexpr(32)  # a tl.dot's K (fp8's smallest) holding a head of under 16 bytes
+
+
 class Fill(NamedTuple):
     """Write ``value`` instead of a product when ``on`` (grouped/: rows past the last offset
     are 0, every element is NaN for bad offsets)."""
@@ -500,6 +516,25 @@ def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: 
 
 
 @triton.jit
+def _group_k_head(acc, group_k, rows, cols, spec):
+    """(acc plus a ragged K's head, the descriptors' first K): see GroupK; (acc, 0) without one."""
+    off_k = 0
+    if group_k is not None:
+        off_k = group_k.k0
+        if spec.A_K_CONTIG or spec.B_K_CONTIG:
+            k = tl.arange(0, _HEAD_K)
+            a = tl.load(group_k.a.ptr + rows.to(tl.int64)[:, None] * group_k.a.stride0 + k[None, :] * group_k.a.stride1,
+                        mask=k[None, :] < group_k.head, other=0.0)
+            b = tl.load(group_k.b.ptr + k[:, None] * group_k.b.stride0 + cols.to(tl.int64)[None, :] * group_k.b.stride1,
+                        mask=k[:, None] < group_k.head, other=0.0)
+            if spec.UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=spec.PRECISION)
+    return acc, off_k
+
+
+@triton.jit
 def _tma_k_block(A, B, k0, off_m, off_n, spec):
     """TMA flavour: the K block at column ``k0`` of A's rows from off_m and of B's columns from
     off_n. A column-major A or a row-major B is stored MN-contiguous; its box is loaded as
@@ -517,15 +552,15 @@ def _tma_k_block(A, B, k0, off_m, off_n, spec):
 
 
 @triton.jit
-def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None, off_k=0):
+def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None,
+               group_k=None):
     """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
 
     A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
         likewise; W.t() of an nn.Linear weight has B.stride0 == 1, the K-major layout Hopper's
         fp8 MMA wants), or ``make_operands``' descriptors (TMA flavour).
-    rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (see module docstring). In the
-        TMA flavour the tile starts at row ``off_m``, column ``off_n`` and K ``off_k`` (a ragged K's
-        group start) instead; rows/cols only index the scales; boxes past M, N or K arrive zero.
+    rows [BLOCK_M], cols [BLOCK_N]: valid row/column indices (module docstring). The TMA flavour's tile
+        starts at ``off_m``, ``off_n`` (K: a ragged K's GroupK ``group_k``); boxes past M, N, K are zero.
     K: the reduction length, any (the last block is masked by ``k_remaining``).
     spec: the TileSpec (BLOCK_K, UPCAST, PRECISION, the TMA flags, WARP_SPECIALIZE, SA_ROWS,
         SB_COLS; B_W4, W4_GROUP, W4_TMA: B 4-bit with its scales in ``scales.b``).
@@ -544,9 +579,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         cols // SB_COLS; SwiGLU's up columns have their own blocks, see ``gemm_tile``).
 
     WARP_SPECIALIZE: ``tl.range(warp_specialize=True)`` for the K loop, TMA flavour only (a TMA
-    producer and two consumer warpgroups of BLOCK_M/2 rows on sm_90). Ignored with pointer
-    loads, where Triton 3.6's Hopper pass fails an assertion (triton-lang/triton#9728), and
-    for fp8 operands that are not both K-major (docs/hopper.md).
+    producer, two consumer warpgroups of BLOCK_M/2 rows on sm_90); not with pointer loads
+    (Triton 3.6's Hopper pass asserts, triton-lang/triton#9728) or fp8 not both K-major.
     """
     BLOCK_K: tl.constexpr = spec.BLOCK_K
     W4: tl.constexpr = spec.B_W4 is not None
@@ -556,6 +590,7 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
     SB_UNIFORM: tl.constexpr = spec.SB_COLS % spec.BLOCK_N == 0 and not spec.SWIGLU
     sa_idx, sb_idx = _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM, SB_UNIFORM)
     offs_k = tl.arange(0, BLOCK_K)
+    acc, off_k = _group_k_head(acc, group_k, rows, cols, spec)  # (acc, 0) without a group
     if not spec.USE_TMA:
         a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None, W4, spec.W4_TMA)
     if kb_hi is None:
@@ -792,12 +827,12 @@ def _gate_up(gate, up_offset, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None, segment=None, off_k=0):
+def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split=None, row0=0, fill=None, segment=None,
+              group_k=None):
     """One BLOCK_M x BLOCK_N tile of C = act(A @ B + bias): K loop, epilogue, store.
 
     A [M, K], B [K, N], C [M, N]: Operands, or ``make_operands``' descriptors (spec.USE_TMA).
-    spec: TileSpec. scales: Scales (NO_SCALES for an unscaled GEMM). bias: Vector (NO_VECTOR
-    without one).
+    spec: TileSpec. scales: Scales (NO_SCALES for an unscaled GEMM). bias: Vector (NO_VECTOR: none).
     routing: Routing (grouped/ MoE; all None elsewhere): the tile's rows are grouped rows
         row0 + [0, M), by which the gather/scatter arrays and the routing weight are indexed.
         A scattered C is stored through pointers (C.ptr must then be a pointer, also in the
@@ -812,8 +847,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
     segment: a stream-K Segment (``stream_k``): only its K blocks, and when other programs
         share the tile, the last of them to finish sums the parts and alone stores.
-    scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``). off_k:
-    the TMA flavour's first K in A's and B's descriptors (``mma_k_loop``).
+    scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``).
+    group_k: a ragged K's GroupK in the TMA flavour (K is then what its descriptors' loop sums).
     """
     BLOCK_M: tl.constexpr = spec.BLOCK_M
     BLOCK_N: tl.constexpr = spec.BLOCK_N
@@ -852,7 +887,7 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi, scale_cols,
-                         off_k)
+                         group_k)
         if spec.SWIGLU:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N_OUT, 2)))
             acc = activate(gate, "silu") * up

@@ -34,6 +34,7 @@ from ..core.tiles import (
     NO_OPERAND,
     NO_VECTOR,
     Fill,
+    GroupK,
     Operand,
     Routing,
     Scales,
@@ -188,6 +189,21 @@ def _group_pointers(A, B, C, g64, start, RAGGED: tl.constexpr, GATHER: tl.conste
 
 
 @triton.jit
+def _ragged_k(A, B, a_g, b_g, start, K_g, spec):
+    """A ragged K's group in the TMA flavour: (its tiles.GroupK, the K the descriptors' loop
+    sums, the descriptors' K extent: the group's end). Where A or B is K-contiguous the loop
+    starts at the group's first 16-byte aligned column and the head before it goes through
+    pointers (the bases a_g, b_g are the matrices', unmoved)."""
+    VEC: tl.constexpr = 128 // A.ptr.dtype.element_ty.primitive_bitwidth
+    head = 0
+    if spec.A_K_CONTIG or spec.B_K_CONTIG:
+        head = tl.minimum((VEC - start % VEC) % VEC, K_g)
+    a = Operand(a_g + start.to(tl.int64) * A.stride1, A.stride0, A.stride1)
+    b = Operand(b_g + start.to(tl.int64) * B.stride0, B.stride0, B.stride1)
+    return GroupK(start + head, a, b, head), K_g - head, start + K_g
+
+
+@triton.jit
 def ragged_kernel(
     A, B, C, bias, offs, routing, scales, G, M, N, K,
     RAGGED: tl.constexpr, SWIGLU: tl.constexpr,
@@ -203,12 +219,10 @@ def ragged_kernel(
       "N": A [G, M, K], B [K, N], C [M, N];       group g = columns of B and C.
       "K": A [M, K], B [K, N], C [G, M, N];       group g = a slice of the reduction.
       "":  A [G, M, K], B [G, K, N] (*), C [G, M, N]; no offs (batched).
-    (*) with SWIGLU, B has 2N columns (gate then up) and C has N (tiles.gemm_tile).
-    M, N, K: the sizes; the ragged one is the total over groups.
+    (*) with SWIGLU, B has 2N columns (gate then up) and C has N. M, N, K: sizes (ragged: the total).
     offs: Vector over int32 [G] (None for ""). bias: Operand over [G, N] (element [g, j]; for
         "N" a [total N] vector with stride0 = 0); NO_OPERAND without one.
-    routing: tiles.Routing ("M" only: the MoE gather of x's rows, scatter of output rows and
-        routing weight, indexed by the grouped row; all None otherwise).
+    routing: tiles.Routing ("M" only: the MoE row gather, scatter and weight; all None otherwise).
     scales: an FP8 grouped GEMM's tiles.Scales, as ``grouped_scales`` builds them ("M" only;
         NO_GROUPED_SCALES without scales), moved to each group here: ``a`` an Operand over
         A's per-K-block scales [rows of A, ceil(K/128)] (1x128, SA_ROWS = 1; with a gather
@@ -220,9 +234,9 @@ def ragged_kernel(
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
         A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
-        edges, as the masks do for pointers (not with a gather or SWIGLU; the host decides); a ragged
-        K's over A [M, end_g], B [end_g, N], from K = start_g. A scattered C is stored through
-        pointers. W4_TMA: B (4-bit) alone.
+        edges, as the masks do for pointers (not with a gather or SWIGLU; the host decides); a
+        ragged K's over A [M, end_g], B [end_g, N] (``_ragged_k``). A scattered C is stored
+        through pointers. W4_TMA: B (4-bit) alone.
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values (programs past
       the real tile count return at once): "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT);
       "N": cdiv(M, BLOCK_M) * (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
@@ -245,7 +259,9 @@ def ragged_kernel(
     if valid:
         g64 = g.to(tl.int64)
         a_g, b_g, c_g, row0, a_row0, c_row0 = _group_pointers(A, B, C, g64, start, RAGGED, GATHER, SCATTER, USE_TMA)
-        off_k = start if RAGGED == "K" and USE_TMA else 0  # (descriptors to the group's end)
+        group_k, K_loop, K_ext = None, K_g, K_g
+        if RAGGED == "K" and USE_TMA:
+            group_k, K_loop, K_ext = _ragged_k(A, B, a_g, b_g, start, K_g, spec)
         if HAS_BIAS:
             bias_g = Vector(bias.ptr + g64 * bias.stride0, bias.stride1)
             if RAGGED == "N":
@@ -253,7 +269,7 @@ def ragged_kernel(
         else:
             bias_g = Vector(None, 0)
         a, b, c = make_operands(Operand(a_g, A.stride0, A.stride1), Operand(b_g, B.stride0, B.stride1),
-                                Operand(c_g, C.stride0, C.stride1), M_g, N_g, off_k + K_g, spec)
+                                Operand(c_g, C.stride0, C.stride1), M_g, N_g, K_ext, spec)
         if SCATTER:
             c = Operand(c_g, C.stride0, C.stride1)  # scattered rows are stored through pointers
         # The group's scales: A's follow its rows (from a_row0; a gather indexes them by token
@@ -265,8 +281,8 @@ def ragged_kernel(
         sb_g = Operand(None if sb.ptr is None else sb.ptr + g64 * sb.stride_g, sb.stride0, sb.stride1)
         sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * sn.stride0, sn.stride1)
         so_g = Operand(None if so.ptr is None else so.ptr + c_row0 * so.stride0, so.stride0, so.stride1)
-        gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_g, spec, Scales(sa_g, sb_g, sm_g, sn_g, so_g), routing, bias_g, None,
-                  row0, fill, off_k=off_k)
+        gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_loop, spec, Scales(sa_g, sb_g, sm_g, sn_g, so_g), routing, bias_g,
+                  None, row0, fill, group_k=group_k)
 
 
 @triton.jit

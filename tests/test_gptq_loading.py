@@ -155,7 +155,7 @@ def test_transformers_gptq_config_loads(tmp_path):
     quant = json.loads(json.dumps(transformers.GPTQConfig(bits=4, group_size=32, format="gptq_v2").to_dict()))
     t, (q13, _, _, _), _ = _gptq_layer(fmt="gptq_v2")
     layer = onegemm.MoEFFN.from_pretrained(_folder(tmp_path, _config("qwen3_moe", 4, quant), t), layer=1)
-    assert torch.equal(layer.w_gate_up, q13)
+    assert torch.equal(layer.w_gate_up.cpu(), q13)
 
 
 P = PREFIX["qwen3_moe"]

@@ -283,4 +283,4 @@ def test_int4_experts_need_the_config_that_describes_them(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     layer = onegemm.MoEFFN.from_pretrained(folder, layer=1)
     assert layer.w_gate_up.dtype == torch.bfloat16 and layer.w_gate_up_scale is None
-    assert torch.equal(layer.w_down[2], plain[P + "experts.2.down_proj.weight"])
+    assert torch.equal(layer.w_down[2].cpu(), plain[P + "experts.2.down_proj.weight"])
