@@ -8,8 +8,8 @@ a [M, sum_K] and b [sum_K, N], each either K-major (K contiguous) or M- / N-majo
 training step gives a = x.t() and b = dy (neither K-major); the others come from stored
 transposes or another framework's layout. The same four layouts again with group sizes that are
 not multiples of 8 (5117, 7683, 4351, 5121), where a K-major operand's groups start at single
-elements (torch may refuse those: its kernel needs 16-byte aligned groups; the reason is
-printed). Per case: GPU time (CUDA-graph replay) of onegemm and torch._grouped_mm on the same
+elements (torch._grouped_mm asserts on the device there, so it is not run; onegemm is checked
+against float64 instead). Per case: GPU time (CUDA-graph replay) of onegemm and torch._grouped_mm on the same
 tensors, onegemm's eager time and first call.
 """
 
@@ -53,17 +53,22 @@ def measure(layout, kind, sizes, m, n, device, quick):
     if quick:
         assert_close(out, grouped_mm_ref(a, b, offs), 2e-2, f"{layout} {kind}")
         return row
-    reference, reason = run_or_reason(peer)
-    if reference is not None:
-        assert_close(out, reference.float(), 2e-2, f"{layout} {kind} vs torch._grouped_mm")
+    # torch._grouped_mm asserts on the device (ending the process) where a K-major operand's
+    # groups are not 16-byte multiples: it runs on aligned groups and the all-MN-major layout only.
+    if kind == "aligned" or not any(LAYOUTS[layout]):
+        reference, reason = run_or_reason(peer)
+    else:
+        reference, reason = None, "torch._grouped_mm needs 16-byte multiples along a K-major operand"
+    assert_close(out, grouped_mm_ref(a, b, offs) if reference is None else reference.float(), 2e-2, f"{layout} {kind}")
     flop = 2 * m * n * sum(sizes)
     t1 = bench_ms(one)
     row.update(tile=config_of(one), onegemm_tflops=tflops(flop, t1), onegemm_eager_ms=eager_ms(one))
     if reference is None:
-        row.update(torch_tflops=float("nan"), vs_grouped_mm=float("nan"), torch_refused=reason[:80])
+        row.update(torch_tflops=float("nan"), vs_grouped_mm=float("nan"))
     else:
         t2 = bench_ms(peer)
         row.update(torch_tflops=tflops(flop, t2), vs_grouped_mm=t2 / t1)
+    row["torch"] = reason[:80] if reason else "ran"
     print(row, flush=True)
     return row
 
