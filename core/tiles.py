@@ -143,7 +143,7 @@ class GroupK(NamedTuple):
     bases, end at the group's end and are read from column ``k0``. TMA's box offsets along a
     contiguous dimension are 16-byte multiples, so where A or B is K-contiguous the group's
     first ``head`` columns (k0 - head is its start) are summed through pointers first: ``a``,
-    ``b`` pointer Operands at the group's start (``_head_dot``)."""
+    ``b`` pointer Operands at the group's start (``_group_k_head``)."""
 
     k0: Any
     a: Any
