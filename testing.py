@@ -138,10 +138,13 @@ def is_pow2(s: torch.Tensor) -> torch.Tensor:
     return torch.frexp(s)[0] == 0.5
 
 
-def quantize_fp8_ref(x: torch.Tensor, block, dtype=torch.float8_e4m3fn, pow2_scale=False):
+def quantize_fp8_ref(x: torch.Tensor, block, dtype=torch.float8_e4m3fn, pow2_scale=False, scale_rule="onegemm"):
     """The quantiser's contract in float64, element by element through scatter/gather (an
     implementation independent of onegemm's einops/Triton ones).
-    Returns (q, scale) with scale shaped as quantize_fp8 documents."""
+    Returns (q, scale) with scale shaped as quantize_fp8 documents.
+    scale_rule="torchao": torchao's float8 rule as its amax_to_scale / to_fp8_saturated write
+    it: the multiplier m = fp32(FP8_MAX / max(amax, 1e-12)) (pow2_scale: 2^floor(log2 m)),
+    q = fp8(clamp(fp32(x * m))), and the scale torchao's GEMMs take, fp32(1 / m)."""
     M, K = x.shape
     rb, cb = block_dims(block, M, K)
     ri, ci = _block_ids(M, K, rb, cb, x.device)
@@ -150,12 +153,19 @@ def quantize_fp8_ref(x: torch.Tensor, block, dtype=torch.float8_e4m3fn, pow2_sca
     ax = x.double().abs().reshape(-1)
     amax = torch.zeros(nr * nc, dtype=torch.float64, device=x.device).scatter_reduce(0, flat, ax, "amax")
     fmax = torch.finfo(dtype).max
+    shape = (M, 1) if block == "row" else () if block == "tensor" else (nr, nc)
+    if scale_rule == "torchao":
+        mult = (fmax / amax.clamp_min(1e-12)).float().double()
+        if pow2_scale:  # m = f * 2^e with f in [0.5, 1): 2^floor(log2 m) = 2^(e - 1)
+            mult = torch.ldexp(torch.ones_like(mult), torch.frexp(mult)[1] - 1)
+        # x * m of two fp32 values is exact in float64; one rounding to fp32 is torch's fp32 product
+        q = (x.float().double() * mult[flat].reshape(M, K)).float().clamp(-fmax, fmax).to(dtype)
+        return q, (1.0 / mult).float().reshape(shape)
     scale = torch.where(amax > 0, (amax / fmax).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
     if pow2_scale:
         scale = pow2_ceil(scale)
     scale = scale.float().double()  # scales are fp32 (amax / fmax rounds once, as in fp32)
     q = (x.double() / scale[flat].reshape(M, K)).clamp(-fmax, fmax).to(dtype)
-    shape = (M, 1) if block == "row" else () if block == "tensor" else (nr, nc)
     return q, scale.float().reshape(shape)
 
 
@@ -175,6 +185,46 @@ def blockscaled_matmul_ref(a, b, scale_a, scale_b, a_block, b_block, bias=None, 
     (e.g. (1, 128) and (128, 128) for the DeepSeek-V3 recipe with b = W.t())."""
     return matmul_ref(dequantize_ref(a, scale_a, *a_block), dequantize_ref(b, scale_b, *b_block), bias, activation)
 
+
+
+# How each recipe casts the operands of a Linear's three GEMMs, written out from torchao's
+# Float8LinearConfig.from_recipe_name (and DeepSeek-V3's for "blockwise"), independently of
+# blockscaled/recipes.py: (block, fp8 dtype) per operand along the GEMM's K, None for high
+# precision; x / w / dy along their rows, x_t / w_t / dy_t along their columns (the wgrad's
+# B, the dgrad's B, the wgrad's A); the scale rule and the power-of-two rounding.
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_RECIPES_REF = {
+    "blockwise": dict(x=((1, 128), _E4M3), w=((128, 128), _E4M3), dy=((1, 128), _E4M3), x_t=((1, 128), _E4M3),
+                      w_t=((128, 128), _E4M3), dy_t=((1, 128), _E4M3), rule="onegemm", pow2=False),
+    "tensorwise": dict(x=("tensor", _E4M3), w=("tensor", _E4M3), dy=("tensor", _E5M2), x_t=("tensor", _E4M3),
+                       w_t=("tensor", _E4M3), dy_t=("tensor", _E5M2), rule="torchao", pow2=False),
+    "rowwise": dict(x=("row", _E4M3), w=("row", _E4M3), dy=("row", _E4M3), x_t=("row", _E4M3), w_t=("row", _E4M3),
+                    dy_t=("row", _E4M3), rule="torchao", pow2=True),
+    "rowwise_with_gw_hp": dict(x=("row", _E4M3), w=("row", _E4M3), dy=("row", _E4M3), x_t=None,
+                               w_t=("tensor", _E4M3), dy_t=None, rule="torchao", pow2=False),
+}
+
+
+def fp8_linear_train_ref(x, w, bias, dy, recipe: str):
+    """(y, dx, dW) of y = x @ W.T + bias in float64 from the operands each GEMM of ``recipe``
+    reads (FP8_RECIPES_REF): every fp8 operand quantised as the recipe says (quantize_fp8_ref)
+    and dequantised, high-precision ones as they are."""
+    spec = FP8_RECIPES_REF[recipe]
+
+    def along_rows(t, name):  # t quantised along its rows, dequantised (float64)
+        if spec[name] is None:
+            return t.double()
+        block, dtype = spec[name]
+        q, s = quantize_fp8_ref(t, block, dtype, spec["pow2"], spec["rule"])
+        return dequantize_ref(q, s, *block_dims(block, *t.shape))
+
+    x, w, dy = x.detach(), w.detach(), dy.detach()
+    y = along_rows(x, "x") @ along_rows(w, "w").t()
+    if bias is not None:
+        y = y + bias.detach().double()
+    dx = along_rows(dy, "dy") @ along_rows(w.t(), "w_t").t()
+    dw = along_rows(dy.t(), "dy_t") @ along_rows(x.t(), "x_t").t()
+    return y, dx, dw
 
 # ---- grouped/ (grouped_matmul, MoE) ----
 

@@ -3,6 +3,7 @@ against bf16, and what recording gradients adds to an eager call.
 
     python bench/bench_autograd.py           # H200: bench/results/autograd.md and fp8_training.png
     python bench/bench_autograd.py --moe-fp8 # H200: the FP8 MoE training part alone (moe_fp8_training.md)
+    python bench/bench_autograd.py --mlp-fp8 # H200: the FP8 MLP part alone (fp8_training.md)
     python bench/bench_autograd.py --quick   # CPU interpreter: every path once, tiny shapes, no files
 
 Forward+backward is timed in GPU time (the whole step, forward and backward, replayed from a
@@ -11,9 +12,11 @@ grouped_matmul (2D x 3D, MoE shapes) against torch._grouped_mm's autograd, moe_f
 the torch MoE built on torch._grouped_mm (onegemm.testing.moe_ffn_torch).
 
 The FP8 MLP (d -> 4d -> d, GELU) learns a fixed random teacher of the same shape on synthetic
-inputs (MSE loss, AdamW); onegemm.fp8_training swaps its two nn.Linear layers for trainable
-Fp8Linear ones (forward, dgrad and wgrad in FP8, the DeepSeek-V3 recipe). Both models start
-from the same weights and see the same batches.
+inputs (MSE loss, AdamW); onegemm.fp8_training(recipe=...) swaps its two nn.Linear layers for
+trainable Fp8Linear ones (forward, dgrad and wgrad in FP8), once per recipe (blockwise, and
+torchao's tensorwise, rowwise, rowwise_with_gw_hp), and torchao's convert_to_float8_training
+with the same recipe runs beside it. Every model starts from the same weights and sees the same
+batches.
 
 FP8 MoE training: moe_ffn(..., fp8_training=True) against bf16 moe_ffn, forward+backward of
 the benchmark's expert FFNs in GPU time, and an MoEFFN layer (router included) trained in bf16
@@ -145,25 +148,43 @@ def mlp(d, device):
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)).to(device, torch.bfloat16)
 
 
+RECIPES = ("blockwise", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
 def measure_fp8_training(d, steps, batch, device):
-    """bf16 against onegemm.fp8_training over ``steps`` steps: final losses and step times."""
+    """bf16 against onegemm.fp8_training with each recipe over ``steps`` steps: (rows of final
+    losses and step times, bf16 losses, {recipe: fp8 losses})."""
     torch.manual_seed(0)
-    teacher = mlp(d, device)
-    return bf16_against_fp8(f"MLP {d}->{4 * d}->{d}, batch {batch}", teacher, mlp(d, device), steps, batch, d, device)
+    teacher, base = mlp(d, device), mlp(d, device)
+    bf16_losses, bf16_ms = train(copy.deepcopy(base), steps, batch, d, teacher, device, seed=1)
+    rows, curves = [], {}
+    for recipe in RECIPES:
+        fp8 = onegemm.fp8_training(copy.deepcopy(base), recipe=recipe)
+        row, curves[recipe] = against_bf16(f"MLP {d}->{4 * d}->{d}, batch {batch}, {recipe}", fp8, bf16_losses,
+                                           bf16_ms, steps, batch, d, teacher, device)
+        rows.append(row)
+    return rows, bf16_losses, curves
 
 
-def bf16_against_fp8(model_name, teacher, bf16, steps, batch, d, device, seed=1):
-    """``bf16`` and its onegemm.fp8_training copy trained to ``teacher`` on the same batches:
-    (row of final losses and step times, bf16 losses, fp8 losses)."""
-    fp8 = onegemm.fp8_training(copy.deepcopy(bf16))
+def against_bf16(model_name, fp8, bf16_losses, bf16_ms, steps, batch, d, teacher, device, seed=1):
+    """``fp8`` trained to ``teacher`` on the batches bf16 saw: (row of final losses and step
+    times against bf16's, fp8 losses)."""
     fp8_losses, fp8_ms = train(fp8, steps, batch, d, teacher, device, seed=seed)
-    bf16_losses, bf16_ms = train(bf16, steps, batch, d, teacher, device, seed=seed)
     tail = max(1, steps // 10)
     final_bf16, final_fp8 = sum(bf16_losses[-tail:]) / tail, sum(fp8_losses[-tail:]) / tail
     row = dict(model=model_name, steps=steps, bf16_final_loss=final_bf16, fp8_final_loss=final_fp8,
                fp8_vs_bf16_loss=final_fp8 / final_bf16, bf16_step_ms=bf16_ms, fp8_step_ms=fp8_ms,
                fp8_speedup=bf16_ms / fp8_ms)
     print(row, flush=True)
+    return row, fp8_losses
+
+
+def bf16_against_fp8(model_name, teacher, bf16, steps, batch, d, device, seed=1):
+    """``bf16`` and its onegemm.fp8_training copy trained to ``teacher`` on the same batches:
+    (row of final losses and step times, bf16 losses, fp8 losses)."""
+    fp8 = onegemm.fp8_training(copy.deepcopy(bf16))
+    bf16_losses, bf16_ms = train(bf16, steps, batch, d, teacher, device, seed=seed)
+    row, fp8_losses = against_bf16(model_name, fp8, bf16_losses, bf16_ms, steps, batch, d, teacher, device, seed)
     return row, bf16_losses, fp8_losses
 
 
@@ -228,7 +249,7 @@ def run_moe_fp8(quick, device, timer):
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_autograd.py regenerates everything else. -->\n\n")
     write_results("moe_fp8_training", text)
-    plot_losses(bf16_losses, fp8_losses, "moe_fp8_training.png", "MoEFFN", "bf16 (moe_ffn)", "FP8 (fp8_training)")
+    plot_losses({"bf16 (moe_ffn)": bf16_losses, "FP8 (fp8_training)": fp8_losses}, "moe_fp8_training.png", "MoEFFN")
     update_summary([dict(name="fp8_moe_train_vs_bf16", value=geomean([r["fp8_vs_bf16"] for r in rows]),
                          peer="onegemm moe_ffn bf16 forward+backward, GPU time (Qwen3-30B-A3B T=8192, Mixtral T=4096)")])
 
@@ -242,30 +263,36 @@ def torchao_recipes():
         print(f"torchao not importable ({e}): its columns are left out", flush=True)
         return {}
     return {name: (lambda m, name=name: convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(name)))
-            for name in ("tensorwise", "rowwise")}
+            for name in RECIPES[1:]}
 
 
 def measure_fp8_speed(d, batch, steps, device):
-    """Step ms (forward, backward, AdamW) of the same MLP in bf16, onegemm.fp8_training and
-    torchao's float8 recipes, eager and under torch.compile (the model compiled), in one run."""
+    """Step ms (forward, backward, AdamW) of the same MLP in bf16, under onegemm.fp8_training
+    with each recipe and under torchao's float8 training with the same recipe, eager and under
+    torch.compile (the model compiled), in one run: one row per recipe."""
     torch.manual_seed(0)
     teacher = mlp(d, device)
     base = mlp(d, device)
-    variants = {"bf16": lambda m: m, "onegemm_fp8": onegemm.fp8_training}
-    variants.update({f"torchao_{name}": fn for name, fn in torchao_recipes().items()})
-    row = dict(tokens=batch)
-    for name, convert in variants.items():
-        for compiled in (False, True):
-            torch._dynamo.reset()
-            model = convert(copy.deepcopy(base))
-            _, ms = train(torch.compile(model) if compiled else model, steps, batch, d, teacher, device, seed=1)
-            row[f"{name}{'_compiled' if compiled else ''}_ms"] = ms
-            print(name, "compiled" if compiled else "eager", batch, ms, flush=True)
-    for mode in ("", "_compiled"):
-        row[f"onegemm_vs_bf16{mode}"] = row[f"bf16{mode}_ms"] / row[f"onegemm_fp8{mode}_ms"]
-        if f"torchao_rowwise{mode}_ms" in row:
-            row[f"onegemm_vs_torchao_rowwise{mode}"] = row[f"torchao_rowwise{mode}_ms"] / row[f"onegemm_fp8{mode}_ms"]
-    return row
+
+    def step_ms(convert, compiled):
+        torch._dynamo.reset()
+        model = convert(copy.deepcopy(base))
+        return train(torch.compile(model) if compiled else model, steps, batch, d, teacher, device, seed=1)[1]
+
+    bf16 = {mode: step_ms(lambda m: m, mode == "compiled") for mode in ("eager", "compiled")}
+    torchao = torchao_recipes()
+    rows = []
+    for recipe in RECIPES:
+        row = dict(tokens=batch, recipe=recipe, bf16_eager_ms=bf16["eager"], bf16_compiled_ms=bf16["compiled"])
+        for mode in ("eager", "compiled"):
+            ms = row[f"onegemm_{mode}_ms"] = step_ms(lambda m: onegemm.fp8_training(m, recipe=recipe), mode == "compiled")
+            row[f"vs_bf16_{mode}"] = bf16[mode] / ms
+            if recipe in torchao:
+                row[f"torchao_{mode}_ms"] = step_ms(torchao[recipe], mode == "compiled")
+                row[f"vs_torchao_{mode}"] = row[f"torchao_{mode}_ms"] / ms
+        print(row, flush=True)
+        rows.append(row)
+    return rows
 
 
 def measure_host(device):
@@ -294,6 +321,7 @@ def main():
     parser.add_argument("--steps", type=int, default=300, help="training steps of the loss comparison")
     parser.add_argument("--speed-steps", type=int, default=40, help="steps per variant of the step-time matrix")
     parser.add_argument("--moe-fp8", action="store_true", help="the FP8 MoE training part alone")
+    parser.add_argument("--mlp-fp8", action="store_true", help="the FP8 MLP training part alone")
     args = parser.parse_args()
     quick = args.quick
     device = "cpu" if quick else "cuda"
@@ -304,20 +332,15 @@ def main():
             return math.nan
         return bench_ms(fn, warmup_ms=10, rep_ms=50)
 
-    run_moe_fp8(quick, device, timer)
-    if args.moe_fp8:
+    if not args.mlp_fp8:
+        run_moe_fp8(quick, device, timer)
+    if not args.moe_fp8:
+        run_mlp_fp8(quick, device, args.steps, args.speed_steps)
+    if args.moe_fp8 or args.mlp_fp8:
         return
     gemm_rows = measure_linear(QUICK["linear"] if quick else LINEAR_SHAPES, device, timer)
     gemm_rows += measure_moe(QUICK["moe"] if quick else MOE_SHAPES, device, timer)
-    d, steps, batches = (QUICK["mlp"][0], QUICK["mlp"][1], [QUICK["mlp"][2]]) if quick else (4096, args.steps, [8192, 16384])
-    train_rows, speed_rows = [], []
-    for batch in batches:
-        train_row, bf16_losses, fp8_losses = measure_fp8_training(d, steps, batch, device)
-        train_rows.append(train_row)
-        if not quick:
-            speed_rows.append(measure_fp8_speed(d, batch, args.speed_steps, device))
     if quick:
-        assert all(math.isfinite(x) for x in bf16_losses + fp8_losses)
         print("quick: every path ran; no files written")
         return
     host_rows = measure_host(device)
@@ -333,29 +356,10 @@ def main():
     text += markdown_table(gemm_rows) + "\n"
     lin = [r["vs_torch"] for r in gemm_rows if r["op"] == "linear"]
     text += f"Geomean linear vs F.linear: {geomean(lin):.3f}.\n\n"
-    text += (
-        "## FP8 training (onegemm.fp8_training) against bf16\n\n"
-        "Step time: median of the second half of the steps (forward, backward, AdamW), eager. "
-        "Targets: final loss within 2% of bf16's; step >= 1.4x faster than bf16 at both token counts.\n\n"
-    )
-    text += markdown_table(train_rows) + "\n"
-    text += "![loss curves](fp8_training.png)\n\n"
-    text += (
-        "### Step time against bf16 and torchao, eager and compiled\n\n"
-        f"ms per step (median of the second half of {args.speed_steps} steps) of the same MLP: bf16 nn.Linear, "
-        "onegemm.fp8_training, torchao 0.18's float8 training (tensorwise and rowwise recipes); `_compiled`: "
-        "the model under torch.compile. Ratios: the peer's time / onegemm's (> 1: onegemm faster). Targets: "
-        ">= 1.4x bf16 eager and compiled; >= 1.15x torchao rowwise compiled; 16384 tokens <= 2.1x the time "
-        "of 8192.\n\n" + markdown_table(speed_rows) + "\n"
-    )
-    if len(speed_rows) == 2:
-        text += (f"Time for 16384 tokens / 8192 (onegemm fp8, eager): "
-                 f"{speed_rows[1]['onegemm_fp8_ms'] / speed_rows[0]['onegemm_fp8_ms']:.2f}.\n\n")
     text += "## Eager host time of one call (us), M = 16, 4096 x 4096 bf16\n\n" + markdown_table(host_rows) + "\n"
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_autograd.py regenerates everything else. -->\n\n")
     write_results("autograd", text)
-    plot_losses(bf16_losses, fp8_losses)
     by_op = lambda op: geomean([r["vs_torch"] for r in gemm_rows if r["op"] == op])  # noqa: E731
     update_summary([
         dict(name="linear_fwd_bwd_vs_torch", value=by_op("linear"), peer="F.linear forward+backward, GPU time, M >= 4096"),
@@ -363,16 +367,55 @@ def main():
              peer="torch._grouped_mm forward+backward, GPU time (Qwen3-30B-A3B and Mixtral gate_up)"),
         dict(name="moe_ffn_fwd_bwd_vs_torch", value=by_op("moe_ffn"),
              peer="the torch MoE on torch._grouped_mm forward+backward, GPU time (Qwen3 T=8192, Mixtral T=4096)"),
-        dict(name="fp8_mlp_train_vs_bf16", value=geomean([r["onegemm_vs_bf16"] for r in speed_rows]),
-             peer="bf16 nn.Linear MLP 4096->16384->4096 training step, eager (8192 and 16384 tokens)"),
-    ] + ([dict(name="fp8_mlp_train_vs_torchao_rowwise_compiled",
-               value=geomean([r["onegemm_vs_torchao_rowwise_compiled"] for r in speed_rows]),
-               peer="torchao 0.18 float8 rowwise training, both models under torch.compile (8192 and 16384 tokens)")]
-         if all("onegemm_vs_torchao_rowwise_compiled" in r for r in speed_rows) else []))
+    ])
 
 
-def plot_losses(bf16_losses, fp8_losses, name="fp8_training.png", model="MLP", bf16_label="bf16 (nn.Linear)",
-                fp8_label="FP8 (onegemm.fp8_training)"):
+def run_mlp_fp8(quick, device, steps, speed_steps):
+    """The FP8 MLP part: each recipe's losses and step times against bf16 and torchao's same
+    recipe; bench/results/fp8_training.md, its plot and summary figures."""
+    d, batches = (QUICK["mlp"][0], [QUICK["mlp"][2]]) if quick else (4096, [8192, 16384])
+    steps = QUICK["mlp"][1] if quick else steps
+    train_rows, speed_rows = [], []
+    for batch in batches:
+        rows, bf16_losses, curves = measure_fp8_training(d, steps, batch, device)
+        train_rows += rows
+        if not quick:
+            speed_rows += measure_fp8_speed(d, batch, speed_steps, device)
+    if quick:
+        assert all(math.isfinite(x) for losses in (bf16_losses, *curves.values()) for x in losses)
+        return
+    text = header("FP8 training (onegemm.fp8_training, each recipe) against bf16 and torchao")
+    text += (
+        "## Losses\n\n"
+        f"The MLP {d}->{4 * d}->{d} learns a fixed random teacher (MSE, AdamW lr 1e-3), the same batches for "
+        "every model. Step time: median of the second half of the steps (forward, backward, AdamW), eager. "
+        "Target: final loss within 1% of bf16's.\n\n" + markdown_table(train_rows) + "\n"
+        "![loss curves](fp8_training.png)\n\n"
+        "## Step time against bf16 and torchao's same recipe, eager and compiled\n\n"
+        f"ms per step (median of the second half of {speed_steps} steps): bf16 nn.Linear, onegemm.fp8_training("
+        "recipe=...), torchao's convert_to_float8_training with Float8LinearConfig.from_recipe_name(recipe) "
+        "(none for blockwise); `compiled`: the model under torch.compile. Ratios: the peer's time / onegemm's "
+        "(> 1: onegemm faster). Targets (compiled): >= 1.1x torchao's same recipe; >= 1.35x bf16 tensorwise, "
+        ">= 1.25x bf16 rowwise.\n\n" + markdown_table(speed_rows) + "\n"
+    )
+    text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
+             "bench/bench_autograd.py regenerates everything else. -->\n\n")
+    write_results("fp8_training", text)
+    plot_losses({"bf16 (nn.Linear)": bf16_losses, **{f"FP8 {r}": c for r, c in curves.items()}})
+    by = lambda recipe, key: geomean([r[key] for r in speed_rows if r["recipe"] == recipe and key in r])  # noqa: E731
+    figures = [dict(name="fp8_mlp_train_vs_bf16", value=by("tensorwise", "vs_bf16_compiled"),
+                    peer="bf16 nn.Linear MLP 4096->16384->4096 training step, both compiled, onegemm's tensorwise "
+                         "recipe (8192 and 16384 tokens; every recipe in fp8_training.md)")]
+    for recipe in ("tensorwise", "rowwise"):
+        if any("vs_torchao_compiled" in r for r in speed_rows if r["recipe"] == recipe):
+            figures.append(dict(name=f"fp8_mlp_train_vs_torchao_{recipe}_compiled", value=by(recipe, "vs_torchao_compiled"),
+                                peer=f"torchao float8 {recipe} training, both models under torch.compile, same recipe "
+                                     "(8192 and 16384 tokens)"))
+    update_summary(figures)
+
+
+def plot_losses(curves: dict, name="fp8_training.png", model="MLP"):
+    """Loss curves by label, log scale, into bench/results/``name``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -380,8 +423,8 @@ def plot_losses(bf16_losses, fp8_losses, name="fp8_training.png", model="MLP", b
     from common import RESULTS
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(bf16_losses, label=bf16_label)
-    ax.plot(fp8_losses, label=fp8_label)
+    for label, losses in curves.items():
+        ax.plot(losses, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("MSE loss")

@@ -12,18 +12,19 @@ from torch import nn
 from ..core import checks
 from ..core.dispatch import Cached, Op, Workspace, first_order_only, wants_grad
 from ..core.runtime import INTERPRET, cdiv, empty_strided
-from ..core.scaling import BLOCKS, BLOCKWISE, COL_BLOCKS, ROW_BLOCKS, SCALE_BLOCK, Scaling
-from .matmul import run_blockscaled, scaled_record
+from ..core.scaling import BLOCKS, BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
+from .matmul import scaled_record
 from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, quantize_fp8, quantize_launch, transposed_empty
+from .recipes import FP8_LINEAR_BACKWARD, RECIPES, TRAIN_OPS, bias_grad, check_recipe
 
 
 E4M3 = torch.float8_e4m3fn
 
 
-def _quantizer(x, block, transposed=False):
-    """The registered quantiser's record for x's signature: x -> (q, scale storage[, q_t,
-    scale_t storage]) (blockscaled/quantize.py; 1x128 scales stored [kb, rows])."""
-    return (QUANTIZE_T_OP if transposed else QUANTIZE_OP).direct.route((x, str(block), E4M3, False, False))
+def _quantizer(x, block):
+    """The registered quantiser's record for x's signature: x -> (q, scale storage)
+    (blockscaled/quantize.py; 1x128 scales stored [kb, rows])."""
+    return QUANTIZE_OP.direct.route((x, str(block), E4M3, False, False, "onegemm"))
 
 
 def _fp8_linear_impl(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
@@ -101,115 +102,26 @@ def _fp8_linear_setup(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _bias_grad(ctx, dy, index):
-    """The bias's gradient if input ``index`` (the bias) needs one (a cached call's Function
-    has one more input after it: the record)."""
-    return dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[index] else None
-
-
 def _fp8_linear_backward(ctx, dy):
     """The registered op's gradients: a frozen layer's dx (its fp8 W, transposed once here for
-    the K-major dgrad), or a direct call's on a high-precision W (quantised again)."""
+    the K-major dgrad), or a direct call's on a high-precision W (quantised again), by the
+    blockwise recipe's backward (blockscaled/recipes.py)."""
     x, weight, weight_scale = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
     q_xt = s_xt = None
-    if weight.dtype == E4M3:
-        q_wt, s_w = transposed_empty(*weight.t().shape, E4M3, weight.device).copy_(weight.t()), weight_scale
+    if weight.dtype == E4M3:  # W.t()'s 128x128 scales are W's, transposed
+        q_wt, s_wt = transposed_empty(*weight.t().shape, E4M3, weight.device).copy_(weight.t()), weight_scale.t()
     else:  # the registered quantiser (under torch.compile too)
-        _, s_w, q_wt, _ = QUANTIZE_T_OP(weight, str(BLOCKS), E4M3, False, False)
+        _, _, q_wt, s_wt = QUANTIZE_T_OP(weight, str(BLOCKS), E4M3, False, False, "onegemm")
     if need_w:
-        _, _, q_xt, s_xt = QUANTIZE_T_OP(x, str(ROW_BLOCKS), E4M3, False, False)
-    dx, dw = FP8_LINEAR_BACKWARD(dy, q_wt if need_x else None, s_w, q_xt, s_xt, weight.dtype)
-    return (dx if need_x else None), (dw if need_w else None), None, _bias_grad(ctx, dy, 3)
+        _, _, q_xt, s_xt = QUANTIZE_T_OP(x, str(ROW_BLOCKS), E4M3, False, False, "onegemm")
+    dx, dw = FP8_LINEAR_BACKWARD(dy, q_wt if need_x else None, s_wt, q_xt, s_xt, weight.dtype, "blockwise")
+    return (dx if need_x else None), (dw if need_w else None), None, bias_grad(ctx, dy, 3)
 
 
-def _fp8_linear_train_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A trainable layer's forward when it records gradients -> (y, q_xt, s_xt, q_wt, s_w):
-    y as ``_fp8_linear_impl``, and what the backward's GEMMs read, made by the forward's own
-    quantiser passes (each one read of x and of W writes both layouts): x.t() quantised 1x128
-    along the tokens (q_xt [K, M], its scale stored [ceil(M/128), K]), W.t() in fp8 (q_wt
-    [K, N]) and W's 128x128 scale s_w [ceil(N/128), ceil(K/128)], which also serves W.t()."""
-    return FP8_LINEAR_TRAIN.direct(x, weight, bias)
-
-
-def _fp8_linear_train_record(x, weight, bias):
-    quantize_x = _quantizer(x, ROW_BLOCKS, transposed=True)
-    quantize_w = _quantizer(weight, BLOCKS, transposed=True)
-    q_w, s_w, _, _ = quantize_w(weight)
-    q, s, _, _ = quantize_x(x)
-    gemm = scaled_record(q, q_w.t(), s.t(), s_w.t(), BLOCKWISE, x.dtype, bias)
-
-    def run(x, weight, bias):
-        q_w, s_w, q_wt, _ = quantize_w(weight)  # W.t()'s 128x128 scale is s_w.t(): not kept
-        q, s, q_xt, s_xt = quantize_x(x)
-        return gemm(q, q_w.t(), s.t(), s_w.t(), bias), q_xt, s_xt, q_wt, s_w
-
-    return run
-
-
-def _fp8_linear_train_fake(x, weight, bias):
-    (M, K), N = x.shape, weight.shape[0]
-    return (x.new_empty((M, N)), transposed_empty(K, M, E4M3, None, x),
-            x.new_empty((cdiv(M, SCALE_BLOCK), K), dtype=torch.float32), transposed_empty(K, N, E4M3, None, x),
-            x.new_empty((cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)), dtype=torch.float32))
-
-
-def _fp8_linear_train_setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(*output[1:])
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)  # no zero gradients of the fp8 copies (hundreds of MB)
-    ctx.weight_dtype = weight.dtype
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-def _fp8_linear_train_backward(ctx, dy, *_):
-    q_xt, s_xt, q_wt, s_w = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = FP8_LINEAR_BACKWARD(dy, q_wt if need_x else None, s_w, q_xt if need_w else None, s_xt, ctx.weight_dtype)
-    return (dx if need_x else None), (dw if need_w else None), _bias_grad(ctx, dy, 2)
-
-
-def _fp8_linear_backward_impl(dy: torch.Tensor, q_wt: Optional[torch.Tensor], s_w: torch.Tensor,
-                              q_xt: Optional[torch.Tensor], s_xt: Optional[torch.Tensor], weight_dtype: torch.dtype
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dW) in FP8, the DeepSeek-V3 recipe: each GEMM's operands quantised along its own
-    reduction dim, every operand K-major (the layout of the Gluon body's fp8 wgmma). dy [M, N]
-    is read once for both GEMMs' operands.
-    dgrad dx = dy @ W (when q_wt is given): dy 1x128 along N; b = W as [N, K] read K-major from
-      q_wt = W.t() in fp8 [K, N], whose 128x128 scale is W's own s_w [ceil(N/128), ceil(K/128)].
-    wgrad dW = dy^T @ x (when q_xt is given), in weight_dtype: dy.t() and x.t() both quantised
-      1x128 along the tokens M: a = dy.t() [N, M]; b = x [M, K] read K-major from q_xt [K, M],
-      its scale s_xt stored [ceil(M/128), K] (128x1 blocks of b).
-    An empty tensor stands for a gradient not asked for. A registered op of its own, so
-    torch.compile traces the backward as one call. dy may have any strides (the quantisers
-    read them)."""
-    dx = dw = dy.new_empty(0)
-    if q_xt is None:
-        q_dy, s_dy = _quantizer(dy, ROW_BLOCKS)(dy)
-    else:
-        q_dy, s_dy, q_dyt, s_dyt = _quantizer(dy, ROW_BLOCKS, transposed=True)(dy)
-        dw = run_blockscaled(q_dyt, q_xt.t(), s_dyt.t(), s_xt, Scaling(ROW_BLOCKS, COL_BLOCKS), weight_dtype)
-    if q_wt is not None:
-        dx = run_blockscaled(q_dy, q_wt.t(), s_dy.t(), s_w, BLOCKWISE, dy.dtype)
-    return dx, dw
-
-
-def _fp8_linear_backward_fake(dy, q_wt, s_w, q_xt, s_xt, weight_dtype):
-    M, N = dy.shape
-    dx = dy.new_empty(0) if q_wt is None else dy.new_empty((M, q_wt.shape[0]))
-    dw = dy.new_empty(0) if q_xt is None else dy.new_empty((N, q_xt.shape[0]), dtype=weight_dtype)
-    return dx, dw
-
-
-FP8_LINEAR_BACKWARD = Op("fp8_linear_backward", _fp8_linear_backward_impl, _fp8_linear_backward_fake)
 # The backward quantises dy and runs FP8 GEMMs: no second derivative, and an error says so.
 FP8_LINEAR = Op("fp8_linear", _fp8_linear_impl, _fp8_linear_fake, _fp8_linear_setup,
                 first_order_only(_fp8_linear_backward, "Fp8Linear"), record=_fp8_linear_record, tensors=4)
-FP8_LINEAR_TRAIN = Op("fp8_linear_train", _fp8_linear_train_impl, _fp8_linear_train_fake, _fp8_linear_train_setup,
-                      first_order_only(_fp8_linear_train_backward, "Fp8Linear"), record=_fp8_linear_train_record,
-                      tensors=3)
 
 
 class Fp8Linear(nn.Module):
@@ -223,9 +135,12 @@ class Fp8Linear(nn.Module):
       weight_scale  float32 [ceil(out_features/128), ceil(in_features/128)]
     Gradients flow to x and the bias (dx by an FP8 GEMM).
 
-    trainable=True: ``weight`` is a high-precision Parameter (``dtype``), quantised 128x128 in
-    every forward; the forward, dgrad and wgrad GEMMs all run in FP8 (docs/autograd.md), as
-    torchao's Float8Linear does with tensor-wise scales. ``weight_scale`` is then None.
+    trainable=True: ``weight`` is a high-precision Parameter (``dtype``), quantised in every
+    forward; the forward, dgrad and wgrad GEMMs all run in FP8 (docs/autograd.md), as
+    torchao's Float8Linear does. ``weight_scale`` is then None. ``recipe`` says how each GEMM's
+    operands are quantised (blockscaled/recipes.py): "blockwise" (the default, DeepSeek-V3's
+    1x128 x 128x128 above), or torchao's "tensorwise", "rowwise" and "rowwise_with_gw_hp",
+    with torchao's scale rule, so a model trains alike under either library.
 
     No second derivative (frozen or trainable): with create_graph=True the gradients are the
     usual ones, and differentiating them again raises ValueError (docs/autograd.md).
@@ -241,12 +156,11 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None,
-                 trainable: bool = False):
+                 trainable: bool = False, recipe: str = "blockwise"):
         super().__init__()
-        checks.check_bool("trainable", trainable)
         self.in_features = in_features
         self.out_features = out_features
-        self.trainable = trainable
+        self.trainable, self.recipe = _check_mode(trainable, recipe)
         dtype = dtype or torch.get_default_dtype()
         # nn.Linear's initialisation, then quantised: a fresh Fp8Linear behaves like a fresh Linear.
         w = torch.empty(out_features, in_features, device=device, dtype=dtype)
@@ -301,21 +215,21 @@ class Fp8Linear(nn.Module):
         return self
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, trainable: bool = False) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, *, trainable: bool = False, recipe: str = "blockwise") -> "Fp8Linear":
         """An Fp8Linear with linear's weight and bias, on its device: the bias Parameter is
         linear's own, and so is the weight Parameter if ``trainable`` (else the weight is
         quantised into the fp8 buffers). Reusing the Parameters keeps what a model's training
         set-up holds on to: an optimizer built before the swap, ties (two layers sharing one
         weight, an output head tied to an embedding), requires_grad=False on frozen layers,
-        and the state_dict keys (weight, bias), so an unconverted checkpoint loads as it is."""
+        and the state_dict keys (weight, bias), so an unconverted checkpoint loads as it is.
+        ``recipe``: as in the constructor."""
         if not isinstance(linear, nn.Linear):
             raise checks.bad_type("linear", "a torch.nn.Linear", linear)
-        checks.check_bool("trainable", trainable)
         w = linear.weight
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.in_features, module.out_features = linear.in_features, linear.out_features
-        module.trainable = trainable
+        module.trainable, module.recipe = _check_mode(trainable, recipe)
         module._init_weight(w, "linear.weight", w.device)
         if linear.bias is not None:
             module.bias = linear.bias
@@ -324,19 +238,33 @@ class Fp8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FORWARD(x, self.weight, self.weight_scale, self.bias, self.in_features, self.out_features, self.trainable)
+        return _FORWARD(x, self.weight, self.weight_scale, self.bias, self.in_features, self.out_features,
+                        self.recipe if self.trainable else None)
 
     def extra_repr(self) -> str:
-        weight = f"{self.weight.dtype} quantised 128x128 per call" if self.trainable else "float8_e4m3fn 128x128"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight={weight}, activations=1x128")
+        text = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+        if self.trainable:
+            return text + f"weight={self.weight.dtype} quantised per call, recipe={self.recipe}"
+        return text + "weight=float8_e4m3fn 128x128, activations=1x128"
+
+
+def _check_mode(trainable, recipe) -> tuple[bool, str]:
+    """Fp8Linear's (trainable, recipe), checked: a recipe other than blockwise needs a
+    trainable layer (a frozen one holds 128x128 weight scales)."""
+    checks.check_bool("trainable", trainable)
+    check_recipe(recipe)
+    if recipe != "blockwise" and not trainable:
+        raise checks.bad_value("recipe", "'blockwise' for a frozen layer (trainable=False holds 128x128 "
+                               "weight scales; the other recipes train)", repr(recipe))
+    return trainable, recipe
 
 
 def _forward_route(args):
     """Fp8Linear.forward's checks (x, and the weight, its scales and the bias as the GEMM
     reads them: they may have been replaced since construction, e.g. by load_state_dict or
     assignment), then the registered op's route for x as [M, K]."""
-    x, w, s, bias, in_features, out_features, trainable = args
+    x, w, s, bias, in_features, out_features, recipe = args
+    trainable = recipe is not None
     checks.check_tensor("x", x, dtypes=checks.FLOAT_DTYPES)
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise checks.bad_shape("x", f"[..., in_features] = [..., {in_features}]", x.shape)
@@ -352,8 +280,9 @@ def _forward_route(args):
                                f"{bias.dtype} {tuple(bias.shape)}")
     checks.check_same_device(x=x, weight=w, weight_scale=s, bias=bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
-    if trainable and wants_grad(x, w, bias):  # the training forward keeps what the backward reads
-        train = FP8_LINEAR_TRAIN.call.route((x2, w, bias))
+    if trainable and (recipe != "blockwise" or wants_grad(x, w, bias)):
+        # the training forward keeps what the backward reads (when gradients are recorded)
+        train = TRAIN_OPS[recipe].call.route((x2, w, bias, wants_grad(x, w, bias)))
         inner = lambda x, w, s, bias: train(x, w, bias)[0]  # noqa: E731
     else:
         inner = FP8_LINEAR.call.route((x2, w, s, bias))
@@ -363,7 +292,8 @@ def _forward_route(args):
     return lambda x, w, s, bias: inner(x.reshape(-1, in_features), w, s, bias).reshape(shape)
 
 
-# Fp8Linear.forward cached by signature: (x, weight, weight_scale, bias, in/out features, trainable).
+# Fp8Linear.forward cached by signature: (x, weight, weight_scale, bias, in/out features, recipe
+# (None: frozen)).
 _FORWARD = Cached(4, _forward_route)
 
 
@@ -381,7 +311,7 @@ def register_fp8_training(module_type: type, convert: Callable[[nn.Module], None
 
 
 def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
-                 moe_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+                 recipe: str = "blockwise", moe_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
     """Swap every nn.Linear in ``module`` (itself included) for a trainable Fp8Linear, in place
     where it sits, and return the module: forward, dgrad and wgrad then run in FP8. Every
     onegemm.MoEFFN in it trains its routed experts in FP8 too (moe_ffn's ``fp8_training``:
@@ -396,9 +326,15 @@ def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str],
     weight directly). moe_filter_fn(layer, fully_qualified_name) -> bool does the same for the
     MoE layers (default: all). Each new layer holds its Linear's own weight and bias Parameters
     (Fp8Linear.from_linear), so optimizers, ties, frozen weights and state_dict keys carry over.
+
+    recipe: how the Linear layers' GEMMs quantise (Fp8Linear): "blockwise" (default),
+    "tensorwise", "rowwise" or "rowwise_with_gw_hp" (torchao's recipes of those names). MoE
+    layers train blockwise only: with another recipe a picked MoE layer is a ValueError (leave
+    it out with moe_filter_fn).
     """
     if not isinstance(module, nn.Module):
         raise checks.bad_type("module", "a torch.nn.Module", module)
+    check_recipe(recipe)
     for name, fn in (("module_filter_fn", module_filter_fn), ("moe_filter_fn", moe_filter_fn)):
         if fn is not None and not callable(fn):
             raise checks.bad_type(name, "a callable (module, fqn) -> bool, or None", fn)
@@ -406,9 +342,13 @@ def fp8_training(module: nn.Module, module_filter_fn: Callable[[nn.Module, str],
     def swap(m: nn.Module, fqn: str) -> nn.Module:
         if type(m) is nn.Linear:
             picked = module_filter_fn is None or module_filter_fn(m, fqn)
-            return Fp8Linear.from_linear(m, trainable=True) if picked else m
+            return Fp8Linear.from_linear(m, trainable=True, recipe=recipe) if picked else m
         for module_type, convert in _FP8_TRAINING_CONVERSIONS.items():
             if isinstance(m, module_type) and (moe_filter_fn is None or moe_filter_fn(m, fqn)):
+                if recipe != "blockwise":
+                    raise checks.bad_value("recipe", f"'blockwise' where MoE layers train in FP8 (the "
+                                           f"{type(m).__name__} at {fqn or 'the root'!r}), or a moe_filter_fn "
+                                           "that leaves them out", repr(recipe))
                 convert(m)
         for name, child in m.named_children():
             new = swap(child, f"{fqn}.{name}" if fqn else name)

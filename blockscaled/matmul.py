@@ -127,16 +127,17 @@ BLOCKSCALED_OP = Op("blockscaled_mm", _blockscaled_impl, _blockscaled_fake, reco
 
 
 def run_blockscaled(a, b, scale_a, scale_b, scaling: Scaling, out_dtype, bias=None, activation=None, config=None,
-                    tma=None):
+                    tma=None, use_fast_accum=False):
     """blockscaled_matmul's body, on checked inputs whose scaling is known (Fp8Linear's
     GEMMs); on the signature cache unless a config is forced."""
     if config is None:
-        return _SCALED(a, b, scale_a, scale_b, bias, scaling, out_dtype, activation, tma)
-    return scaled_record(a, b, scale_a, scale_b, scaling, out_dtype, bias, activation, config, tma)(
+        return _SCALED(a, b, scale_a, scale_b, bias, scaling, out_dtype, activation, tma, use_fast_accum)
+    return scaled_record(a, b, scale_a, scale_b, scaling, out_dtype, bias, activation, config, tma, use_fast_accum)(
         a, b, scale_a, scale_b, bias)
 
 
-_SCALED = Cached(5, lambda args: scaled_record(*args[:4], *args[5:7], args[4], args[7], None, args[8]))
+# (a, b, scale_a, scale_b, bias, scaling, out_dtype, activation, tma, use_fast_accum) -> the record's call
+_SCALED = Cached(5, lambda args: scaled_record(*args[:4], *args[5:7], args[4], args[7], None, *args[8:]))
 
 
 def _scales(scaling: Scaling):

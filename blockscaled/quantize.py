@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..core import checks, configs
 from ..core.dispatch import Cached, Launch, Op
-from ..core.fp8 import amax_input, fp8_cast, fp8_scale
+from ..core.fp8 import amax_input, fp8_apply, fp8_scales
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
 from ..core.scaling import (BLOCKS, INT4, INT4_MIN_GROUP, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK,
@@ -36,6 +36,7 @@ from ..core.scaling import (BLOCKS, INT4, INT4_MIN_GROUP, MXFP4, MXFP4_BLOCK, MX
 from .configs import QuantKey
 
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
+SCALE_RULES = ("onegemm", "torchao")  # quantize_fp8's scale_rule values (core/fp8.py)
 FLT_MIN = torch.finfo(torch.float32).tiny
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
@@ -54,9 +55,10 @@ def quantize_kernel(
     M, K, cols_per_scale,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     POW2: tl.constexpr, ROWS_PER_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TORCHAO: tl.constexpr = False,
 ):
-    """q = fp8(x / scale) with one fp32 scale per ROWS_PER_SCALE x cols_per_scale block.
+    """q = fp8(x / scale) with one fp32 scale per ROWS_PER_SCALE x cols_per_scale block
+    (TORCHAO: q = fp8(x * mult), scale = 1 / mult: core/fp8.py's two rules).
 
     x_ptr [M, K] (fp32/bf16/fp16), q_ptr [M, K] (fp8): element [i, j] at ptr + i*stride_m + j*stride_k.
     s_ptr [ceil(M / ROWS_PER_SCALE), ceil(K / cols_per_scale)] fp32, any strides.
@@ -84,7 +86,7 @@ def quantize_kernel(
         amax = tl.maximum(amax, tl.max(amax_input(x), axis=1))
     if ROWS_PER_SCALE > 1:
         amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
-    scale = fp8_scale(amax, q_ptr.dtype.element_ty, POW2)
+    scale, factor = fp8_scales(amax, q_ptr.dtype.element_ty, POW2, TORCHAO)
     # One store per scale: the first row of each ROWS_PER_SCALE group writes it.
     s_mask = mask_m & (rows % ROWS_PER_SCALE == 0)
     tl.store(s_ptr + (rows // ROWS_PER_SCALE).to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=s_mask)
@@ -93,7 +95,7 @@ def quantize_kernel(
         cols = k0 + offs_k
         mask = mask_m[:, None] & (cols < k_end)[None, :]
         x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        q = fp8_cast(x, scale[:, None], q_ptr.dtype.element_ty)
+        q = fp8_apply(x, factor[:, None], q_ptr.dtype.element_ty, TORCHAO)
         tl.store(q_row + cols.to(tl.int64)[None, :] * stride_qk, q, mask=mask)
 
 
@@ -101,9 +103,10 @@ def quantize_kernel(
 def quantize_pair_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
     stride_xm, stride_xk, stride_qm, stride_sm, stride_sk, stride_tk, stride_stk, stride_stm,
-    POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    POW2: tl.constexpr, BLOCK_M: tl.constexpr, TORCHAO: tl.constexpr = False,
 ):
-    """x's 1x128 quantisation and x.t()'s, from one read of x (quantize_fp8(x, transposed=True)).
+    """x's 1x128 quantisation and x.t()'s, from one read of x (quantize_fp8(x, transposed=True)),
+    under either scale rule (TORCHAO: core/fp8.py).
 
     x_ptr [M, K] (fp32/bf16/fp16, any strides). q_ptr [M, K] fp8 (column stride 1) with its
     scales s_ptr [M, ceil(K/128)]; qt_ptr [K, M] fp8 (column stride 1): x.t()'s blocks run
@@ -128,7 +131,7 @@ def quantize_pair_kernel(
         mask = (rows < M)[:, None] & mask_k[None, :]
         x = tl.load(x_cols + rows.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
         col_amax = tl.maximum(col_amax, tl.max(amax_input(x), axis=0))
-    col_scale = fp8_scale(col_amax, dtype, POW2)
+    col_scale, col_factor = fp8_scales(col_amax, dtype, POW2, TORCHAO)
     tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pm * stride_stm, col_scale, mask=mask_k)
 
     for r0 in range(0, SCALE, BLOCK_M):
@@ -136,11 +139,11 @@ def quantize_pair_kernel(
         mask_m = rows < M
         mask = mask_m[:, None] & mask_k[None, :]
         x = tl.load(x_cols + rows.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
-        scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype, POW2)
+        scale, factor = fp8_scales(tl.max(amax_input(x), axis=1), dtype, POW2, TORCHAO)
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=mask_m)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], fp8_cast(x, scale[:, None], dtype),
-                 mask=mask)
-        q_t = tl.trans(fp8_cast(x, col_scale[None, :], dtype))  # [128 columns of x, BLOCK_M rows]
+        q = fp8_apply(x, factor[:, None], dtype, TORCHAO)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], q, mask=mask)
+        q_t = tl.trans(fp8_apply(x, col_factor[None, :], dtype, TORCHAO))  # [128 columns of x, BLOCK_M rows]
         tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_tk + rows[None, :], q_t, mask=tl.trans(mask))
 
 
@@ -179,10 +182,10 @@ def _scale_shape(block: Granularity, M: int, K: int) -> tuple:
 
 
 def _quantize_triton(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool,
-                     transposed: bool = False):
+                     transposed: bool = False, torchao: bool = False):
     """The fused kernel for 1x128, 128x128 and row scales; returns (q, scale), and with
-    ``transposed`` (blocks only) (q_t, scale_t) of x.t() after them."""
-    return _triton_quantizer(x, block, dtype, pow2_scale, transposed)(x)
+    ``transposed`` (q_t, scale_t) of x.t() after them. ``torchao``: torchao's scale rule."""
+    return _triton_quantizer(x, block, dtype, pow2_scale, transposed, torchao)(x)
 
 
 def _scale_storage(block: Granularity, M: int, K: int, device):
@@ -205,17 +208,21 @@ def transposed_empty(K: int, M: int, dtype: torch.dtype, device, fake_like=None)
 
 
 def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool,
-                      transposed: bool = False):
+                      transposed: bool = False, torchao: bool = False):
     """``_quantize_triton`` as a callable x -> (q, scale[, q_t, scale_t]) for inputs of x's
     signature (the plan, grid and strides fixed): what a record keeps. ``transposed``: 1x128
-    by quantize_pair_kernel (one read of x); 128x128 blocks are the same blocks transposed
+    by quantize_pair_kernel (one read of x); row scales by a second launch on x.t() (each of
+    its scales is a column of x, over every row); 128x128 blocks are the same blocks transposed
     (the same elements over the same scales), so q_t is q's fp8 transpose, copied by
     transpose_kernel (one pass storing each tile a second time, transposed, gave wrong values
     on sm_90 with Triton 3.6, though right under the interpreter: docs/performance.md)."""
     if transposed:
         if block == ROW_BLOCKS:
-            return _pair_quantizer(x, dtype, pow2_scale)
-        direct, transpose = _triton_quantizer(x, block, dtype, pow2_scale), _transposer(*x.shape, dtype, x.device)
+            return _pair_quantizer(x, dtype, pow2_scale, torchao)
+        direct = _triton_quantizer(x, block, dtype, pow2_scale, torchao=torchao)
+        if block == ROW:
+            return _row_pair(x, direct, dtype, pow2_scale, torchao)
+        transpose = _transposer(*x.shape, dtype, x.device)
 
         def both(x):
             q, scale = direct(x)
@@ -232,7 +239,25 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
         return (empty_strided((M, K), (K, 1), dtype=dtype, device=device),
                 empty_strided(scale_shape, scale_stride, dtype=torch.float32, device=device))
 
-    return _allocating(outputs, quantize_launch(x, block, dtype, pow2_scale))
+    return _allocating(outputs, quantize_launch(x, block, dtype, pow2_scale, torchao))
+
+
+def _row_pair(x: torch.Tensor, direct, dtype: torch.dtype, pow2_scale: bool, torchao: bool):
+    """x -> (q, scale, q_t, scale_t) with row scales: ``direct`` for x, and quantize_kernel on
+    x.t() (a strided view: the loads run along x's contiguous rows) writing q_t as
+    ``transposed_empty`` lays it out."""
+    M, K = x.shape
+    device = x.device
+    x_t = x.t()
+    launch_t = quantize_launch(x_t, ROW, dtype, pow2_scale, torchao, q_row_stride=transposed_empty(K, M, dtype, device).stride(0))
+
+    def run(x):
+        q, scale = direct(x)
+        q_t, scale_t = transposed_empty(K, M, dtype, device), empty((K, 1), dtype=torch.float32, device=device)
+        launch_t(x.t(), q_t, scale_t)
+        return q, scale, q_t, scale_t
+
+    return run
 
 
 def _allocating(outputs, launch):
@@ -245,17 +270,20 @@ def _allocating(outputs, launch):
     return run
 
 
-def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool) -> Launch:
+def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool, torchao: bool = False,
+                    q_row_stride: int | None = None) -> Launch:
     """quantize_kernel's launch for x's signature (1x128, 128x128 or row scales): a
-    core/dispatch.py Launch whose builder takes (x, q, scale), q [M, K] row-major and scale
-    as ``_scale_storage`` lays it out; what a record that owns its outputs (Fp8Linear's
-    workspace) launches."""
+    core/dispatch.py Launch whose builder takes (x, q, scale), q [M, K] with column stride 1
+    and row stride ``q_row_stride`` (default K) and scale as ``_scale_storage`` lays it out;
+    what a record that owns its outputs (Fp8Linear's workspace) launches. ``torchao``:
+    torchao's scale rule (core/fp8.py)."""
     M, K = x.shape
     device = x.device
     cols_per_scale = K if block == ROW else SCALE_BLOCK
     rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
     scale0 = _scale_storage(block, M, K, device)
-    strides = (*x.stride(), K, 1, *scale0.stride())
+    q_row_stride = K if q_row_stride is None else q_row_stride
+    strides = (*x.stride(), q_row_stride, 1, *scale0.stride())
 
     def args(x, q, scale):
         return (x, q, scale, M, K, cols_per_scale, *strides)
@@ -264,10 +292,10 @@ def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow
         return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
 
     def trial(plan):  # autotuning's launch, on outputs of its own (allocated only if it runs)
-        QUANTIZE.launch(plan, grid(plan), args(x, empty((M, K), dtype=dtype, device=device), scale0))
+        QUANTIZE.launch(plan, grid(plan), args(x, empty((M, q_row_stride), dtype=dtype, device=device), scale0))
 
     plan = QUANTIZE.plan_for(Request(
-        QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale),
+        QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale, TORCHAO=torchao),
         device, None, trial))
     return Launch(QUANTIZE, plan, grid(plan), args)
 
@@ -297,7 +325,7 @@ def _transposer(M: int, K: int, dtype: torch.dtype, device):
     return run
 
 
-def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
+def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool, torchao: bool = False):
     """quantize_pair_kernel's call for x's signature: x -> (q, scale, q_t, scale_t), 1x128."""
     M, K = x.shape
     device = x.device
@@ -314,7 +342,7 @@ def _pair_quantizer(x: torch.Tensor, dtype: torch.dtype, pow2_scale: bool):
         return (x, q, scale, q_t, scale_t, M, K, *strides)
 
     plan = QUANTIZE_PAIR.plan_for(Request(
-        QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale), device, None,
+        QuantKey(configs.m_bucket(M), K, ROW_BLOCKS), dict(POW2=pow2_scale, TORCHAO=torchao), device, None,
         lambda plan: QUANTIZE_PAIR.launch(plan, grid, args(x, *out0))))
 
     return _allocating(outputs, Launch(QUANTIZE_PAIR, plan, grid, args))
@@ -334,7 +362,16 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2_scale: bool) -
     return scale
 
 
-def _quantize_torch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool):
+def _torchao_multiplier(amax: torch.Tensor, dtype: torch.dtype, pow2_scale: bool) -> torch.Tensor:
+    """torchao's rule (core/fp8.py): FP8_MAX / max(amax, 1e-12) in float64, rounded to fp32,
+    pow2: rounded down to a power of two by its exponent bits."""
+    mult = (fp8_max(dtype) / amax.double().clamp_min(1e-12)).float()
+    if pow2_scale:
+        mult = (mult.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return mult
+
+
+def _quantize_torch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool, torchao: bool = False):
     M, K = x.shape
     x = x.float()
     ax = x.abs()
@@ -343,16 +380,21 @@ def _quantize_torch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow
     # Zero padding to whole blocks leaves every amax unchanged (|x| >= 0).
     ax = F.pad(ax, (0, (-K) % cb, 0, (-M) % rb))
     amax = einops.reduce(ax, "(mb rb) (kb cb) -> mb kb", "max", rb=rb, cb=cb)
-    scale = _scale_from_amax(amax, dtype, pow2_scale)
-    full = einops.repeat(scale, "mb kb -> (mb rb) (kb cb)", rb=rb, cb=cb)[:M, :K]
     fmax = fp8_max(dtype)
-    q = (x / full).clamp(-fmax, fmax).to(dtype).contiguous()  # row-major, as the kernel writes it, for any x
+    if torchao:
+        mult = _torchao_multiplier(amax, dtype, pow2_scale)
+        scale = mult.reciprocal()
+        scaled = x * einops.repeat(mult, "mb kb -> (mb rb) (kb cb)", rb=rb, cb=cb)[:M, :K]
+    else:
+        scale = _scale_from_amax(amax, dtype, pow2_scale)
+        scaled = x / einops.repeat(scale, "mb kb -> (mb rb) (kb cb)", rb=rb, cb=cb)[:M, :K]
+    q = scaled.clamp(-fmax, fmax).to(dtype).contiguous()  # row-major, as the kernel writes it, for any x
     if block == ROW_BLOCKS:
         scale = scale.t().contiguous().t()  # outer-dim-major, as the kernel writes it
     return q, scale.reshape(_scale_shape(block, M, K))
 
 
-def _check_args(x, block, dtype, pow2_scale, name="x"):
+def _check_args(x, block, dtype, pow2_scale, name="x", scale_rule="onegemm"):
     checks.check_tensor(name, x, ndim=2, dtypes=IN_DTYPES)
     if not isinstance(block, str):
         block = tuple(block) if isinstance(block, (tuple, list)) else block
@@ -360,11 +402,12 @@ def _check_args(x, block, dtype, pow2_scale, name="x"):
     if dtype not in checks.FP8_DTYPES:
         raise checks.bad_dtype("dtype", "torch.float8_e4m3fn or torch.float8_e5m2", dtype)
     checks.check_bool("pow2_scale", pow2_scale)
+    checks.check_choice("scale_rule", scale_rule, SCALE_RULES)
     return block
 
 
 def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_scale=False, check_finite=False,
-                 transposed=False):
+                 transposed=False, scale_rule="onegemm"):
     """Quantise x [M, K] to fp8 with fp32 scales: x ~= q.float() * scale per block.
 
     block: (1, 128) -> scale [M, ceil(K/128)] (stored outer-dim-major on the GPU, the layout
@@ -372,12 +415,17 @@ def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_s
         "row" -> [M, 1]; "tensor" -> 0-dim.
     dtype: torch.float8_e4m3fn (max 448) or torch.float8_e5m2 (max 57344); values saturate there.
     pow2_scale: round each scale up to a power of two (exact rescaling), quantising with it.
-    transposed: also quantise x.t() from the same read of x, and return (q, scale, q_t,
-        scale_t), where (q_t, scale_t) are quantize_fp8(x.t(), block) bit for bit: q_t [K, M]
-        row-major, its rows padded to a multiple of 16 bytes (the alignment TMA needs, so a
-        GEMM can read it whatever M is). With (1, 128) blocks x.t()'s run along M (what a weight-gradient GEMM
-        dY^T @ X reduces over); (128, 128) blocks are the same blocks transposed, so scale_t
-        is scale.t(). Block scales only.
+    transposed: also quantise x.t(), and return (q, scale, q_t, scale_t), where (q_t,
+        scale_t) are quantize_fp8(x.t(), block) bit for bit: q_t [K, M] row-major, its rows
+        padded to a multiple of 16 bytes (the alignment TMA needs, so a GEMM can read it
+        whatever M is). With (1, 128) blocks x.t()'s run along M (what a weight-gradient GEMM
+        dY^T @ X reduces over), from the same read of x; "row" scales x.t() per column of x
+        (a second pass over x); (128, 128) blocks and "tensor" are the same blocks transposed,
+        so scale_t is scale.t() and q_t is q's transpose.
+    scale_rule: "onegemm" (the module docstring's rule) or "torchao", torchao's float8 rule:
+        scale = 1 / m with the fp32 multiplier m = FP8_MAX / max(amax, 1e-12) (with
+        pow2_scale rounded down to a power of two, as its row-wise recipe does) and
+        q = fp8(clamp(x * m)), so the bits are torchao's (``q * scale`` dequantises both).
     An all-zero block gets scale 1.0 and zeros. A block holding NaN or inf gets an inf scale,
     so it dequantises to NaN (never to finite values); nothing is read back to the host, so
     the call can be captured in a CUDA graph. check_finite=True reads the scales back (a
@@ -385,22 +433,19 @@ def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_s
     On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
     Traceable by torch.compile. Not differentiable: an x that requires grad is an error.
     """
-    return QUANTIZE_FP8(x, block, dtype, pow2_scale, check_finite, transposed)
+    return QUANTIZE_FP8(x, block, dtype, pow2_scale, check_finite, transposed, scale_rule)
 
 
 def _quantize_fp8_route(args):
     """quantize_fp8's checks, then the registered op's route (core/dispatch.py)."""
-    x, block, dtype, pow2_scale, check_finite, transposed = args
-    block = _check_args(x, block, dtype, pow2_scale)
+    x, block, dtype, pow2_scale, check_finite, transposed, scale_rule = args
+    block = _check_args(x, block, dtype, pow2_scale, scale_rule=scale_rule)
     checks.check_bool("check_finite", check_finite)
     checks.check_bool("transposed", transposed)
     checks.check_not_differentiable("quantize_fp8", x=x)
     gran = granularity(block)
-    if transposed and gran not in (ROW_BLOCKS, BLOCKS):
-        raise checks.bad_value("transposed", "False for block 'row' or 'tensor' (x.t()'s scales would each "
-                               "span a whole column of x)", transposed)
     op = QUANTIZE_T_OP if transposed else QUANTIZE_OP
-    inner = op.route((x, str(gran), dtype, pow2_scale, check_finite))
+    inner = op.route((x, str(gran), dtype, pow2_scale, check_finite, scale_rule))
 
     if gran != ROW_BLOCKS:
         return inner
@@ -418,22 +463,23 @@ def _scale_view(scale, block: Granularity):
 
 
 def _quantize_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: bool,
-                   check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8 on checked arguments, the block by name; 1x128 scales come back as their
-    [ceil(K/128), M] storage (``_scale_view`` gives the [M, ceil(K/128)] view)."""
-    return QUANTIZE_OP.direct(x, block, dtype, pow2_scale, check_finite)
+                   check_finite: bool, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8 on checked arguments, the block and the scale rule by name; 1x128 scales
+    come back as their [ceil(K/128), M] storage (``_scale_view`` gives the [M, ceil(K/128)] view)."""
+    return QUANTIZE_OP.direct(x, block, dtype, pow2_scale, check_finite, rule)
 
 
 def _quantize_t_impl(x: torch.Tensor, block: str, dtype: torch.dtype, pow2_scale: bool,
-                     check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_quantize_impl`` of x and of x.t() in one pass: (q, scale, q_t, scale_t), scales as stored."""
-    return QUANTIZE_T_OP.direct(x, block, dtype, pow2_scale, check_finite)
+                     check_finite: bool, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_quantize_impl`` of x and of x.t(): (q, scale, q_t, scale_t), scales as stored."""
+    return QUANTIZE_T_OP.direct(x, block, dtype, pow2_scale, check_finite, rule)
 
 
-def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, transposed=False):
+def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, rule, *, transposed=False):
     """The registered op's body for x's signature: a callable x -> (q, scale storage), with
     ``transposed`` followed by x.t()'s (q_t, scale_t storage)."""
     block = Granularity.parse(block)
+    torchao = rule == "torchao"
     M, K = x.shape
     if x.numel() == 0:
         def run(x):
@@ -450,13 +496,13 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, transposed=
         # interpreter the kernel gives these bits for finite x (tests/test_blockscaled.py), but
         # its fp8 cast turns the NaN of a non-finite block into 384, a finite value.
         def quantize(x):
-            out = _quantize_torch(x, block, dtype, pow2_scale)
+            out = _quantize_torch(x, block, dtype, pow2_scale, torchao)
             if not transposed:
                 return out
-            q_t, scale_t = _quantize_torch(x.t(), block, dtype, pow2_scale)
+            q_t, scale_t = _quantize_torch(x.t(), block, dtype, pow2_scale, torchao)
             return (*out, transposed_empty(K, M, dtype, x.device).copy_(q_t), scale_t)
     else:
-        quantize = _triton_quantizer(x, block, dtype, pow2_scale, transposed)
+        quantize = _triton_quantizer(x, block, dtype, pow2_scale, transposed, torchao)
         if not check_finite:
             # The kernels' scales are their storage already (1x128: the transpose of a [kb, rows]
             # tensor, whose .t() is that tensor; the others contiguous): nothing to copy.
@@ -482,7 +528,7 @@ def _flip_row_scales(q, scale, *transposed):
     return q, scale.t(), q_t, scale_t.t()
 
 
-def _quantize_fake(x, block, dtype, pow2_scale, check_finite, transposed=False):
+def _quantize_fake(x, block, dtype, pow2_scale, check_finite, rule, *, transposed=False):
     M, K = x.shape
     gran = Granularity.parse(block)
     out = ()
@@ -494,8 +540,8 @@ def _quantize_fake(x, block, dtype, pow2_scale, check_finite, transposed=False):
 
 
 QUANTIZE_OP = Op("quantize_fp8", _quantize_impl, _quantize_fake, record=_quantize_record, tensors=1)
-QUANTIZE_T_OP = Op("quantize_fp8_transposed", _quantize_t_impl, lambda *args: _quantize_fake(*args, True),
-                   record=lambda *args: _quantize_record(*args, True), tensors=1)
+QUANTIZE_T_OP = Op("quantize_fp8_transposed", _quantize_t_impl, lambda *args: _quantize_fake(*args, transposed=True),
+                   record=lambda *args: _quantize_record(*args, transposed=True), tensors=1)
 QUANTIZE_FP8 = Cached(1, _quantize_fp8_route)
 
 

@@ -7,6 +7,11 @@ written out in blockscaled/quantize.py's docstring and its torch path:
 
     scale = max(amax / FP8_MAX, FLT_MIN) if amax > 0 else 1.0   (NaN counts as inf in amax)
     q     = fp8(clamp(x / scale, -FP8_MAX, FP8_MAX)), rounded to nearest even
+
+and torchao's (``scale_rule="torchao"``, so that its float8 training recipes quantise alike):
+
+    mult  = fp32(FP8_MAX / max(amax, 1e-12)), pow2: rounded down to a power of two
+    q     = fp8(clamp(x * mult, -FP8_MAX, FP8_MAX)); the dequantisation scale is 1 / mult
 """
 
 import triton
@@ -58,16 +63,21 @@ def fp8_scale(amax, dtype: tl.constexpr, POW2: tl.constexpr = False):
 @triton.jit
 def fp8_grid(x, scale, dtype: tl.constexpr):
     """x / scale on ``dtype``'s grid, in fp32: a correctly rounded division (the same bits as
-    torch's x / scale), a clamp to the format's range (NaN stays NaN), then the rounding to
-    nearest even done in fp32, so that casting the result to ``dtype`` is exact. Hardware
-    casts round the same way; Triton's interpreter does not carry a rounding into the
-    exponent (31.3 -> 16 in e4m3), so with the explicit rounding the CPU tests check the
-    GPU's arithmetic. (``fp8_cast``, the standalone quantiser's cast, uses the hardware's on
-    a GPU, where the GPU tests compare its bits with the torch path's.)"""
+    torch's x / scale), then ``fp8_round``. Hardware casts round the same way; Triton's
+    interpreter does not carry a rounding into the exponent (31.3 -> 16 in e4m3), so with the
+    explicit rounding the CPU tests check the GPU's arithmetic. (``fp8_cast``, the standalone
+    quantiser's cast, uses the hardware's on a GPU, where the GPU tests compare its bits with
+    the torch path's.)"""
+    return fp8_round(tl.math.div_rn(x.to(tl.float32), scale), dtype)
+
+
+@triton.jit
+def fp8_round(q, dtype: tl.constexpr):
+    """fp32 q clamped to ``dtype``'s range (NaN stays NaN) and rounded to its grid, to nearest
+    even, in fp32: casting the result to ``dtype`` is exact."""
     FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
     MANT: tl.constexpr = fp8_format(dtype)[1]
     MIN_EXP: tl.constexpr = fp8_format(dtype)[2]
-    q = tl.math.div_rn(x.to(tl.float32), scale)
     q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     bits = q.to(tl.int32, bitcast=True)
     # The grid's spacing at |q|: 2^(exponent - MANT), at least the subnormals' 2^(MIN_EXP - MANT);
@@ -118,3 +128,55 @@ def fp8_cast(x, scale, dtype: tl.constexpr):
         q = tl.clamp(divide_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         return q.to(dtype)
     return fp8_grid(x, scale, dtype).to(dtype)
+
+
+# ---- torchao's rule (scale_rule="torchao"): a multiplier, not a divisor ----
+
+_AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-12)  # torchao's floor on amax (its EPS)
+
+
+@triton.jit
+def fp8_multiplier(amax, dtype: tl.constexpr, POW2: tl.constexpr = False):
+    """torchao's scale of blocks with maximum magnitude ``amax``: the multiplier
+    FP8_MAX / max(amax, 1e-12), correctly rounded to fp32; POW2 rounds it down to a power of
+    two (the exponent bits: exact). The dequantisation scale is its reciprocal."""
+    FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
+    mult = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), tl.maximum(amax, _AMAX_FLOOR))
+    if POW2:
+        mult = (mult.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return mult
+
+
+@triton.jit
+def fp8_cast_mul(x, mult, dtype: tl.constexpr):
+    """fp8(x * mult) in ``dtype``, torchao's cast: the fp32 product, clamped, rounded to
+    nearest even (the hardware's cast on a GPU, ``fp8_round`` under the interpreter)."""
+    q = x.to(tl.float32) * mult
+    if HW_CAST:
+        FP8_MAX: tl.constexpr = fp8_format(dtype)[0]
+        return tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(dtype)
+    return fp8_round(q, dtype).to(dtype)
+
+
+@triton.jit
+def fp8_scales(amax, dtype: tl.constexpr, POW2: tl.constexpr, TORCHAO: tl.constexpr):
+    """(scale, factor) of blocks with maximum magnitude ``amax`` under either rule: the
+    dequantisation scale to store and what ``fp8_apply`` takes (the scale itself, or
+    torchao's multiplier, whose reciprocal the scale then is)."""
+    if TORCHAO:
+        factor = fp8_multiplier(amax, dtype, POW2)
+        scale = tl.math.div_rn(tl.full(factor.shape, 1.0, tl.float32), factor)
+    else:
+        scale = fp8_scale(amax, dtype, POW2)
+        factor = scale
+    return scale, factor
+
+
+@triton.jit
+def fp8_apply(x, factor, dtype: tl.constexpr, TORCHAO: tl.constexpr):
+    """x in fp8 under either rule, ``factor`` from ``fp8_scales``."""
+    if TORCHAO:
+        q = fp8_cast_mul(x, factor, dtype)
+    else:
+        q = fp8_cast(x, factor, dtype)
+    return q

@@ -219,7 +219,7 @@ def _x_quantizer(x, dtype):
         return quantize_launch(x, ROW_BLOCKS, dtype, False)
 
     def torch_quantize(x, q, scale):  # the quantiser's torch path (blockscaled/quantize.py: the interpreter's fp8 cast of NaN)
-        for part, value in zip((q, scale), QUANTIZE_FP8(x, (1, SCALE_BLOCK), dtype, False, False, False)):
+        for part, value in zip((q, scale), QUANTIZE_FP8(x, (1, SCALE_BLOCK), dtype, False, False, False, "onegemm")):
             part.copy_(value)
 
     return Step(torch_quantize)

@@ -49,7 +49,7 @@ def quantize_experts_pair(w):
     q_t [C, E * R], from one registered quantiser call. ``stacked`` and ``side_by_side`` turn
     them into the forward's and the backward's Experts."""
     E, R, C = w.shape
-    q, s, q_t, _ = QUANTIZE_T_OP(w.reshape(E * R, C), str(BLOCKS), E4M3, False, False)
+    q, s, q_t, _ = QUANTIZE_T_OP(w.reshape(E * R, C), str(BLOCKS), E4M3, False, False, "onegemm")
     return q, s, q_t
 
 
@@ -85,7 +85,7 @@ def fp8_expert_gemm(a, a_scale, experts: Experts, c, offs, scatter=None, weight=
 
 def _quantize_rows(t):
     """quantize_fp8(t) in 1x128 blocks: (q, scales [rows, ceil(cols/128)])."""
-    q, s = QUANTIZE_OP(t, str(ROW_BLOCKS), E4M3, False, False)
+    q, s = QUANTIZE_OP(t, str(ROW_BLOCKS), E4M3, False, False, "onegemm")
     return q, s.t()
 
 

@@ -680,11 +680,18 @@ def _opcheck_moe_fp8(d):
 
 
 def _opcheck_fp8_backward(d):
-    """fp8_linear_backward's inputs as the training forward leaves them: dy [17, 9]; W.t() in fp8 with W's
-    128x128 scale; x.t() quantised 1x128 along the tokens."""
-    _, s_w, q_wt, _ = torch.ops.onegemm.quantize_fp8_transposed(_r(9, 24, d=d), "128x128", torch.float8_e4m3fn, False, False)
-    _, _, q_xt, s_xt = torch.ops.onegemm.quantize_fp8_transposed(_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False)
-    return _r(17, 9, d=d), q_wt, s_w, q_xt, s_xt, torch.float32
+    """fp8_linear_backward's inputs as the blockwise training forward leaves them: dy [17, 9];
+    W.t() in fp8 with its 128x128 scale; x.t() quantised 1x128 along the tokens."""
+    _, _, q_wt, s_wt = torch.ops.onegemm.quantize_fp8_transposed(_r(9, 24, d=d), "128x128", torch.float8_e4m3fn, False,
+                                                                 False, "onegemm")
+    _, _, q_xt, s_xt = torch.ops.onegemm.quantize_fp8_transposed(_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False,
+                                                                 False, "onegemm")
+    return _r(17, 9, d=d), q_wt, s_wt, q_xt, s_xt, torch.float32, "blockwise"
+
+
+# The training forward's registered op of each recipe (blockscaled/recipes.py)
+FP8_TRAIN_OPS = [getattr(torch.ops.onegemm, f"fp8_linear_train_{recipe}").default
+                 for recipe in ("blockwise", "tensorwise", "rowwise", "rowwise_with_gw_hp")]
 
 
 def _opcheck_moe_fp8_train(d, grad=True):
@@ -708,16 +715,22 @@ OPCHECK_CASES = [
     pytest.param(torch.ops.onegemm.moe_ffn_train.default, _opcheck_moe, id="moe_ffn_train"),
     pytest.param(torch.ops.onegemm.moe_ffn_backward.default,
                  lambda d: (_r(5, 16, d=d), *_opcheck_moe(d, grad=False)[:5], None), id="moe_ffn_backward"),
-    pytest.param(torch.ops.onegemm.quantize_fp8.default, lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False),
-                 id="quantize_fp8"),
+    pytest.param(torch.ops.onegemm.quantize_fp8.default,
+                 lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False, "onegemm"), id="quantize_fp8"),
+    pytest.param(torch.ops.onegemm.quantize_fp8.default,
+                 lambda d: (_r(17, 24, d=d), "row", torch.float8_e4m3fn, True, False, "torchao"), id="quantize_fp8-torchao"),
     pytest.param(torch.ops.onegemm.blockscaled_mm.default, _opcheck_blockscaled, id="blockscaled_mm"),
     pytest.param(torch.ops.onegemm.fp8_linear.default, lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(9, 24, d=d)), None, None),
                  id="fp8_linear"),
-    pytest.param(torch.ops.onegemm.fp8_linear_train.default,
-                 lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(9, 24, d=d)), leaf(_r(9, d=d))), id="fp8_linear_train"),
+    *(pytest.param(op, lambda d: (leaf(_r(17, 24, d=d)), leaf(_r(9, 24, d=d)), leaf(_r(9, d=d)), True),
+                   id=op.name().split("::")[1]) for op in FP8_TRAIN_OPS),
     pytest.param(torch.ops.onegemm.fp8_linear_backward.default, _opcheck_fp8_backward, id="fp8_linear_backward"),
     pytest.param(torch.ops.onegemm.quantize_fp8_transposed.default,
-                 lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False), id="quantize_fp8_transposed"),
+                 lambda d: (_r(17, 24, d=d), "1x128", torch.float8_e4m3fn, False, False, "onegemm"),
+                 id="quantize_fp8_transposed"),
+    pytest.param(torch.ops.onegemm.quantize_fp8_transposed.default,
+                 lambda d: (_r(17, 24, d=d), "row", torch.float8_e4m3fn, False, False, "torchao"),
+                 id="quantize_fp8_transposed-row"),
     pytest.param(torch.ops.onegemm.moe_ffn_fp8.default, _opcheck_moe_fp8, id="moe_ffn_fp8"),
     pytest.param(torch.ops.onegemm.moe_ffn_fp8_train.default, _opcheck_moe_fp8_train, id="moe_ffn_fp8_train"),
     pytest.param(torch.ops.onegemm.moe_ffn_fp8_train_backward.default, _opcheck_moe_fp8_train_backward,
@@ -737,7 +750,7 @@ def test_opcheck(op, args, device):
         # test_schema multiplies the inputs to check they are not mutated, and torch has no
         # float8 multiply (CPU or CUDA): the fp8 op is checked on the other three.
         utils = ALL_OPCHECKS[1:]
-    if op in (torch.ops.onegemm.fp8_linear_train.default, torch.ops.onegemm.moe_ffn_fp8_train.default):
+    if op in (*FP8_TRAIN_OPS, torch.ops.onegemm.moe_ffn_fp8_train.default):
         # test_aot_dispatch_dynamic sums every output into its loss, fp8 ones included, and torch
         # has no float8 sum; test_compile_trains_fp8_linear_like_eager and
         # test_compile_trains_moe_fp8_like_eager trace their autograd instead.

@@ -127,16 +127,18 @@ def make_input(shape, device, layout="contig", dtype=torch.float32, spread=True)
 
 
 QUANT_SHAPES = [(1, 1), (17, 300), (300, 127), (129, 257)]
+SCALE_RULES = ["onegemm", "torchao"]
 
 
 @pytest.mark.parametrize("shape", QUANT_SHAPES, ids=str)
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("pow2_scale", [False, True])
-def test_quantize_matches_reference(shape, block, dtype, pow2_scale, device):
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_quantize_matches_reference(shape, block, dtype, pow2_scale, scale_rule, device):
     x = make_input(shape, device)
-    q, scale = onegemm.quantize_fp8(x, block, dtype=dtype, pow2_scale=pow2_scale)
-    q_ref, scale_ref = quantize_fp8_ref(x, block, dtype, pow2_scale)
+    q, scale = onegemm.quantize_fp8(x, block, dtype=dtype, pow2_scale=pow2_scale, scale_rule=scale_rule)
+    q_ref, scale_ref = quantize_fp8_ref(x, block, dtype, pow2_scale, scale_rule)
     assert q.dtype == dtype and q.shape == x.shape
     assert scale.dtype == torch.float32 and scale.shape == scale_ref.shape
     assert torch.equal(scale, scale_ref)
@@ -255,6 +257,7 @@ def test_quantize_empty(shape, block, scale_shape, device):
         (dict(block=(64, 64)), ValueError, "block must be one of"),
         (dict(block="col"), ValueError, "block must be one of"),
         (dict(dtype=torch.float16), TypeError, "dtype must be torch.float8"),
+        (dict(scale_rule="ocp"), ValueError, "scale_rule must be one of"),
     ],
 )
 def test_quantize_bad_args(kwargs, exc, match, device):
@@ -271,37 +274,44 @@ def test_quantize_bad_x(device):
 
 @pytest.mark.parametrize("block", [(1, 128), (128, 128), "row"], ids=str)
 @pytest.mark.parametrize("pow2_scale", [False, True])
-def test_quantize_kernel_matches_torch_path(block, pow2_scale, device):
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_quantize_kernel_matches_torch_path(block, pow2_scale, scale_rule, device):
     """The Triton kernel's scales and fp8 values equal the torch path's (the same fp32
     arithmetic) bit for bit on a sliced view, under the interpreter too: core/fp8.py's cast
     rounds finite values exactly there."""
     x = make_input((130, 300), device, "sliced")
-    q, scale = _quantize_triton(x, granularity(block), E4M3, pow2_scale)
-    q_ref, scale_ref = _quantize_torch(x, granularity(block), E4M3, pow2_scale)
+    torchao = scale_rule == "torchao"
+    q, scale = _quantize_triton(x, granularity(block), E4M3, pow2_scale, torchao=torchao)
+    q_ref, scale_ref = _quantize_torch(x, granularity(block), E4M3, pow2_scale, torchao)
     assert torch.equal(scale, scale_ref) and torch.equal(bits(q), bits(q_ref))
 
 
 TRANSPOSED_CASES = [((1, 128), (1, 1)), ((1, 128), (130, 300)), ((1, 128), (300, 129)), ((1, 128), (257, 17)),
-                    ((128, 128), (130, 300)), ((128, 128), (17, 129)), ((128, 128), (1, 1)), ((128, 128), (300, 1))]
+                    ((128, 128), (130, 300)), ((128, 128), (17, 129)), ((128, 128), (1, 1)), ((128, 128), (300, 1)),
+                    ("row", (130, 300)), ("row", (1, 17)), ("row", (257, 1)), ("tensor", (130, 300)), ("tensor", (17, 1))]
 
 
 @pytest.mark.parametrize("block,shape", TRANSPOSED_CASES, ids=str)
 @pytest.mark.parametrize("layout", ["contig", "sliced", "transposed"])
-def test_quantize_transposed_is_the_quantisation_of_the_transpose(block, shape, layout, device):
-    """quantize_fp8(x, transposed=True): one read of x gives x's quantisation and x.t()'s,
-    each bit for bit what quantize_fp8 gives for that tensor alone (the fused kernel's own
-    pass on every device, and the public call). 1x128 blocks of x.t() run along x's rows,
-    so rows of x spread over 1e-3..1e3 give x.t()'s blocks scales of their own."""
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_quantize_transposed_is_the_quantisation_of_the_transpose(block, shape, layout, scale_rule, device):
+    """quantize_fp8(x, transposed=True) gives x's quantisation and x.t()'s, each bit for bit
+    what quantize_fp8 gives for that tensor alone (the fused kernels' own passes on every
+    device, and the public call). 1x128 blocks of x.t() run along x's rows (one read of x),
+    so rows of x spread over 1e-3..1e3 give x.t()'s blocks scales of their own; row scales of
+    x.t() are x's columns'."""
     x = make_input(shape, device, layout)
     x[0, 0] = 0.0
-    gran = granularity(block)
-    q, s, q_t, s_t = _quantize_triton(x, gran, E4M3, False, transposed=True)
-    assert s_t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()  # two outputs, never one aliased
-    for got, want in [((q, s), _quantize_torch(x, gran, E4M3, False)), ((q_t, s_t), _quantize_torch(x.t(), gran, E4M3, False))]:
-        assert got[0].shape == want[0].shape and torch.equal(bits(got[0]), bits(want[0]))
-        assert torch.equal(got[1], want[1]) and layout_of(got[1]) == layout_of(want[1])
-    public = onegemm.quantize_fp8(x, block, transposed=True)
-    alone = (*onegemm.quantize_fp8(x, block), *onegemm.quantize_fp8(x.t(), block))
+    gran, torchao = granularity(block), scale_rule == "torchao"
+    if block != "tensor":  # "tensor" has no kernel of its own (its amax spans the grid)
+        q, s, q_t, s_t = _quantize_triton(x, gran, E4M3, False, transposed=True, torchao=torchao)
+        assert s_t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()  # two outputs, never one aliased
+        for got, want in [((q, s), _quantize_torch(x, gran, E4M3, False, torchao)),
+                          ((q_t, s_t), _quantize_torch(x.t(), gran, E4M3, False, torchao))]:
+            assert got[0].shape == want[0].shape and torch.equal(bits(got[0]), bits(want[0]))
+            assert torch.equal(got[1], want[1]) and layout_of(got[1]) == layout_of(want[1])
+    public = onegemm.quantize_fp8(x, block, transposed=True, scale_rule=scale_rule)
+    alone = (*onegemm.quantize_fp8(x, block, scale_rule=scale_rule), *onegemm.quantize_fp8(x.t(), block, scale_rule=scale_rule))
     assert len(public) == 4
     for got, want in zip(public, alone):
         assert got.shape == want.shape
@@ -317,10 +327,7 @@ def layout_of(t):
     return [st for n, st in zip(t.shape, t.stride()) if n > 1]
 
 
-def test_quantize_transposed_refuses_whole_row_scales(device):
-    for block in ["row", "tensor"]:
-        with pytest.raises(ValueError, match="transposed must be False for block 'row' or 'tensor'"):
-            onegemm.quantize_fp8(torch.randn(4, 8, device=device), block, transposed=True)
+def test_quantize_transposed_must_be_a_bool(device):
     with pytest.raises(TypeError, match="transposed must be a bool"):
         onegemm.quantize_fp8(torch.randn(4, 8, device=device), transposed=1)
 
@@ -605,12 +612,14 @@ def test_bad_input(match, kwargs, exc, device):
 @pytest.mark.parametrize("block", [(1, 128), (128, 128), "row"], ids=str)
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("pow2_scale", [False, True])
-def test_gpu_quantize_kernel_matches_torch(shape, block, dtype, pow2_scale, device):
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_gpu_quantize_kernel_matches_torch(shape, block, dtype, pow2_scale, scale_rule, device):
     """The fused kernel (autotuned) gives the torch path's fp8 bits and scales exactly."""
+    torchao = scale_rule == "torchao"
     for layout in ["contig", "transposed"]:
         x = make_input(shape, device, layout, dtype=torch.bfloat16)
-        q, scale = _quantize_triton(x, granularity(block), dtype, pow2_scale)
-        q_ref, scale_ref = _quantize_torch(x, granularity(block), dtype, pow2_scale)
+        q, scale = _quantize_triton(x, granularity(block), dtype, pow2_scale, torchao=torchao)
+        q_ref, scale_ref = _quantize_torch(x, granularity(block), dtype, pow2_scale, torchao)
         assert torch.equal(scale, scale_ref), layout
         mismatch = (bits(q) != bits(q_ref)).sum().item()
         assert mismatch == 0, f"{layout}: {mismatch} of {q.numel()} fp8 values differ"
