@@ -51,11 +51,11 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 @triton.jit
 def quantize_kernel(
-    x_ptr, q_ptr, s_ptr,
+    x_ptr, q_ptr, s_ptr, amax_ptr,
     M, K, cols_per_scale,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     POW2: tl.constexpr, ROWS_PER_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TORCHAO: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TORCHAO: tl.constexpr = False, AMAX_GIVEN: tl.constexpr = False,
 ):
     """q = fp8(x / scale) with one fp32 scale per ROWS_PER_SCALE x cols_per_scale block
     (TORCHAO: q = fp8(x * mult), scale = 1 / mult: core/fp8.py's two rules).
@@ -64,6 +64,9 @@ def quantize_kernel(
     s_ptr [ceil(M / ROWS_PER_SCALE), ceil(K / cols_per_scale)] fp32, any strides.
     ROWS_PER_SCALE: 1 (1x128 blocks, row-wise) or BLOCK_M (128x128 blocks).
     cols_per_scale: 128 for blocks, K for row-wise (the program then loops over the row).
+    AMAX_GIVEN (tensor-wise scales): amax_ptr holds the fp32 max |x| of the whole tensor (a
+    grid-wide reduction, made before the launch), s_ptr the one scale (strides 0); program
+    (0, 0) stores it. amax_ptr is unread otherwise.
     Grid: (cdiv(M, BLOCK_M), cdiv(K, cols_per_scale)); program (pm, pk) owns rows
     [pm*BLOCK_M, +BLOCK_M) and the pk-th column group. Two passes over the group: amax, then
     cast. The second pass re-reads x, which for a 128-column group is still in L1/L2.
@@ -78,17 +81,22 @@ def quantize_kernel(
     x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
 
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        cols = k0 + offs_k
-        mask = mask_m[:, None] & (cols < k_end)[None, :]
-        x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(amax_input(x), axis=1))
-    if ROWS_PER_SCALE > 1:
-        amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
+    if AMAX_GIVEN:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(amax_ptr)
+        amax = tl.where(amax == amax, amax, float("inf"))  # NaN counts as inf, as in amax_input
+        s_mask = mask_m & (rows == 0) & (pk == 0)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            cols = k0 + offs_k
+            mask = mask_m[:, None] & (cols < k_end)[None, :]
+            x = tl.load(x_row + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(amax_input(x), axis=1))
+        if ROWS_PER_SCALE > 1:
+            amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
+        # One store per scale: the first row of each ROWS_PER_SCALE group writes it.
+        s_mask = mask_m & (rows % ROWS_PER_SCALE == 0)
     scale, factor = fp8_scales(amax, q_ptr.dtype.element_ty, POW2, TORCHAO)
-    # One store per scale: the first row of each ROWS_PER_SCALE group writes it.
-    s_mask = mask_m & (rows % ROWS_PER_SCALE == 0)
     tl.store(s_ptr + (rows // ROWS_PER_SCALE).to(tl.int64) * stride_sm + pk * stride_sk, scale, mask=s_mask)
 
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -239,7 +247,17 @@ def _triton_quantizer(x: torch.Tensor, block: Granularity, dtype: torch.dtype, p
         return (empty_strided((M, K), (K, 1), dtype=dtype, device=device),
                 empty_strided(scale_shape, scale_stride, dtype=torch.float32, device=device))
 
-    return _allocating(outputs, quantize_launch(x, block, dtype, pow2_scale, torchao))
+    launch = quantize_launch(x, block, dtype, pow2_scale, torchao)
+    if block == TENSOR:
+        with_amax = launch
+        launch = lambda x, q, scale: with_amax(x, q, scale, tensor_amax(x))  # noqa: E731
+    return _allocating(outputs, launch)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the whole tensor in fp32, on x's device (one reduction read of x, no sync):
+    quantize_kernel's amax for tensor-wise scales (NaN stays NaN; the kernel counts it as inf)."""
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
 
 
 def _row_pair(x: torch.Tensor, direct, dtype: torch.dtype, pow2_scale: bool, torchao: bool):
@@ -272,21 +290,21 @@ def _allocating(outputs, launch):
 
 def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow2_scale: bool, torchao: bool = False,
                     q_row_stride: int | None = None) -> Launch:
-    """quantize_kernel's launch for x's signature (1x128, 128x128 or row scales): a
-    core/dispatch.py Launch whose builder takes (x, q, scale), q [M, K] with column stride 1
-    and row stride ``q_row_stride`` (default K) and scale as ``_scale_storage`` lays it out;
-    what a record that owns its outputs (Fp8Linear's workspace) launches. ``torchao``:
-    torchao's scale rule (core/fp8.py)."""
+    """quantize_kernel's launch for x's signature (1x128, 128x128, row or tensor scales): a
+    core/dispatch.py Launch whose builder takes (x, q, scale[, amax]), q [M, K] with column
+    stride 1 and row stride ``q_row_stride`` (default K), scale as ``_scale_storage`` lays it
+    out, and for tensor scales the fp32 max |x| (``tensor_amax``); what a record that owns its
+    outputs (Fp8Linear's workspace) launches. ``torchao``: torchao's scale rule (core/fp8.py)."""
     M, K = x.shape
     device = x.device
     cols_per_scale = K if block == ROW else SCALE_BLOCK
     rows_per_scale = SCALE_BLOCK if block == BLOCKS else 1
     scale0 = _scale_storage(block, M, K, device)
     q_row_stride = K if q_row_stride is None else q_row_stride
-    strides = (*x.stride(), q_row_stride, 1, *scale0.stride())
+    strides = (*x.stride(), q_row_stride, 1, *(scale0.stride() if block != TENSOR else (0, 0)))
 
-    def args(x, q, scale):
-        return (x, q, scale, M, K, cols_per_scale, *strides)
+    def args(x, q, scale, amax=None):
+        return (x, q, scale, scale if amax is None else amax, M, K, cols_per_scale, *strides)
 
     def grid(plan):
         return (cdiv(M, plan.meta["BLOCK_M"]), cdiv(K, cols_per_scale))
@@ -295,7 +313,8 @@ def quantize_launch(x: torch.Tensor, block: Granularity, dtype: torch.dtype, pow
         QUANTIZE.launch(plan, grid(plan), args(x, empty((M, q_row_stride), dtype=dtype, device=device), scale0))
 
     plan = QUANTIZE.plan_for(Request(
-        QuantKey(configs.m_bucket(M), K, block), dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale, TORCHAO=torchao),
+        QuantKey(configs.m_bucket(M), K, block),
+        dict(POW2=pow2_scale, ROWS_PER_SCALE=rows_per_scale, TORCHAO=torchao, AMAX_GIVEN=block == TENSOR),
         device, None, trial))
     return Launch(QUANTIZE, plan, grid(plan), args)
 
@@ -430,7 +449,8 @@ def quantize_fp8(x, block=(1, SCALE_BLOCK), *, dtype=torch.float8_e4m3fn, pow2_s
     so it dequantises to NaN (never to finite values); nothing is read back to the host, so
     the call can be captured in a CUDA graph. check_finite=True reads the scales back (a
     device sync) and raises ValueError for non-finite input instead.
-    On a GPU, a fused Triton kernel (amax + scale + cast); on CPU, the torch path.
+    On a GPU, a fused Triton kernel (amax + scale + cast; "tensor": torch's reduction for the
+    amax, then the kernel's cast); on CPU, the torch path.
     Traceable by torch.compile. Not differentiable: an x that requires grad is an error.
     """
     return QUANTIZE_FP8(x, block, dtype, pow2_scale, check_finite, transposed, scale_rule)
@@ -490,11 +510,9 @@ def _quantize_record(x, block: str, dtype, pow2_scale, check_finite, rule, *, tr
                 out += (q, _scale_view(ones, block).contiguous())
             return out
         return run
-    if INTERPRET or block == TENSOR:
-        # "tensor": the amax is a reduction over the whole tensor; fusing it with the cast would
-        # need a grid-wide sync, so torch's reduction + cast (correct on CUDA) do it. Under the
-        # interpreter the kernel gives these bits for finite x (tests/test_blockscaled.py), but
-        # its fp8 cast turns the NaN of a non-finite block into 384, a finite value.
+    if INTERPRET:
+        # Under the interpreter the kernels give these bits for finite x (tests/test_blockscaled.py),
+        # but their fp8 cast turns the NaN of a non-finite block into 384, a finite value.
         def quantize(x):
             out = _quantize_torch(x, block, dtype, pow2_scale, torchao)
             if not transposed:

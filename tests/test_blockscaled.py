@@ -218,13 +218,14 @@ def test_quantize_zero_and_tiny_blocks(block, pow2_scale, device):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
-def test_quantize_non_finite(bad, block, device):
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_quantize_non_finite(bad, block, scale_rule, device):
     """By default (no host sync) a block holding NaN or inf gets an inf scale, so it
     dequantises to NaN while the other blocks stay exact; check_finite=True raises."""
     x = make_input((40, 300), device)
     i, j = torch.randint(40, ()).item(), torch.randint(300, ()).item()
     x[i, j] = bad
-    q, scale = onegemm.quantize_fp8(x, block)
+    q, scale = onegemm.quantize_fp8(x, block, scale_rule=scale_rule)
     rows, cols = block_dims(block, 40, 300)
     deq = dequantize_ref(q, scale, rows, cols)
     hit = torch.zeros(40, 300, dtype=torch.bool, device=x.device)
@@ -272,7 +273,7 @@ def test_quantize_bad_x(device):
         onegemm.quantize_fp8(torch.ones(4, 8, dtype=torch.int32, device=device))
 
 
-@pytest.mark.parametrize("block", [(1, 128), (128, 128), "row"], ids=str)
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), "row", "tensor"], ids=str)
 @pytest.mark.parametrize("pow2_scale", [False, True])
 @pytest.mark.parametrize("scale_rule", SCALE_RULES)
 def test_quantize_kernel_matches_torch_path(block, pow2_scale, scale_rule, device):
@@ -303,13 +304,12 @@ def test_quantize_transposed_is_the_quantisation_of_the_transpose(block, shape, 
     x = make_input(shape, device, layout)
     x[0, 0] = 0.0
     gran, torchao = granularity(block), scale_rule == "torchao"
-    if block != "tensor":  # "tensor" has no kernel of its own (its amax spans the grid)
-        q, s, q_t, s_t = _quantize_triton(x, gran, E4M3, False, transposed=True, torchao=torchao)
-        assert s_t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()  # two outputs, never one aliased
-        for got, want in [((q, s), _quantize_torch(x, gran, E4M3, False, torchao)),
-                          ((q_t, s_t), _quantize_torch(x.t(), gran, E4M3, False, torchao))]:
-            assert got[0].shape == want[0].shape and torch.equal(bits(got[0]), bits(want[0]))
-            assert torch.equal(got[1], want[1]) and layout_of(got[1]) == layout_of(want[1])
+    q, s, q_t, s_t = _quantize_triton(x, gran, E4M3, False, transposed=True, torchao=torchao)
+    assert s_t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()  # two outputs, never one aliased
+    for got, want in [((q, s), _quantize_torch(x, gran, E4M3, False, torchao)),
+                      ((q_t, s_t), _quantize_torch(x.t(), gran, E4M3, False, torchao))]:
+        assert got[0].shape == want[0].shape and torch.equal(bits(got[0]), bits(want[0]))
+        assert torch.equal(got[1], want[1]) and layout_of(got[1]) == layout_of(want[1])
     public = onegemm.quantize_fp8(x, block, transposed=True, scale_rule=scale_rule)
     alone = (*onegemm.quantize_fp8(x, block, scale_rule=scale_rule), *onegemm.quantize_fp8(x.t(), block, scale_rule=scale_rule))
     assert len(public) == 4
@@ -609,7 +609,7 @@ def test_bad_input(match, kwargs, exc, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1), (333, 777), (4096, 7168), (16, 4096)], ids=str)
-@pytest.mark.parametrize("block", [(1, 128), (128, 128), "row"], ids=str)
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), "row", "tensor"], ids=str)
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("pow2_scale", [False, True])
 @pytest.mark.parametrize("scale_rule", SCALE_RULES)
