@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from . import checks
+from . import checks, triton_abi
 from .runtime import cdiv, next_pow2
 
 # ---------------------------------------------------------------------------- helpers
@@ -86,10 +86,32 @@ def label(c: triton.Config) -> str:
     return text
 
 
-def m_bucket(n: int, cap: int = 32768) -> int:
+_BUCKET_CAP = 32768
+
+
+def m_bucket(n: int, cap: int = _BUCKET_CAP) -> int:
     """A token-count dimension's key: its next power of two (capped). Decode and MoE calls see
     a new M on every step; tiles that suit M = 3000 suit 4096 too."""
     return min(next_pow2(int(n)), cap)
+
+
+def token_counts(max_tokens: int, multiples=(1,)) -> list[int]:
+    """Token counts that between them meet every compiled variant a call of 1 to
+    ``max_tokens`` tokens can: per ``m_bucket`` up to max_tokens' one, a count for each
+    combination of Triton's int classes (core/triton_abi.py: 1, a multiple of 16, other) of
+    t * m, m in ``multiples`` (the ints a call derives from t, such as t * top_k), taken from
+    the bucket's top down (32 counts meet every residue mod 16). What a warmup runs."""
+    counts, top = [], 1
+    while True:
+        seen = set()
+        for t in range(top, max(top // 2, top - 32), -1):
+            kind = tuple(triton_abi.int_class(t * m) for m in multiples)
+            if kind not in seen:
+                seen.add(kind)
+                counts.append(t)
+        if top >= max_tokens or top >= _BUCKET_CAP:
+            return sorted(counts)
+        top *= 2
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -54,7 +54,7 @@ NATIVE: bool = not INTERPRET and _version(triton.__version__) == SUPPORTED
 # and for the loop below (tests/test_launch.py checks it against Triton's own).
 INT_RULE = "(-1 if {x} == 1 else ({x} & 15 == 0) + (0 if -2147483648 <= {x} <= 2147483647 else 2))"
 PTR_RULE = "({p} & 15 == 0)"
-_int_class = eval(f"lambda x: {INT_RULE.format(x='x')}")  # noqa: S307 - the constant above
+int_class = eval(f"lambda x: {INT_RULE.format(x='x')}")  # noqa: S307 - the constant above
 
 
 def prepare(args) -> tuple:
@@ -66,7 +66,7 @@ def prepare(args) -> tuple:
     spec, raw = [], []
     for x in args:
         if x.__class__ is int:
-            spec.append(_int_class(x))
+            spec.append(int_class(x))
             raw.append(x)
         elif x is None:
             spec.append(None)

@@ -7,12 +7,14 @@ and every parameter has a gradient (bf16/fp32 experts). Loading from checkpoints
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..blockscaled.linear import register_fp8_training
-from ..core import checks
+from ..core import checks, configs
 from ..core.matmul import linear, matmul
 from ..core.scaling import weight_4bit
 from .moe import moe_ffn
@@ -166,6 +168,32 @@ class MoEFFN(nn.Module):
         if self.shared_w_down is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def warmup(self, max_tokens: int, *, threads: int = 4) -> list[int]:
+        """Compile every kernel the inference forward of 1 to ``max_tokens`` tokens can take,
+        so that no later call (a server's CUDA-graph capture at each batch size, a new token
+        count) waits for Triton: one forward under torch.inference_mode on zeros at each of
+        ``core.configs.token_counts(max_tokens, (1, top_k))`` (every token-count bucket of the
+        layer's tuned keys, and in each every kind of count Triton compiles apart), ``threads``
+        of them at a time (each compile's ptxas runs as a process of its own). Triton's on-disk
+        cache keeps the kernels for the next process. Returns the token counts run. Training
+        forwards (gradients recorded) compile at their first call."""
+        checks.check_int("max_tokens", max_tokens, 1)
+        checks.check_int("threads", threads, 1)
+        counts = configs.token_counts(max_tokens, (1, self.top_k))
+        H, dtype, device = self.gate_weight.shape[1], self.gate_weight.dtype, self.gate_weight.device
+
+        def forward(t):
+            with torch.inference_mode():
+                self(torch.zeros(t, H, dtype=dtype, device=device))
+
+        # the largest first: they compile the most, and the pool's last calls are short
+        with ThreadPoolExecutor(threads) as pool:
+            for done in [pool.submit(forward, t) for t in reversed(counts)]:
+                done.result()  # a call's error, raised here
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return counts
 
     def gpt_oss_experts(self, x, weights, ids):
         """gpt-oss's experts: y[t] = sum_j w[t, j] (W2_e a + b2_e), a = the clamped SwiGLU of

@@ -533,3 +533,84 @@ def test_gpu_deepseek_layer_cuda_graph_and_compile(device, monkeypatch):
         # Inductor fuses the shared expert's and the combine's elementwise bf16 ops: their
         # roundings, not the routing, may differ from eager's
         assert_close(compiled, layer(x).double(), 1e-2)
+
+
+# ---- warmup: every compiled variant before the first call ----
+
+
+@pytest.mark.parametrize("max_tokens,k", [(1, 1), (40, 2), (300, 8), (20000, 3), (70000, 8)])
+def test_token_counts_meet_every_variant(max_tokens, k):
+    """Each count from 1 to max_tokens shares its bucket and Triton's int classes (of t and
+    t * k) with one of token_counts' counts, which stay within max_tokens' bucket."""
+    from onegemm.core.configs import m_bucket, token_counts
+    from onegemm.core.triton_abi import int_class
+
+    def variant(t):
+        return m_bucket(t), int_class(t), int_class(t * k)
+
+    counts = token_counts(max_tokens, (1, k))
+    met = {variant(t) for t in counts}
+    assert max(counts) <= max(m_bucket(max_tokens), 1) and len(counts) == len(met)
+    missing = [t for t in range(1, max_tokens + 1) if variant(t) not in met]
+    assert not missing, missing[:10]
+
+
+def _plan_count():
+    from onegemm.core import launch
+
+    return sum(len(launcher._plans) for launcher in launch.launchers())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moeffn_warmup_leaves_no_plan_to_make(fp8, device):
+    """After warmup(max_tokens), a forward at any token count up to max_tokens finds its
+    kernels' plans made (none is added). (On the GPU: no compile either, test_gpu_moeffn_warmup.)"""
+    torch.manual_seed(0)
+    E, H, I, k = 4, 128, 128, 2
+    w13, w2 = torch.randn(E, 2 * I, H, device=device) / 10, torch.randn(E, H, I, device=device) / 10
+    gate = torch.randn(E, H, device=device)
+    if fp8:
+        q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+        layer = onegemm.MoEFFN(gate, q13, q2, top_k=k, w_gate_up_scale=s13, w_down_scale=s2)
+    else:
+        layer = onegemm.MoEFFN(gate, w13, w2, top_k=k)
+    assert layer.warmup(20, threads=3) == onegemm.core.configs.token_counts(20, (1, k))
+    before = _plan_count()
+    with torch.inference_mode():
+        for t in range(1, 21):
+            layer(torch.randn(t, H, device=device))
+    assert _plan_count() == before
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        layer.warmup(0)
+    with pytest.raises(TypeError, match="threads must be an int"):
+        layer.warmup(8, threads=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_moeffn_warmup_leaves_nothing_to_compile(fp8, device):
+    """After warmup(300), forwards at token counts it did not run miss Triton's in-memory
+    kernel cache nowhere (its jit_cache_hook sees every miss, the Gluon body's too)."""
+    import triton
+
+    torch.manual_seed(0)
+    E, H, I, k = 16, 512, 256, 4
+    w13, w2 = torch.randn(E, 2 * I, H, device=device) / 20, torch.randn(E, H, I, device=device) / 20
+    gate = torch.randn(E, H, device=device)
+    if fp8:
+        q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+        layer = onegemm.MoEFFN(gate.bfloat16(), q13, q2, top_k=k, w_gate_up_scale=s13, w_down_scale=s2)
+    else:
+        layer = onegemm.MoEFFN(gate.bfloat16(), w13.bfloat16(), w2.bfloat16(), top_k=k)
+    layer.warmup(300)
+    misses = []
+    hook = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: misses.append(kw["repr"][:120])
+    try:
+        with torch.inference_mode():
+            for t in (5, 6, 17, 33, 100, 129, 255, 299):
+                layer(torch.randn(t, H, device=device, dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = hook
+    assert not misses, misses
