@@ -555,6 +555,17 @@ def test_token_counts_meet_every_variant(max_tokens, k):
     assert not missing, missing[:10]
 
 
+def _warmup_layer(fp8, E, H, I, k, dtype, device):
+    """A random MoEFFN with 16/32-bit experts in ``dtype``, or FP8 ones (router in ``dtype``)."""
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * I, H, device=device) / 10, torch.randn(E, H, I, device=device) / 10
+    gate = torch.randn(E, H, device=device).to(dtype)
+    if fp8:
+        q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+        return onegemm.MoEFFN(gate, q13, q2, top_k=k, w_gate_up_scale=s13, w_down_scale=s2)
+    return onegemm.MoEFFN(gate, w13.to(dtype), w2.to(dtype), top_k=k)
+
+
 def _plan_count():
     from onegemm.core import launch
 
@@ -565,15 +576,8 @@ def _plan_count():
 def test_moeffn_warmup_leaves_no_plan_to_make(fp8, device):
     """After warmup(max_tokens), a forward at any token count up to max_tokens finds its
     kernels' plans made (none is added). (On the GPU: no compile either, test_gpu_moeffn_warmup.)"""
-    torch.manual_seed(0)
-    E, H, I, k = 4, 128, 128, 2
-    w13, w2 = torch.randn(E, 2 * I, H, device=device) / 10, torch.randn(E, H, I, device=device) / 10
-    gate = torch.randn(E, H, device=device)
-    if fp8:
-        q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
-        layer = onegemm.MoEFFN(gate, q13, q2, top_k=k, w_gate_up_scale=s13, w_down_scale=s2)
-    else:
-        layer = onegemm.MoEFFN(gate, w13, w2, top_k=k)
+    H, k = 128, 2
+    layer = _warmup_layer(fp8, 4, H, 128, k, torch.float32, device)
     assert layer.warmup(20, threads=3) == onegemm.core.configs.token_counts(20, (1, k))
     before = _plan_count()
     with torch.inference_mode():
@@ -593,15 +597,8 @@ def test_gpu_moeffn_warmup_leaves_nothing_to_compile(fp8, device):
     kernel cache nowhere (its jit_cache_hook sees every miss, the Gluon body's too)."""
     import triton
 
-    torch.manual_seed(0)
-    E, H, I, k = 16, 512, 256, 4
-    w13, w2 = torch.randn(E, 2 * I, H, device=device) / 20, torch.randn(E, H, I, device=device) / 20
-    gate = torch.randn(E, H, device=device)
-    if fp8:
-        q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
-        layer = onegemm.MoEFFN(gate.bfloat16(), q13, q2, top_k=k, w_gate_up_scale=s13, w_down_scale=s2)
-    else:
-        layer = onegemm.MoEFFN(gate.bfloat16(), w13.bfloat16(), w2.bfloat16(), top_k=k)
+    H = 512
+    layer = _warmup_layer(fp8, 16, H, 256, 4, torch.bfloat16, device)
     layer.warmup(300)
     misses = []
     hook = triton.knobs.runtime.jit_cache_hook
