@@ -459,16 +459,24 @@ def mxfp4_dequantize_ref(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Te
 def int4_dequantize_ref(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float64 [..., rows, K] of INT4 weights as compressed-tensors' symmetric pack-quantized
     format stores them: ``packed`` int32 [..., rows, K / 8] (value j of a word in bits 4j..4j+3
-    as value + 8) and ``scales`` [..., rows, K / group] (any float dtype), word by word."""
+    as value + 8) and ``scales`` [..., rows, K / group] (any float dtype), word by word.
+    Asymmetric groups: ``scales`` int32, each word an fp32 scale whose low byte holds the
+    group's zero point z (0..15); a value is then (code - z) * scale."""
     if packed.dtype != torch.int32 or packed.shape[:-1] != scales.shape[:-1] or \
             (packed.shape[-1] * 8) % max(scales.shape[-1], 1):
         raise ValueError(f"packed must be int32 [..., K / 8] and scales [..., K / group], got {packed.dtype} "
                          f"{tuple(packed.shape)} and {scales.dtype} {tuple(scales.shape)}")
     words = packed.long() & 0xFFFFFFFF
     shifts = torch.arange(0, 32, 4, device=packed.device)
-    values = ((words[..., None] >> shifts) & 0xF).double() - 8  # [..., K / 8, 8]
-    values = values.flatten(-2)
-    return (values.unflatten(-1, (scales.shape[-1], -1)) * scales.double()[..., None]).flatten(-2)
+    codes = ((words[..., None] >> shifts) & 0xF).double().flatten(-2)  # [..., K]
+    codes = codes.unflatten(-1, (scales.shape[-1], -1))
+    if scales.dtype == torch.int32:
+        bits = scales.long() & 0xFFFFFFFF
+        zero = (bits & 0xFF).double()
+        high = bits & 0xFFFFFF00
+        scales = torch.where(high >= 2**31, high - 2**32, high).to(torch.int32).view(torch.float32)
+        return ((codes - zero[..., None]) * scales.double()[..., None]).flatten(-2)
+    return ((codes - 8) * scales.double()[..., None]).flatten(-2)
 
 
 def mxfp4_quantize_ref(w: torch.Tensor, scale_rounding: str = "floor"):

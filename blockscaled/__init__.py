@@ -2,6 +2,7 @@
 
 from .linear import Fp8Linear, fp8_training
 from .matmul import blockscaled_matmul
-from .quantize import quantize_fp8, quantize_int4
+from .quantize import pack_int4_zeros, quantize_fp8, quantize_int4, unpack_int4_zeros
 
-__all__ = ["quantize_fp8", "quantize_int4", "blockscaled_matmul", "Fp8Linear", "fp8_training"]
+__all__ = ["quantize_fp8", "quantize_int4", "pack_int4_zeros", "unpack_int4_zeros", "blockscaled_matmul", "Fp8Linear",
+           "fp8_training"]

@@ -31,8 +31,8 @@ from ..core.dispatch import Cached, Launch, Op
 from ..core.fp8 import amax_input, fp8_apply, fp8_scales
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import (BLOCKS, INT4, INT4_MIN_GROUP, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW, ROW_BLOCKS, SCALE_BLOCK,
-                             TENSOR, Granularity)
+from ..core.scaling import (BLOCKS, INT4, INT4_MIN_GROUP, INT4_ZERO, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, ROW,
+                             ROW_BLOCKS, SCALE_BLOCK, TENSOR, Granularity)
 from .configs import QuantKey
 
 BLOCK_ARGS = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK), "row", "tensor")  # quantize_fp8's block values
@@ -602,34 +602,87 @@ def dequantize_mxfp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (table[codes].unflatten(-1, (-1, MXFP4_BLOCK)) * factor[..., None]).flatten(-2).to(dtype)
 
 
-def quantize_int4(w: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | None = None):
+def quantize_int4(w: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | None = None, *,
+                  zero_point: bool = False):
     """w [..., K] (fp32, bf16, fp16; K a multiple of ``group``, a power of two >= 32) -> INT4 as
     compressed-tensors' symmetric "pack-quantized" format stores it: (q int32 [..., K/8], scale
     [..., K/group] in ``scale_dtype``, default w's dtype). Each group's scale is amax / 7.5
     (the range -8..7 over 15 steps; an all-zero group 1), rounded to scale_dtype; each value
     round(w / scale) (half to even) clamped to -8..7, stored as value + 8, eight per int32
-    along K, the first in the lowest 4 bits. In torch, on any device."""
+    along K, the first in the lowest 4 bits. In torch, on any device.
+
+    zero_point=True: asymmetric groups, GPTQ's and AWQ's min-max rule: scale = (max - min) / 15
+    over the group's values and 0 (1 for a constant group), rounded to scale_dtype (bfloat16 or
+    float16); zero = round(-min / scale) in 0..15; code = round(w / scale) + zero clamped to
+    0..15, so w ~= (code - zero) * scale. The scale comes back with its zero point as
+    ``pack_int4_zeros`` packs them (int32 [..., K/group])."""
     checks.check_tensor("w", w, dtypes=checks.FLOAT_DTYPES, any_device=True)
     if group < INT4_MIN_GROUP or group & (group - 1):
         raise checks.bad_value("group", f"a power of two >= {INT4_MIN_GROUP}", group)
     if scale_dtype is not None and scale_dtype not in checks.FLOAT_DTYPES:
         raise checks.bad_dtype("scale_dtype", "None (w's dtype), float32, bfloat16 or float16", scale_dtype)
+    checks.check_bool("zero_point", zero_point)
     if w.dim() == 0 or w.shape[-1] % group:
         raise checks.bad_shape("w", f"[..., K] with K a multiple of group ({group})", w.shape)
     x = w.detach().float().unflatten(-1, (-1, group))
+    if zero_point:
+        scale_dtype = scale_dtype or w.dtype
+        if scale_dtype not in _ZERO_SCALE_DTYPES:
+            raise checks.bad_dtype("scale_dtype", "bfloat16 or float16 with zero_point=True (a zero point shares "
+                                   "the 16-bit scale's int32 word)", scale_dtype)
+        lo, hi = x.amin(dim=-1).clamp(max=0), x.amax(dim=-1).clamp(min=0)
+        scale = torch.where(hi > lo, (hi - lo) / 15, 1.0).to(scale_dtype)
+        zero = torch.round(-lo / scale.float()).clamp(0, 15)
+        codes = (torch.round(x / scale.float()[..., None]) + zero[..., None]).clamp(0, 15)
+        return _pack_codes(codes), pack_int4_zeros(scale, zero.to(torch.uint8))
     amax = x.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / 7.5, 1.0).to(scale_dtype or w.dtype)
-    codes = (torch.round(x / scale.float()[..., None]).clamp(-8, 7) + 8).to(torch.int32).flatten(-2)
-    shifts = torch.arange(0, 32, 4, device=w.device, dtype=torch.int32)
+    return _pack_codes(torch.round(x / scale.float()[..., None]).clamp(-8, 7) + 8), scale
+
+
+_ZERO_SCALE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [..., K / group, group] -> int32 [..., K / 8], eight per word along K, the
+    first in the lowest 4 bits."""
+    codes = codes.to(torch.int32).flatten(-2)
+    shifts = torch.arange(0, 32, 4, device=codes.device, dtype=torch.int32)
     packed = (codes.unflatten(-1, (-1, 8)) << shifts).sum(-1, dtype=torch.int64)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(INT4)  # the int32 bit pattern
-    return packed, scale
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(INT4)  # the int32 bit pattern
+
+
+def pack_int4_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Asymmetric INT4's scales and zero points as the kernels read them: int32 words of the
+    same shape, each the scale's fp32 bits (bfloat16 or float16 scales, whose fp32 form has
+    its low 13 bits zero) with the zero point (an integer 0..15, any dtype) in the low byte.
+    Lossless: ``unpack_int4_zeros`` gives both back. In torch, on any device."""
+    checks.check_tensor("scale", scale, dtypes=_ZERO_SCALE_DTYPES, any_device=True)
+    checks.check_tensor("zero", zero, any_device=True)
+    checks.check_shape("zero", zero, tuple(scale.shape), f"scale's shape {list(scale.shape)}")
+    if zero.is_floating_point() or bool(((zero < 0) | (zero > 15)).any()):  # one check per conversion
+        raise checks.bad_value("zero", "integers in 0..15", f"{zero.dtype} from {zero.min().item()} to "
+                               f"{zero.max().item()}" if zero.numel() else zero.dtype)
+    return scale.float().view(torch.int32) | zero.to(torch.int32)
+
+
+def unpack_int4_zeros(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_int4_zeros``' inverse: int32 words -> (scale float32, zero uint8); the scale's
+    16-bit dtype takes it back exactly."""
+    checks.check_tensor("scale_zero", scale_zero, dtypes=(INT4_ZERO,), any_device=True)
+    return (scale_zero & -256).view(torch.float32), (scale_zero & 0xFF).to(torch.uint8)
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """quantize_int4's inverse in torch: q int32 [..., K/8] and scale [..., K/group] ->
-    [..., K] in ``dtype``: (code - 8) * scale in fp32, rounded once to ``dtype``."""
-    codes = torch.stack([(q.view(torch.uint8) & 0xF), q.view(torch.uint8) >> 4], dim=-1).flatten(-2)
-    values = codes.float() - 8
-    group = values.shape[-1] // scale.shape[-1]
-    return (values.unflatten(-1, (-1, group)) * scale.float()[..., None]).flatten(-2).to(dtype)
+    [..., K] in ``dtype``: (code - 8) * scale in fp32, rounded once to ``dtype``; with int32
+    scales (``pack_int4_zeros``) (code - zero) * scale."""
+    codes = torch.stack([(q.view(torch.uint8) & 0xF), q.view(torch.uint8) >> 4], dim=-1).flatten(-2).float()
+    group = codes.shape[-1] // scale.shape[-1]
+    codes = codes.unflatten(-1, (-1, group))
+    if scale.dtype == INT4_ZERO:
+        scale, zero = unpack_int4_zeros(scale)
+        values = codes - zero.float()[..., None]
+    else:
+        values = codes - 8
+    return (values * scale.float()[..., None]).flatten(-2).to(dtype)

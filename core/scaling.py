@@ -31,6 +31,12 @@ MXFP4_BLOCK = 32
 # 16-bit or fp32 scale per group of G values along K, G a power of two from INT4_MIN_GROUP.
 INT4 = torch.int32
 INT4_MIN_GROUP = 32
+# Asymmetric INT4 (GPTQ / AWQ / compressed-tensors with zero points): a value is
+# (code - zero) * scale, code and zero in 0..15. Each group's 16-bit scale and its zero point
+# travel as one int32 word: the scale as fp32 (a 16-bit float's fp32 form leaves its low 13
+# bits zero) with the zero point in the low byte (blockscaled.pack_int4_zeros).
+INT4_ZERO = torch.int32
+INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, INT4_ZERO)  # the group scales' dtypes
 
 
 def weight_4bit(w: torch.Tensor) -> str:

@@ -487,7 +487,8 @@ def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: 
     its high one) and ``sb``, an Operand over the scales [K / GROUP, N] (one per GROUP K of a
     column). FORMAT "mxfp4": e2m1 values, e8m0 scales, exact (an e2m1 value times a power of
     two is a bf16 value; fp16: rounded once, as a conversion of it would be). "int4": nibble - 8
-    (exact in bf16) times the scale, rounded once to ``dtype``."""
+    (exact in bf16) times the scale, rounded once to ``dtype``; int32 scales carry a zero point
+    (core/scaling.py INT4_ZERO): (nibble - zero) times the scale, rounded once."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     BLOCK_K: tl.constexpr = 2 * packed.shape[1]
     # the K block's scale groups; a group longer than the block gives one sub-block
@@ -508,7 +509,11 @@ def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: 
     else:
         lo, hi = _int4_pairs(packed)
         values = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUPS, SUB))
-        if s.dtype == tl.bfloat16 and dtype == tl.bfloat16 and not _INTERPRET:
+        if s.dtype == tl.int32:  # a zero point in each scale word's low byte (core/scaling.py)
+            zero = ((s & 0xFF) - 8).to(tl.float32)
+            s = (s & -256).to(tl.float32, bitcast=True)
+            values = ((values.to(tl.float32) - zero[:, :, None]) * s[:, :, None])  # (code - zero) * scale, exact
+        elif s.dtype == tl.bfloat16 and dtype == tl.bfloat16 and not _INTERPRET:
             values = values * s[:, :, None]  # bf16 x bf16, rounded once: the fp32 product's rounding
         else:
             values = values.to(tl.float32) * s.to(tl.float32)[:, :, None]

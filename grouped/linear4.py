@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..core import checks
-from ..core.scaling import MXFP4_SCALE, weight_4bit
+from ..core.scaling import INT4_SCALE_DTYPES, MXFP4_SCALE, weight_4bit
 from .ops import grouped_matmul
 from .w4 import PER_ELEMENT
 
@@ -16,7 +16,8 @@ def linear_4bit(x, weight, weight_scale, bias=None, *, activation=None):
 
     x [..., K] bf16 / fp16; ``weight`` MXFP4 [N, K/2] (float4_e2m1fn_x2) with e8m0
     ``weight_scale`` [N, K/32], or INT4 [N, K/8] (int32, compressed-tensors' ``weight_packed``)
-    with float ``weight_scale`` [N, K/group]; bias [N]. One group of grouped_matmul's 4-bit
+    with float ``weight_scale`` [N, K/group] (int32 with zero points: blockscaled.pack_int4_zeros);
+    bias [N]. One group of grouped_matmul's 4-bit
     2D x 3D mode (its checks, errors and kernel). Output in x's dtype and x's leading dims.
     Differentiable in x and bias (the weight is frozen).
     """
@@ -35,7 +36,7 @@ def linear_4bit(x, weight, weight_scale, bias=None, *, activation=None):
         raise checks.bad_value("weight", "an INT4 weight with unit stride along K / 8 (as stored)",
                                f"strides {tuple(weight.stride())}")
     checks.check_tensor("weight_scale", weight_scale, ndim=2,
-                        dtypes=(MXFP4_SCALE,) if fmt == "mxfp4" else checks.FLOAT_DTYPES)
+                        dtypes=(MXFP4_SCALE,) if fmt == "mxfp4" else INT4_SCALE_DTYPES)
     if weight_scale.shape[0] != N:
         raise checks.bad_shape("weight_scale", f"[{N}, K / group] (one row per output feature)", weight_scale.shape)
     checks.check_bias(bias, (N,))

@@ -115,9 +115,10 @@ def parse_layer(keys: LayerKeys, experts=None, gptq_format=None) -> dict:
     """The tensors of one MoE block -> MoEFFN's tensor arguments (CPU). ``experts``: None
     (all) or a callable E -> range: only those experts are kept (expert parallelism; the
     per-expert layout reads only theirs, a fused tensor is read whole and sliced); the other
-    experts' keys still count as accounted for. ``gptq_format``: how GPTQ experts' zero points
-    are stored, the config's checkpoint_format ("gptq" or "gptq_v2"), None without a config
-    (read as "gptq", the default), "" when the config is not GPTQ (GPTQ experts refused)."""
+    experts' keys still count as accounted for. ``gptq_format``: how GPTQ experts are stored,
+    the config's GptqStorage (checkpoint_format "gptq" or "gptq_v2", and sym), None without a
+    config (read as symmetric "gptq", the default), "" when the config is not GPTQ (GPTQ
+    experts refused)."""
     has_gate, has_router = keys.has("gate.weight"), keys.has("router.weight")
     if has_gate and has_router:
         raise keys.fail("router.weight", f"and {keys.prefix + 'gate.weight'!r} are both routers")
@@ -490,8 +491,8 @@ def _index(folder: Path) -> dict:
 
 def _family(cfg: dict, config_path):
     """config.json's (text) config and model_type, checked: an MoE family MoEFFN reads, SwiGLU
-    experts, FP8 with 128x128 blocks, compressed-tensors' pack-quantized INT4 or symmetric 4-bit
-    GPTQ if quantised."""
+    experts, FP8 with 128x128 blocks, compressed-tensors' pack-quantized INT4 or 4-bit GPTQ if
+    quantised."""
     model_type = cfg.get("model_type")
     if model_type == "llama4":  # the multimodal checkpoint: the text model's config is nested
         cfg, model_type = cfg.get("text_config") or {}, "llama4_text"
@@ -509,7 +510,7 @@ def _family(cfg: dict, config_path):
     elif quant and not mxfp4 and (quant.get("quant_method") != "fp8" or list(
             quant.get("weight_block_size") or [SCALE_BLOCK, SCALE_BLOCK]) != [SCALE_BLOCK, SCALE_BLOCK]):
         raise checks.in_file(config_path, f"quantization_config {quant}: only FP8 with 128x128 weight blocks "
-                                          "(weight_scale_inv), compressed-tensors' pack-quantized INT4, symmetric "
+                                          "(weight_scale_inv), compressed-tensors' pack-quantized INT4, "
                                           "4-bit GPTQ and gpt-oss's MXFP4 experts are read")
     return cfg, model_type
 

@@ -14,7 +14,7 @@ from ..core import checks
 from ..core.dispatch import Launch, Step, Workspace
 from ..core.launch import Launcher, Request
 from ..core.runtime import cdiv, next_pow2
-from ..core.scaling import INT4_MIN_GROUP, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK, weight_4bit
+from ..core.scaling import INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK, weight_4bit
 from ..core.tiles import Routing
 from .configs import SORT_MAX_PAIRS, SortKey
 from .kernels import NO_GROUPED_SCALES, sort_by_expert_kernel
@@ -98,8 +98,9 @@ def check_w4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H: int) -
     """4-bit experts (weight-only; core/scaling.py): w_gate_up [E, 2I, H/p] and w_down
     [E, H, I/p] (E >= 1) in one format, MXFP4 (float4_e2m1fn_x2, p = 2; H and I multiples of
     32) with e8m0 block scales [E, 2I, H/32] and [E, H, I/32], or INT4 (int32, p = 8, unit
-    stride along the packed dimension) with float group scales [E, 2I, H/g1] and [E, H, I/g2],
-    each group a power of two >= 32. Returns (format, g1, g2)."""
+    stride along the packed dimension) with float group scales [E, 2I, H/g1] and [E, H, I/g2]
+    (int32: with zero points, blockscaled.pack_int4_zeros), each group a power of two >= 32.
+    Returns (format, g1, g2)."""
     fmt = weight_4bit(w_gate_up)
     dtype, name = w_gate_up.dtype, fmt.upper()
     for arg, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
@@ -127,7 +128,7 @@ def check_w4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H: int) -
             continue
         if t is None:
             raise checks.bad_value(arg, f"the group scales [E, {rows}, {K}/group] of the INT4 experts", None)
-        checks.check_tensor(arg, t, ndim=3, dtypes=checks.FLOAT_DTYPES)
+        checks.check_tensor(arg, t, ndim=3, dtypes=INT4_SCALE_DTYPES)
         g = K // t.shape[2] if t.shape[2] and K % t.shape[2] == 0 else 0
         if g < INT4_MIN_GROUP or g & (g - 1) or t.shape[:2] != (E, rows):
             raise checks.bad_shape(arg, f"[E, {rows}, {K}/group] with the group a power of two >= {INT4_MIN_GROUP}",

@@ -2,7 +2,8 @@
 
 b [G, K/2, N] of torch.float4_e2m1fn_x2 with e8m0 ``scale_b`` [G, K/32, N] (MXFP4, gpt-oss),
 or b [G, K/8, N] of torch.int32 with 16-bit / fp32 ``scale_b`` [G, K/group, N] (INT4,
-compressed-tensors' symmetric pack-quantized): the transpose(1, 2) of the weights as stored,
+compressed-tensors' symmetric pack-quantized; int32 scale words with zero points for
+asymmetric groups, core/scaling.py INT4_ZERO): the transpose(1, 2) of the weights as stored,
 [G, N, K/2] or [G, N, K/8]. The kernels read either as bytes, two values each along K.
 """
 
@@ -13,7 +14,7 @@ import torch
 from ..blockscaled.quantize import dequantize_int4, dequantize_mxfp4
 from ..core import checks
 from ..core.runtime import INTERPRET
-from ..core.scaling import INT4, INT4_MIN_GROUP, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, weight_4bit
+from ..core.scaling import INT4, INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, weight_4bit
 from ..core.tma import no_tma, tma_hardware
 from .kernels import grouped_scales
 
@@ -52,7 +53,7 @@ def check_w4_operands(a, b, scale_a, scale_b) -> str:
     else:
         if scale_b is None:
             raise checks.bad_value("scale_b", "b's group scales [G, K / group, N] with an INT4 b", None)
-        checks.check_tensor("scale_b", scale_b, ndim=3, dtypes=checks.FLOAT_DTYPES)
+        checks.check_tensor("scale_b", scale_b, ndim=3, dtypes=INT4_SCALE_DTYPES)
         if b.stride(1) != 1:
             raise checks.bad_value("b", "an INT4 b [G, K / 8, N] with unit stride along K / 8 (the transpose(1, 2) "
                                    "of the weights as stored, [G, N, K / 8])", f"strides {tuple(b.stride())}")

@@ -29,14 +29,21 @@ def _pack_along_out(z):
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _gptq(w, group, fmt):
+def _gptq(w, group, fmt, sym=True):
     """One Linear's weight [out, in] as GPTQ stores it (from quantize_int4's packed words and
-    scales), and those (packed [out, in/8], scale [out, in/group] in fp16)."""
-    q, s = quantize_int4(w, group)
-    s = s.half()
+    scales), and those (packed [out, in/8], scale [out, in/group] in fp16; not ``sym``: the
+    asymmetric rule's, int32 scale words with their zero points, stored as zero - 1 by v1)."""
     out, cols = w.shape
-    zeros = torch.full((cols // group, out), STORED_ZERO[fmt])
-    return dict(qweight=q.t().contiguous(), qzeros=_pack_along_out(zeros), scales=s.t().contiguous(),
+    if sym:
+        q, s = quantize_int4(w, group)
+        s, scale = s.half(), s.half()
+        zeros = torch.full((cols // group, out), STORED_ZERO[fmt])
+    else:
+        q, s = quantize_int4(w + w.std(), group, torch.float16, zero_point=True)
+        scale, zero = onegemm.unpack_int4_zeros(s)
+        scale = scale.half()
+        zeros = ((zero.long() - int(fmt == "gptq")) & 0xF).t()
+    return dict(qweight=q.t().contiguous(), qzeros=_pack_along_out(zeros), scales=scale.t().contiguous(),
                 g_idx=torch.arange(cols, dtype=torch.int32) // group), (q, s)
 
 
@@ -64,7 +71,7 @@ def _config(model_type, E, quant):
     return dict(common, num_local_experts=E)
 
 
-def _gptq_layer(model_type="qwen3_moe", E=4, H=64, I=64, group=32, fmt="gptq", dtype=torch.bfloat16):
+def _gptq_layer(model_type="qwen3_moe", E=4, H=64, I=64, group=32, fmt="gptq", dtype=torch.bfloat16, sym=True):
     """The MoE block's tensors as a GPTQ checkpoint stores them (a ``dtype`` router, per expert
     and projection qweight, qzeros, scales, g_idx); the experts as quantize_int4 made them
     (packed [E, 2I, H/8], [E, H, I/8]; scales) and decoded (float64 [E, 2I, H], [E, H, I])."""
@@ -73,7 +80,7 @@ def _gptq_layer(model_type="qwen3_moe", E=4, H=64, I=64, group=32, fmt="gptq", d
     q13, q2, s13, s2 = [], [], [], []
     for e in range(E):
         for name, shape, q, s in zip(NAMES[model_type], ((I, H), (I, H), (H, I)), (q13, q13, q2), (s13, s13, s2)):
-            tensors, (packed, scale) = _gptq((torch.randn(*shape) * shape[1]**-0.5).to(dtype), group, fmt)
+            tensors, (packed, scale) = _gptq((torch.randn(*shape) * shape[1]**-0.5).to(dtype), group, fmt, sym)
             t.update({f"{P}experts.{e}.{name}.{k}": v for k, v in tensors.items()})
             q.append(packed)
             s.append(scale)
@@ -91,29 +98,31 @@ def _folder(tmp_path, config, t):
     return tmp_path
 
 
-CASES = [("qwen3_moe", 32, "gptq", torch.bfloat16), ("qwen3_moe", 128, "gptq_v2", torch.bfloat16),
-         ("mixtral", 128, None, torch.float16), ("mixtral", 32, "gptq_v2", torch.float16)]
+CASES = [("qwen3_moe", 32, "gptq", torch.bfloat16, True), ("qwen3_moe", 128, "gptq_v2", torch.bfloat16, True),
+         ("mixtral", 128, None, torch.float16, True), ("mixtral", 32, "gptq_v2", torch.float16, True),
+         ("qwen3_moe", 64, "gptq", torch.bfloat16, False), ("mixtral", 32, "gptq_v2", torch.float16, False)]
 
 
-@pytest.mark.parametrize("model_type,group,fmt,dtype", CASES, ids=[f"{c[0]}-g{c[1]}-{c[2] or 'thebloke'}"
-                                                                  for c in CASES])
-def test_gptq_experts_load_as_int4(model_type, group, fmt, dtype, tmp_path, device):
+@pytest.mark.parametrize("model_type,group,fmt,dtype,sym", CASES,
+                         ids=[f"{c[0]}-g{c[1]}-{c[2] or 'thebloke'}{'' if c[4] else '-asymmetric'}" for c in CASES])
+def test_gptq_experts_load_as_int4(model_type, group, fmt, dtype, sym, tmp_path, device):
     """A Qwen3-MoE (GPTQModel's config) or Mixtral (TheBloke's AutoGPTQ config, v1 without a
     checkpoint_format, or gptq_v2) folder: the experts are quantize_int4's words and scales bit
-    for bit (the conversion is a transpose), the same through from_state_dict (and, for v1,
-    from_safetensors), and the layer's output is its twin's on the decoded experts (float64
-    reference; rows whose routing differs by a near tie are left out)."""
+    for bit (the conversion is a transpose; sym = false: the fp16 scales with the zero points,
+    v1's stored zero - 1, as pack_int4_zeros packs them), the same through from_state_dict
+    (and, for symmetric v1, from_safetensors), and the layer's output is its twin's on the
+    decoded experts (float64 reference; rows whose routing differs by a near tie are left out)."""
     E, H, I = 4, 2 * group, group
     P = PREFIX[model_type]
-    t, (q13, q2, s13, s2), (w13, w2) = _gptq_layer(model_type, E, H, I, group, fmt or "gptq", dtype)
-    config = _config(model_type, E, _thebloke_quant(group) if fmt is None else _quant(group, fmt))
+    t, (q13, q2, s13, s2), (w13, w2) = _gptq_layer(model_type, E, H, I, group, fmt or "gptq", dtype, sym)
+    config = _config(model_type, E, _thebloke_quant(group) if fmt is None else _quant(group, fmt, sym=sym))
     layer = onegemm.MoEFFN.from_pretrained(_folder(tmp_path, config, t), layer=1, device=device)
     assert layer.w_gate_up.dtype == torch.int32 and torch.equal(layer.w_gate_up.cpu(), q13)
     assert layer.w_down.dtype == torch.int32 and torch.equal(layer.w_down.cpu(), q2)
-    assert layer.w_gate_up_scale.dtype == torch.float16 and torch.equal(layer.w_gate_up_scale.cpu(), s13)
+    assert layer.w_gate_up_scale.dtype == s13.dtype and torch.equal(layer.w_gate_up_scale.cpu(), s13)
     assert torch.equal(layer.w_down_scale.cpu(), s2) and layer.w_gate_up.is_contiguous()
     others = [onegemm.MoEFFN.from_state_dict(t, config, prefix=P, device=device)]
-    if fmt != "gptq_v2":  # a file alone is read as checkpoint_format "gptq"
+    if fmt != "gptq_v2" and sym:  # a file alone is read as checkpoint_format "gptq", symmetric
         others.append(onegemm.MoEFFN.from_safetensors(tmp_path / "model.safetensors", prefix=P, top_k=2,
                                                       device=device, **layer.routing))
     for other in others:
@@ -178,7 +187,8 @@ def _g_idx_swapped(t):
 BAD_TENSORS = [
     ("asymmetric zero points", _zero_differs,
      "'model.layers.1.mlp.experts.1.down_proj.qzeros' is not symmetric: word \\[1, 1\\] is 0x77877777, expected "
-     "0x77777777 everywhere \\(every zero point 8, stored as 7 by checkpoint_format 'gptq'.*\\): only symmetric"),
+     "0x77777777 everywhere \\(every zero point 8, stored as 7 by checkpoint_format 'gptq'.*\\), as the config's "
+     "sym = true says"),
     ("activation-ordered groups", _g_idx_swapped,
      "'model.layers.1.mlp.experts.2.up_proj.g_idx' puts input 3 in group 1, not 3 // 32 = 0: activation-ordered "
      "groups \\(desc_act\\)"),
@@ -239,7 +249,6 @@ def test_gptq_layer_refuses_what_it_cannot_account_for(name, corrupt, match, tmp
 
 CONFIG = "config.json: quantization_config"
 BAD_CONFIGS = [
-    ("asymmetric", dict(sym=False), f"{CONFIG}.sym = False: only True is read"),
     ("8 bits", dict(bits=8), f"{CONFIG}.bits = 8: only 4 is read"),
     ("no bits", dict(bits=DROP), f"{CONFIG}.bits = None: only 4 is read"),
     ("activation order", dict(desc_act=True), f"{CONFIG}.desc_act = True: only False is read"),
@@ -289,7 +298,8 @@ def test_gptq_experts_need_a_gptq_config(tmp_path):
         onegemm.MoEFFN.from_pretrained(folder, layer=1)
     (folder / "config.json").write_text(json.dumps(_config("qwen3_moe", 4, _quant(64))))
     with pytest.raises(ValueError, match="the gate_proj / up_proj scales of 'model.layers.1.mlp.' give groups of 32 "
-                                         "values, but config.json's quantization_config has group_size \\[64\\]"):
+                                         "values, symmetric, but config.json's quantization_config has "
+                                         "group_size 64 symmetric"):
         onegemm.MoEFFN.from_pretrained(folder, layer=1)
     (folder / "config.json").write_text(json.dumps(_config("qwen3_moe", 4, _quant(32, "gptq_v2"))))
     with pytest.raises(ValueError, match="qzeros' is not symmetric: word \\[0, 0\\] is 0x77777777, expected "

@@ -45,6 +45,44 @@ def test_quantize_int4_is_the_symmetric_rule(group, device):
     assert (int4_dequantize_ref(q, s)[0, 0, :group] == 0).all() and s[0, 0, 0] == 1
 
 
+@pytest.mark.parametrize("group,scale_dtype", [(32, torch.bfloat16), (128, torch.float16)])
+def test_quantize_int4_zero_points_are_the_min_max_rule(group, scale_dtype, device):
+    """zero_point=True (GPTQ's and AWQ's rule): scale = (max - min) / 15 of the group and 0,
+    rounded to the scale dtype; zero = round(-min / scale); codes round(w / scale) + zero in
+    0..15; the int32 scale words keep both exactly; a constant zero group has scale 1, zero 0."""
+    w = (torch.randn(3, 5, 2 * group, device=device) * 0.02 + 0.01).to(torch.bfloat16)
+    w[0, 0, :group] = 0
+    q, sz = quantize_int4(w, group, scale_dtype, zero_point=True)
+    assert q.dtype == sz.dtype == torch.int32 and sz.shape == (3, 5, 2)
+    x = w.float().unflatten(-1, (2, group))
+    lo, hi = x.amin(-1).clamp(max=0), x.amax(-1).clamp(min=0)
+    scale = torch.where(hi > lo, (hi - lo) / 15, 1.0).to(scale_dtype)
+    zero = torch.round(-lo / scale.float()).clamp(0, 15)
+    s, z = onegemm.unpack_int4_zeros(sz)
+    assert torch.equal(s.to(scale_dtype), scale) and torch.equal(s, scale.float()) and torch.equal(z.float(), zero)
+    assert torch.equal(onegemm.pack_int4_zeros(scale, z), sz)
+    codes = (torch.round(x / scale.float()[..., None]) + zero[..., None]).clamp(0, 15)
+    want = ((codes - zero[..., None]).double() * scale.double()[..., None]).flatten(-2)
+    decoded = int4_dequantize_ref(q, sz)
+    assert torch.equal(decoded, want) and torch.equal(dequantize_int4(q, sz, torch.float32).double(), decoded)
+    assert s[0, 0, 0] == 1 and z[0, 0, 0] == 0 and (decoded[0, 0, :group] == 0).all()
+    # one-sided groups use all 16 codes where the symmetric rule uses 8: a smaller error
+    sym = int4_dequantize_ref(*quantize_int4(w, group, scale_dtype))
+    assert (decoded - w.double()).norm() < (sym - w.double()).norm()
+
+
+def test_pack_int4_zeros_refuses(device):
+    s = torch.rand(4, 2, device=device).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="scale must be"):
+        onegemm.pack_int4_zeros(s.float(), torch.zeros(4, 2, dtype=torch.uint8, device=device))
+    with pytest.raises(ValueError, match="zero must be integers in 0..15"):
+        onegemm.pack_int4_zeros(s, torch.full((4, 2), 16, device=device))
+    with pytest.raises(ValueError, match="zero must be"):
+        onegemm.pack_int4_zeros(s, torch.zeros(4, 3, dtype=torch.uint8, device=device))
+    with pytest.raises(TypeError, match="scale_dtype must be bfloat16 or float16 with zero_point=True"):
+        quantize_int4(torch.randn(4, 64, device=device), 32, torch.float32, zero_point=True)
+
+
 @pytest.mark.parametrize("quantize", [quantize_int4, quantize_mxfp4], ids=["int4", "mxfp4"])
 def test_quantizers_run_on_any_device(quantize):
     """The 4-bit quantisers are torch ops: checkpoints are written from CPU (here: meta) tensors
@@ -69,8 +107,13 @@ def test_quantize_int4_refuses(device):
 
 def _int4_experts(G, N, K, group, device, scale_dtype=torch.bfloat16):
     """Random experts [G, N, K] quantised to INT4 as stored ([G, N, K/8] int32, scales
-    [G, N, K/group]), handed to grouped_matmul transposed; and their float64 decode [G, K, N]."""
-    q, s = quantize_int4(torch.randn(G, N, K, device=device) * K**-0.5, group, scale_dtype)
+    [G, N, K/group]), handed to grouped_matmul transposed; and their float64 decode [G, K, N].
+    scale_dtype "zero": asymmetric groups (bf16 scales with zero points, int32 words)."""
+    w = torch.randn(G, N, K, device=device) * K**-0.5
+    if scale_dtype == "zero":
+        q, s = quantize_int4(w + K**-0.5, group, torch.bfloat16, zero_point=True)  # off-centre: zero points vary
+    else:
+        q, s = quantize_int4(w, group, scale_dtype)
     return q.transpose(1, 2), s.transpose(1, 2), int4_dequantize_ref(q, s).transpose(1, 2)
 
 
@@ -80,6 +123,8 @@ INT4_CASES = [
     pytest.param([5, 0, 12], 40, 96, 32, torch.bfloat16, torch.bfloat16, False, id="empty-group-g32"),
     pytest.param([1, 17, 127], 33, 256, 128, torch.bfloat16, torch.bfloat16, True, id="odd-rows-g128-bias-gelu"),
     pytest.param([30, 2], 64, 512, 256, torch.float16, torch.float32, False, id="fp16-fp32-scales-g256"),
+    pytest.param([7, 0, 33], 48, 192, 64, torch.bfloat16, "zero", True, id="zero-points-g64-bias-gelu"),
+    pytest.param([1, 20], 40, 256, 128, torch.float16, "zero", False, id="zero-points-fp16-g128"),
 ]
 INT4_FLAVOURED = [pytest.param(*case.values, tma, id=f"{case.id}-{name}") for case in INT4_CASES
                   for tma, name in ((None, "auto"), (False, "pointers"), (True, "tma"))]
@@ -133,7 +178,7 @@ INT4_BAD = [
     (lambda a, b, s: dict(b=b.contiguous()), ValueError, "INT4 b \\[G, K / 8, N\\] with unit stride along K / 8"),
     (lambda a, b, s: dict(scale_b=s[:, :3]), ValueError, "power of two >= 32 dividing K"),
     (lambda a, b, s: dict(scale_b=None), ValueError, "scale_b must be b's group scales"),
-    (lambda a, b, s: dict(scale_b=s.to(torch.int32)), TypeError, "scale_b"),
+    (lambda a, b, s: dict(scale_b=s.to(torch.int8)), TypeError, "scale_b"),
     (lambda a, b, s: dict(scale_a=torch.ones(a.shape[0], 1)), ValueError, "scale_a must be None with an INT4 b"),
     (lambda a, b, s: dict(a=a[:, :64]), ValueError, "INT4 \\[G, K / 8, N\\] with K = 64"),
     (lambda a, b, s: dict(a=a.float()), TypeError, "a must be bfloat16 or float16 with an INT4 b"),
@@ -153,11 +198,17 @@ def test_grouped_matmul_int4_refuses(change, error, match, device):
 # ---- moe_ffn and MoEFFN with INT4 experts
 
 def _int4_moe(T, H, I, E, k, groups, dtype, device, foreign=False):
-    """x, INT4 experts (gate rows then up rows) with their scales (GEMM1's and GEMM2's groups),
+    """x, INT4 experts (gate rows then up rows) with their scales (GEMM1's and GEMM2's groups;
+    "z<group>": with zero points),
     routing of random logits (``foreign``: ids of experts on other ranks), and the experts
     decoded in float64."""
-    q13, s13 = quantize_int4(torch.randn(E, 2 * I, H, device=device) * H**-0.5, groups[0], dtype)
-    q2, s2 = quantize_int4(torch.randn(E, H, I, device=device) * I**-0.5, groups[1], dtype)
+    def quantize(w, group):  # "z<group>": asymmetric groups, off-centre weights
+        if isinstance(group, str):
+            return quantize_int4(w + w.std(), int(group[1:]), dtype, zero_point=True)
+        return quantize_int4(w, group, dtype)
+
+    q13, s13 = quantize(torch.randn(E, 2 * I, H, device=device) * H**-0.5, groups[0])
+    q2, s2 = quantize(torch.randn(E, H, I, device=device) * I**-0.5, groups[1])
     x = torch.randn(T, H, device=device).to(dtype)
     weights, ids = onegemm.route(torch.randn(T, E, device=device), k)
     if foreign:
@@ -173,6 +224,7 @@ INT4_MOE_CASES = [
     pytest.param(1, 64, 32, 4, 2, (32, 32), torch.bfloat16, False, id="T1"),
     pytest.param(37, 256, 160, 6, 2, (128, 32), torch.bfloat16, True, id="T37-foreign-ids-g128-g32"),
     pytest.param(5, 128, 64, 16, 4, (64, 64), torch.float16, False, id="fp16-empty-experts"),
+    pytest.param(9, 128, 96, 4, 2, ("z64", "z32"), torch.bfloat16, False, id="zero-points-g64-g32"),
 ]
 
 

@@ -33,20 +33,31 @@ def _quant(group=32, **weights):
             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$", "re:.*shared_experts.*"]}
 
 
-def _config(model_type, E, I, group):
+def _config(model_type, E, I, group, symmetric=True):
     """A 2-layer config.json of the family whose layer 1 is MoE, INT4 experts of ``group``."""
     common = dict(model_type=model_type, num_hidden_layers=2, num_experts_per_tok=2, hidden_act="silu",
-                  moe_intermediate_size=I, norm_topk_prob=True, quantization_config=_quant(group))
+                  moe_intermediate_size=I, norm_topk_prob=True, quantization_config=_quant(group, symmetric=symmetric))
     if model_type == "qwen3_moe":
         return dict(common, num_experts=E, decoder_sparse_step=1, mlp_only_layers=[])
     return dict(common, n_routed_experts=E, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
                 routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc")
 
 
-def _int4_layer(model_type="kimi_k2", E=4, H=64, I=64, group=32):
+def _pack_zero_points(zero):
+    """compressed-tensors' weight_zero_point: zero points 0..15 [rows, groups] as int32
+    [ceil(rows / 8), groups], row 8r + j in bits 4j..4j+3 of word r (packed along dim 0)."""
+    rows, groups = zero.shape
+    z = torch.zeros(-(-rows // 8) * 8, groups, dtype=torch.int64)
+    z[:rows] = zero.long()
+    words = (z.view(-1, 8, groups) << (4 * torch.arange(8))[None, :, None]).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _int4_layer(model_type="kimi_k2", E=4, H=64, I=64, group=32, symmetric=True):
     """The MoE block's tensors as such a checkpoint stores them (bf16 router and shared
-    experts, INT4 experts: weight_packed, weight_scale, weight_shape per projection), and the
-    experts decoded (float64 [E, 2I, H], [E, H, I])."""
+    experts, INT4 experts: weight_packed, weight_scale, weight_shape per projection, and
+    weight_zero_point where not ``symmetric``), and the experts decoded (float64 [E, 2I, H],
+    [E, H, I])."""
     t = {P + "gate.weight": (torch.randn(E, H) * H**-0.5).to(torch.bfloat16)}
     if model_type != "qwen3_moe":
         t[P + "gate.e_score_correction_bias"] = torch.randn(E) * 0.1
@@ -55,11 +66,16 @@ def _int4_layer(model_type="kimi_k2", E=4, H=64, I=64, group=32):
     w13, w2 = [], []
     for e in range(E):
         for name, shape, out in (("gate_proj", (I, H), w13), ("up_proj", (I, H), w13), ("down_proj", (H, I), w2)):
-            q, s = quantize_int4((torch.randn(*shape) * shape[1]**-0.5).to(torch.bfloat16), group)
+            w = (torch.randn(*shape) * shape[1]**-0.5).to(torch.bfloat16)
+            q, s = quantize_int4(w if symmetric else w + w.std(), group, zero_point=not symmetric)
             key = f"{P}experts.{e}.{name}."
+            out.append(int4_dequantize_ref(q, s))
+            if not symmetric:  # as stored: a bf16 scale and the zero points packed along the rows
+                s, zero = onegemm.unpack_int4_zeros(s)
+                s = s.to(torch.bfloat16)
+                t[key + "weight_zero_point"] = _pack_zero_points(zero)
             t[key + "weight_packed"], t[key + "weight_scale"] = q, s
             t[key + "weight_shape"] = torch.tensor(shape)
-            out.append(int4_dequantize_ref(q, s))
     return t, (torch.stack([torch.cat(w13[i:i + 2]) for i in range(0, 2 * E, 2)]), torch.stack(w2))
 
 
@@ -77,22 +93,32 @@ def _stacked(t, E, attr):
             torch.stack([of(e, "down_proj") for e in range(E)]))
 
 
-@pytest.mark.parametrize("model_type,group", [("kimi_k2", 32), ("deepseek_v3", 64), ("qwen3_moe", 128)])
-def test_int4_experts_load_as_stored(model_type, group, tmp_path, device):
+@pytest.mark.parametrize("model_type,group,symmetric", [("kimi_k2", 32, True), ("deepseek_v3", 64, True),
+                                                        ("qwen3_moe", 128, True), ("qwen3_moe", 32, False),
+                                                        ("deepseek_v3", 64, False)])
+def test_int4_experts_load_as_stored(model_type, group, symmetric, tmp_path, device):
     """A Kimi-K2-Thinking / DeepSeek-V3-style (router, correction bias, bf16 shared expert) or
     Qwen3-MoE W4A16 folder: the experts stay packed (the file's int32 words and scales, bit
-    for bit) through from_pretrained, from_safetensors and from_state_dict, and the layer's
+    for bit; asymmetric: the scales with their zero points, which unpack_int4_zeros gives
+    back) through from_pretrained, from_safetensors and from_state_dict, and the layer's
     output is its twin's on the dequantised experts (float64 reference; rows whose routing
     differs by a near tie are left out)."""
     E, H, I = 4, 2 * group, group
-    t, (w13, w2) = _int4_layer(model_type, E, H, I, group)
-    config = _config(model_type, E, I, group)
+    t, (w13, w2) = _int4_layer(model_type, E, H, I, group, symmetric)
+    config = _config(model_type, E, I, group, symmetric)
     layer = onegemm.MoEFFN.from_pretrained(_folder(tmp_path, config, t), layer=1, device=device)
     q13, q2 = _stacked(t, E, "weight_packed")
     s13, s2 = _stacked(t, E, "weight_scale")
     assert layer.w_gate_up.dtype == torch.int32 and torch.equal(layer.w_gate_up.cpu(), q13)
     assert torch.equal(layer.w_down.cpu(), q2) and layer.w_down.dtype == torch.int32
-    assert torch.equal(layer.w_gate_up_scale.cpu(), s13) and torch.equal(layer.w_down_scale.cpu(), s2)
+    got13, got2 = layer.w_gate_up_scale.cpu(), layer.w_down_scale.cpu()
+    if not symmetric:
+        (got13, zero13), (got2, zero2) = onegemm.unpack_int4_zeros(got13), onegemm.unpack_int4_zeros(got2)
+        z13, z2 = _stacked(t, E, "weight_zero_point")
+        for zero, stored in ((zero13, z13), (zero2, z2)):  # the zero points pack back to the file's words
+            assert torch.equal(torch.cat([_pack_zero_points(z) for z in zero]), stored.flatten(0, 1))
+        got13, got2 = got13.to(torch.bfloat16), got2.to(torch.bfloat16)
+    assert torch.equal(got13, s13) and torch.equal(got2, s2)
     assert f"intermediate={I}" in repr(layer)
     routing = {k: v for k, v in layer.routing.items()}
     others = [onegemm.MoEFFN.from_safetensors(tmp_path / "model.safetensors", prefix=P, top_k=2, device=device,
@@ -133,9 +159,10 @@ def _replace(old, new, value):
 
 I_, H_ = 64, 64  # the refused layers' sizes (group 32)
 BAD_TENSORS = [
-    ("a zero point (asymmetric)", lambda t: t.update({P + "experts.2.up_proj.weight_zero_point":
-                                                      torch.zeros(I_, H_ // 32 // 8, dtype=torch.int32)}),
-     "'model.layers.1.mlp.experts.2.up_proj.weight_zero_point' is a zero point \\(asymmetric INT4\\)"),
+    ("a zero point of one matrix only", lambda t: t.update({P + "experts.2.up_proj.weight_zero_point":
+                                                            torch.zeros(I_ // 8, H_ // 32, dtype=torch.int32)}),
+     "'model.layers.1.mlp.experts.2.up_proj.weight_zero_point' is a zero point \\(asymmetric INT4\\), but the "
+     "layer's first matrix has none"),
     ("a group index (actorder)", lambda t: t.update({P + "experts.0.down_proj.weight_g_idx":
                                                      torch.zeros(I_, dtype=torch.int32)}),
      "'model.layers.1.mlp.experts.0.down_proj.weight_g_idx' is a group index"),
@@ -195,7 +222,6 @@ def test_int4_layer_refuses_what_it_cannot_account_for(name, corrupt, match, tmp
 
 G0 = "config.json: quantization_config.config_groups.group_0"
 BAD_CONFIGS = [
-    ("asymmetric", dict(symmetric=False), f"{G0}.weights.symmetric = False: only True is read"),
     ("8 bits", dict(num_bits=8), f"{G0}.weights.num_bits = 8: only 4 is read"),
     ("8 bits by default", dict(num_bits=None), f"{G0}.weights.num_bits = 8: only 4 is read"),
     ("float weights", dict(type="float"), f"{G0}.weights.type = 'float': only 'int' is read"),
@@ -273,8 +299,18 @@ def test_int4_experts_need_the_config_that_describes_them(tmp_path):
         onegemm.MoEFFN.from_pretrained(folder, layer=1)
     (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=_quant(64))))
     with pytest.raises(ValueError, match="the gate_proj / up_proj scales of 'model.layers.1.mlp.' give groups of 32 "
-                                         "values, but config.json's quantization_config has group_size \\[64\\]"):
+                                         "values, symmetric, but config.json's quantization_config has group_size 64 "
+                                         "symmetric"):
         onegemm.MoEFFN.from_pretrained(folder, layer=1)
+    # an asymmetric scheme over symmetric tensors, and the other way round
+    (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=_quant(32, symmetric=False))))
+    with pytest.raises(ValueError, match="give groups of 32 values, symmetric, but config.json's quantization_config "
+                                         "has group_size 32 asymmetric"):
+        onegemm.MoEFFN.from_pretrained(folder, layer=1)
+    asym, _ = _int4_layer("kimi_k2", 4, H_, I_, 32, symmetric=False)
+    with pytest.raises(ValueError, match="give groups of 32 values, with zero points, but config's "
+                                         "quantization_config has group_size 32 symmetric"):
+        onegemm.MoEFFN.from_state_dict(asym, config, prefix=P)
     plain = {k: v for k, v in t.items() if ".experts." not in k}
     for e in range(4):
         for name, shape in (("gate_proj", (I_, H_)), ("up_proj", (I_, H_)), ("down_proj", (H_, I_))):
