@@ -298,14 +298,15 @@ def test_quantize_experts_int4(device):
 
 # ---- linear_4bit: a dense Linear with a 4-bit weight (one group of the same GEMM)
 
-@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int4", "int4-zero-points", "mxfp4"])
 def test_linear_4bit_matches_reference(fmt, device):
     """x [2, 17, K] @ W.T + bias with W as stored, against float64 of the decoded weight; x's
-    gradient against float64 autograd."""
+    gradient (the backward dequantises W, zero points too) against float64 autograd."""
     N, K = 48, 256
     w = torch.randn(N, K, device=device) * K**-0.5
-    if fmt == "int4":
-        q, s = quantize_int4(w, 128)
+    if fmt.startswith("int4"):
+        zero = fmt != "int4"
+        q, s = quantize_int4(w + zero * K**-0.5, 128, torch.bfloat16, zero_point=zero)
         decoded = int4_dequantize_ref(q, s)
     else:
         blocks, scales = mxfp4_quantize_ref(w)
