@@ -16,7 +16,7 @@ inputs (MSE loss, AdamW); onegemm.fp8_training(recipe=...) swaps its two nn.Line
 trainable Fp8Linear ones (forward, dgrad and wgrad in FP8), once per recipe (blockwise, and
 torchao's tensorwise, rowwise, rowwise_with_gw_hp), and torchao's convert_to_float8_training
 with the same recipe runs beside it. Every model starts from the same weights and sees the same
-batches.
+batches. The step times also cover a Llama-3-8B-shaped block's seven linears (BlockLinears).
 
 FP8 MoE training: moe_ffn(..., fp8_training=True) against bf16 moe_ffn, forward+backward of
 the benchmark's expert FFNs in GPU time, and an MoEFFN layer (router included) trained in bf16
@@ -148,6 +148,28 @@ def mlp(d, device):
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)).to(device, torch.bfloat16)
 
 
+class BlockLinears(nn.Module):
+    """A Llama-3-8B-shaped transformer block's seven linears, no bias (q, k, v, o: d -> d,
+    d/4, d/4, d; the SwiGLU MLP d -> 3.5d -> d): attention stands in as q plus k and v
+    repeated over the 4 query heads per key head (GQA), so every linear keeps its shape and
+    its gradient."""
+
+    def __init__(self, d):
+        super().__init__()
+        kv, hidden = d // 4, 7 * d // 2
+        self.q, self.k, self.v, self.o = (nn.Linear(d, n, bias=False) for n in (d, kv, kv, d))
+        self.gate, self.up, self.down = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False), \
+            nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        x = x + self.o(self.q(x) + (self.k(x) + self.v(x)).repeat(1, 4))
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def block(d, device):
+    return BlockLinears(d).to(device, torch.bfloat16)
+
+
 RECIPES = ("blockwise", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
@@ -266,13 +288,14 @@ def torchao_recipes():
             for name in RECIPES[1:]}
 
 
-def measure_fp8_speed(d, batch, steps, device):
-    """Step ms (forward, backward, AdamW) of the same MLP in bf16, under onegemm.fp8_training
-    with each recipe and under torchao's float8 training with the same recipe, eager and under
-    torch.compile (the model compiled), in one run: one row per recipe."""
+def measure_fp8_speed(d, batch, steps, device, model="MLP", build=mlp):
+    """Step ms (forward, backward, AdamW) of the same model (``build(d, device)``: the MLP, or
+    BlockLinears) in bf16, under onegemm.fp8_training with each recipe and under torchao's
+    float8 training with the same recipe, eager and under torch.compile (the model compiled),
+    in one run: one row per recipe."""
     torch.manual_seed(0)
-    teacher = mlp(d, device)
-    base = mlp(d, device)
+    teacher = build(d, device)
+    base = build(d, device)
 
     def step_ms(convert, compiled):
         torch._dynamo.reset()
@@ -283,7 +306,8 @@ def measure_fp8_speed(d, batch, steps, device):
     torchao = torchao_recipes()
     rows = []
     for recipe in RECIPES:
-        row = dict(tokens=batch, recipe=recipe, bf16_eager_ms=bf16["eager"], bf16_compiled_ms=bf16["compiled"])
+        row = dict(model=model, tokens=batch, recipe=recipe, bf16_eager_ms=bf16["eager"],
+                   bf16_compiled_ms=bf16["compiled"])
         for mode in ("eager", "compiled"):
             ms = row[f"onegemm_{mode}_ms"] = step_ms(lambda m: onegemm.fp8_training(m, recipe=recipe), mode == "compiled")
             row[f"vs_bf16_{mode}"] = bf16[mode] / ms
@@ -381,6 +405,8 @@ def run_mlp_fp8(quick, device, steps, speed_steps):
         train_rows += rows
         if not quick:
             speed_rows += measure_fp8_speed(d, batch, speed_steps, device)
+    if not quick:  # Llama-3-8B's block linears at its width, 8192 tokens
+        speed_rows += measure_fp8_speed(4096, 8192, speed_steps, device, "Llama-3-8B block linears", block)
     if quick:
         assert all(math.isfinite(x) for losses in (bf16_losses, *curves.values()) for x in losses)
         return
@@ -392,7 +418,8 @@ def run_mlp_fp8(quick, device, steps, speed_steps):
         "Target: final loss within 1% of bf16's.\n\n" + markdown_table(train_rows) + "\n"
         "![loss curves](fp8_training.png)\n\n"
         "## Step time against bf16 and torchao's same recipe, eager and compiled\n\n"
-        f"ms per step (median of the second half of {speed_steps} steps): bf16 nn.Linear, onegemm.fp8_training("
+        f"ms per step (median of the second half of {speed_steps} steps) of the MLP and of a Llama-3-8B-shaped "
+        "block's seven linears (bench_autograd.BlockLinears): bf16 nn.Linear, onegemm.fp8_training("
         "recipe=...), torchao's convert_to_float8_training with Float8LinearConfig.from_recipe_name(recipe) "
         "(none for blockwise); `compiled`: the model under torch.compile. Ratios: the peer's time / onegemm's "
         "(> 1: onegemm faster). Targets (compiled): >= 1.1x torchao's same recipe; >= 1.35x bf16 tensorwise, "
@@ -402,12 +429,13 @@ def run_mlp_fp8(quick, device, steps, speed_steps):
              "bench/bench_autograd.py regenerates everything else. -->\n\n")
     write_results("fp8_training", text)
     plot_losses({"bf16 (nn.Linear)": bf16_losses, **{f"FP8 {r}": c for r, c in curves.items()}})
-    by = lambda recipe, key: geomean([r[key] for r in speed_rows if r["recipe"] == recipe and key in r])  # noqa: E731
+    mlp_rows = [r for r in speed_rows if r["model"] == "MLP"]
+    by = lambda recipe, key: geomean([r[key] for r in mlp_rows if r["recipe"] == recipe and key in r])  # noqa: E731
     figures = [dict(name="fp8_mlp_train_vs_bf16", value=by("tensorwise", "vs_bf16_compiled"),
                     peer="bf16 nn.Linear MLP 4096->16384->4096 training step, both compiled, onegemm's tensorwise "
                          "recipe (8192 and 16384 tokens; every recipe in fp8_training.md)")]
     for recipe in ("tensorwise", "rowwise"):
-        if any("vs_torchao_compiled" in r for r in speed_rows if r["recipe"] == recipe):
+        if any("vs_torchao_compiled" in r for r in mlp_rows if r["recipe"] == recipe):
             figures.append(dict(name=f"fp8_mlp_train_vs_torchao_{recipe}_compiled", value=by(recipe, "vs_torchao_compiled"),
                                 peer=f"torchao float8 {recipe} training, both models under torch.compile, same recipe "
                                      "(8192 and 16384 tokens)"))
