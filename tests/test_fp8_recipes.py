@@ -21,7 +21,7 @@ SHAPES = [
     pytest.param(37, 200, 136, torch.float32, True, id="37x200x136-fp32"),
     pytest.param(1, 17, 300, torch.float32, False, id="1x17x300-fp32"),
     pytest.param(300, 127, 17, torch.bfloat16, True, id="300x127x17-bf16"),
-    pytest.param(130, 256, 129, torch.bfloat16, False, id="130x256x129-bf16"),
+    pytest.param(130, 256, 65, torch.bfloat16, False, id="130x256x65-bf16"),
 ]
 # The emulation differs from the kernels by fp32 sums (and on the GPU the fp8 MMA's reduced
 # precision inside a K block, over all of K where the forward may use fast accumulation).
@@ -66,7 +66,7 @@ def test_recipe_matches_its_emulation(recipe, M, K, N, dtype, bias, device):
 def test_recipe_differs_from_the_others(recipe, device):
     """Each recipe computes its own numerics (the emulation of another recipe is further off
     than its own): a recipe silently running another's casts fails here."""
-    linear, layer, x = layer_and_inputs(130, 256, 129, torch.float32, True, recipe, device, seed=5)
+    linear, layer, x = layer_and_inputs(130, 256, 48, torch.float32, True, recipe, device, seed=5)
     # rows of x and columns of W over six decades, so per-row, per-block and per-tensor scales differ
     with torch.no_grad():
         x.mul_(torch.logspace(-3, 3, 130, device=device)[torch.randperm(130, device=device)][:, None])
