@@ -97,11 +97,15 @@ NO_SCALES = Scales()  # what an unscaled GEMM passes
 
 
 class SplitK(NamedTuple):
-    """Split ``index`` of a split-K tile and the buffers of ``split_k_combine``."""
+    """Split ``index`` of a split-K tile and the buffers of ``split_k_combine``. ``tile``:
+    None for the dense layout ([SPLIT_K * M, N] partials, counters by tile position), or the
+    tile's id for one [BLOCK_M, BLOCK_N] slot per (tile, split) (grouped/'s ragged tiles,
+    whose rows are a group's)."""
 
     index: Any
     ws: Any
     locks: Any
+    tile: Any = None
 
 
 class Segment(NamedTuple):
@@ -739,7 +743,7 @@ def split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, S
 
     split: SplitK. split.ws: fp32 [SPLIT_K * M, N] contiguous; split s of C[i, j] at
     ws + (s*M + i)*N + j. split.locks: int32 [number of tiles], zero before the first launch;
-    ``tile_id`` indexes it.
+    ``tile_id`` indexes it. (``split.tile`` set: ``_split_k_combine_slots`` instead.)
     """
     mask = mask_m[:, None] & mask_n[None, :]
     cols = offs_n.to(tl.int64)[None, :]
@@ -756,6 +760,38 @@ def split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, S
             # .cg: read from L2, where the other SMs' partials are (not a stale L1 line).
             acc += tl.load(split.ws + (s * M + rows) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(split.locks + tile_id, 0)
+    return acc, is_last
+
+
+@triton.jit
+def _combine_splits(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, SPLIT_K: tl.constexpr):
+    """gemm_tile's split-K reduction: in ``split.tile``'s slots where set, else
+    ``split_k_combine``'s layout by ``tile_id``."""
+    if split.tile is not None:
+        acc, finish = _split_k_combine_slots(acc, split, SPLIT_K)
+    else:
+        acc, finish = split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, SPLIT_K)
+    return acc, finish
+
+
+@triton.jit
+def _split_k_combine_slots(acc, split, SPLIT_K: tl.constexpr):
+    """``split_k_combine`` over one [BLOCK_M, BLOCK_N] slot per (tile, split), the same
+    protocol: split.ws fp32 [tiles, SPLIT_K, BLOCK_M * BLOCK_N] (dense, no masks),
+    split.locks int32 [tiles], both indexed by split.tile."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    BLOCK_N: tl.constexpr = acc.shape[1]
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = split.ws + split.tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+    tl.store(base + split.index * (BLOCK_M * BLOCK_N) + local, acc)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(split.locks + split.tile, 1, sem="acq_rel", scope="gpu")
+    is_last = ticket == SPLIT_K - 1
+    if is_last:
+        acc = tl.zeros_like(acc)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(base + s * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
+        tl.store(split.locks + split.tile, 0)
     return acc, is_last
 
 
@@ -843,9 +879,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         A scattered C is stored through pointers (C.ptr must then be a pointer, also in the
         TMA flavour).
     split: SplitK when spec.SPLIT_K > 1: this program sums split ``split.index`` of the tile's
-        K blocks (``split_k_range``); the last split to finish sums the partials
-        (``split_k_combine``) and alone runs the epilogue and the store (core/splitk.py is the
-        host side).
+        K blocks (``split_k_range``); the last split to finish sums the partials and alone runs
+        the epilogue and the store (``_combine_splits``; core/splitk.py is the host side).
     spec.SWIGLU: B has 2N columns, gate then up; the tile's BLOCK_N B columns interleave them
         (``_gate_up``) so ONE dot computes both, and the tile writes silu(gate) * up, BLOCK_N/2
         columns of C. The [rows, 2N] product is never stored.
@@ -889,16 +924,17 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     finish = True
     if filled:
         acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
+        finish = split.index == 0 if spec.SPLIT_K > 1 else True  # one split stores a filled tile
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi, scale_cols,
                          group_k)
+        if spec.SPLIT_K > 1:  # the splits' sums meet before SwiGLU, which is not linear
+            acc, finish = _combine_splits(acc, split, pid_m * tl.cdiv(N, BLOCK_N) + pid_n, M, N, offs_m, offs_n, mask_m,
+                                          mask_n, spec.SPLIT_K)
         if spec.SWIGLU:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N_OUT, 2)))
             acc = activate(gate, "silu") * up
-        if spec.SPLIT_K > 1:
-            tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-            acc, finish = split_k_combine(acc, split, tile_id, M, N, offs_m, offs_n, mask_m, mask_n, spec.SPLIT_K)
         if segment is not None:
             if segment.parts > 1:
                 acc, finish = stream_k_combine(acc, segment)

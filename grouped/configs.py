@@ -118,6 +118,10 @@ def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
         kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128]
     if key.scaling is not None:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    if key.m <= 16 and key.ragged == "M":
+        # Decode: a few experts' column tiles leave most SMs idle; K splits multiply the tiles
+        # (grouped/kernels.py ragged_kernel SPLIT_K). Candidates only: not yet measured.
+        kept += [with_meta(c, SPLIT_K=s) for c in kept if c.kwargs["BLOCK_M"] == 16 for s in (2, 4)]
     return with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
 
 

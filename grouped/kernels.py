@@ -38,6 +38,7 @@ from ..core.tiles import (
     Operand,
     Routing,
     Scales,
+    SplitK,
     TileSpec,
     Vector,
     gemm_tile,
@@ -204,14 +205,23 @@ def _ragged_k(A, B, a_g, b_g, start, K_g, spec):
 
 
 @triton.jit
+def _split_of(ws, locks, RAGGED: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's tiles.SplitK: split p % SPLIT_K of tile p // SPLIT_K, whose partials meet
+    in one [BLOCK_M * BLOCK_N] slot per (tile, split) of ``ws`` with a ticket on ``locks``
+    (the tile's rows are a group's, so the slots are tile-local). Ragged rows only."""
+    tl.static_assert(RAGGED == "M")
+    return SplitK(tl.program_id(0) % SPLIT_K, ws, locks, tl.program_id(0) // SPLIT_K)
+
+
+@triton.jit
 def ragged_kernel(
-    A, B, C, bias, offs, routing, scales, G, M, N, K,
+    A, B, C, bias, offs, routing, scales, G, M, N, K, split_ws, split_locks,
     RAGGED: tl.constexpr, SWIGLU: tl.constexpr,
     ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
     SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1, B_W4: tl.constexpr = None, W4_GROUP: tl.constexpr = 32,
-    W4_TMA: tl.constexpr = False):
+    W4_TMA: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
     A, B, C: Stacked (a 2-D operand has stride_g = 0 and is cut by offs instead). By RAGGED:
@@ -220,9 +230,8 @@ def ragged_kernel(
       "K": A [M, K], B [K, N], C [G, M, N];       group g = a slice of the reduction.
       "":  A [G, M, K], B [G, K, N] (*), C [G, M, N]; no offs (batched).
     (*) with SWIGLU, B has 2N columns (gate then up) and C has N. M, N, K: sizes (ragged: the total).
-    offs: Vector over int32 [G] (None for ""). bias: Operand over [G, N] (element [g, j]; for
-        "N" a [total N] vector with stride0 = 0); NO_OPERAND without one.
-    routing: tiles.Routing ("M" only: the MoE row gather, scatter and weight; all None otherwise).
+    offs: Vector over int32 [G] (None for ""). bias: Operand over [G, N] ("N": [total N], stride0 0) or NO_OPERAND.
+    routing: tiles.Routing ("M": the MoE gather, scatter and weight; all None otherwise).
     scales: an FP8 grouped GEMM's tiles.Scales, as ``grouped_scales`` builds them ("M" only;
         NO_GROUPED_SCALES without scales), moved to each group here: ``a`` an Operand over
         A's per-K-block scales [rows of A, ceil(K/128)] (1x128, SA_ROWS = 1; with a gather
@@ -232,23 +241,24 @@ def ragged_kernel(
         [G, K/2, N], ``b`` its scales [G, K/W4_GROUP, N]), ``n`` an Operand over [G, N] (per
         column); ``out`` over C's own scales [M, ceil(N/128)] when C is fp8 (written, by C's rows).
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
-    USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, with descriptors over each group's
-        A [M_g, K_g], B and C [M_g, N_g], so the TMA unit zero-fills and clips at the group's
-        edges, as the masks do for pointers (not with a gather or SWIGLU; the host decides); a
-        ragged K's over A [M, end_g], B [end_g, N] (``_ragged_k``). A scattered C is stored
-        through pointers. W4_TMA: B (4-bit) alone.
+    SPLIT_K ("M"): split_ws fp32 [tiles, SPLIT_K, BLOCK_M * BLOCK_N], split_locks int32 [tiles] (``_split_of``).
+    USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, descriptors over each group's A [M_g, K_g],
+        B and C [M_g, N_g] (zero-filled and clipped at the group's edges, as masks do; not with a
+        gather or SWIGLU), a ragged K's over A [M, end_g], B [end_g, N] (``_ragged_k``); a
+        scattered C goes through pointers. W4_TMA: B (4-bit) alone.
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values (programs past
-      the real tile count return at once): "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT);
+      the real tile count return at once): "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT) * SPLIT_K;
       "N": cdiv(M, BLOCK_M) * (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
-    Rows (columns) past offs[-1] are written as zero; bad offs (decreasing, negative, past the
-    total) write every element of C as NaN: never a silent wrong answer.
+    Rows (columns) past offs[-1] are written as zero; bad offs (decreasing, negative, past the total)
+    write every element of C as NaN: never a silent wrong answer.
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
-                                  SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_W4=B_W4,
+                                  SPLIT_K=SPLIT_K, SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_W4=B_W4,
                                   W4_GROUP=W4_GROUP, W4_TMA=W4_TMA)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
+    split = _split_of(split_ws, split_locks, RAGGED, SPLIT_K) if SPLIT_K > 1 else None
     g, start, pid_m, pid_n, valid, bad, M_g, N_g, K_g = _ragged_tile(
-        tl.program_id(0), offs, G, M, N, K, RAGGED, BLOCK_M, BLOCK_N, BLOCK_N_OUT, GROUP_M, G_BLOCK)
+        tl.program_id(0) // SPLIT_K, offs, G, M, N, K, RAGGED, BLOCK_M, BLOCK_N, BLOCK_N_OUT, GROUP_M, G_BLOCK)
     fill = None
     if RAGGED != "":
         # The tail group (past offs[-1]) is zeros; bad offs make everything one NaN group.
@@ -282,7 +292,7 @@ def ragged_kernel(
         sn_g = Vector(None if sn.ptr is None else sn.ptr + g64 * sn.stride0, sn.stride1)
         so_g = Operand(None if so.ptr is None else so.ptr + c_row0 * so.stride0, so.stride0, so.stride1)
         gemm_tile(pid_m, pid_n, a, b, c, M_g, N_g, K_loop, spec, Scales(sa_g, sb_g, sm_g, sn_g, so_g), routing, bias_g,
-                  None, row0, fill, group_k=group_k)
+                  split, row0, fill, group_k=group_k)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..core import checks, configs, hopper_configs
+from ..core import checks, configs, hopper_configs, splitk
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
@@ -237,7 +237,23 @@ def ragged_launch(
         a.device, forced_flavour(config, layout),
         lambda plan: Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own).run(c),
     ))
-    return Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own if build is None else build)
+    grid = _ragged_grid(plan, ragged, G, M, N, swiglu)
+    return Launch(RAGGED, plan, grid, _with_split(plan, grid, a.device, own if build is None else build))
+
+
+def _with_split(plan, grid, device, build):
+    """``build`` with split-K's buffers in place of ragged_args' Nones where the plan splits:
+    one [BLOCK_M * BLOCK_N] fp32 slot per (tile, split) and a counter per tile (core/splitk.py)."""
+    split = plan.meta.get("SPLIT_K", 1)
+    if split == 1:
+        return build
+    tiles = grid[0] // split
+    slots = split * tiles * plan.meta["BLOCK_M"] * plan.meta["BLOCK_N"]
+
+    def with_buffers(*tensors):
+        return (*build(*tensors)[:-2], *splitk.buffers(device, slots, tiles))
+
+    return with_buffers
 
 
 def ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K) -> tuple:
@@ -246,16 +262,17 @@ def ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K) -> tu
     sa, sb, sc = strides
     b = w4_bytes(b) if weight_4bit(b) else interpretable(b)  # packed pairs, read as bytes
     return (Stacked(interpretable(a), *sa), Stacked(b, *sb), Stacked(c, *sc), _bias_operand(bias),
-            None if offs is None else Vector(offs, offs.stride(0)), routing, scales, G, M, N, K)
+            None if offs is None else Vector(offs, offs.stride(0)), routing, scales, G, M, N, K, None, None)
 
 
 def _ragged_grid(plan, ragged, G, M, N, swiglu):
-    """ragged_kernel's grid: an upper bound on the tiles that needs no offs values."""
+    """ragged_kernel's grid: an upper bound on the tiles that needs no offs values (times
+    SPLIT_K)."""
     bm, bn = plan.meta["BLOCK_M"], plan.meta["BLOCK_N"]
     if swiglu:
         bn //= 2
     if ragged == "M":
-        return ((cdiv(M, bm) + G + 1) * cdiv(N, bn),)
+        return ((cdiv(M, bm) + G + 1) * cdiv(N, bn) * plan.meta.get("SPLIT_K", 1),)
     if ragged == "N":
         return (cdiv(M, bm) * (cdiv(N, bn) + G + 1),)
     return (G * cdiv(M, bm) * cdiv(N, bn),)

@@ -10,6 +10,7 @@ from helpers import fp8_grouped_inputs, offs_of
 from onegemm.core.configs import EITHER, flavoured
 from onegemm.grouped.configs import RAGGED_CONFIGS
 from onegemm.core.configs import cfg as _cfg
+from onegemm.core.configs import with_meta
 from onegemm.core.scaling import BLOCKS, ROW_BLOCKS, read_granularity
 from onegemm.grouped.ops import SCALES_A, SCALES_B
 
@@ -156,6 +157,57 @@ def test_config_block_sizes(device):
     for cfg in [_cfg(16, 64, 32, 4, 2, group_m=2), _cfg(64, 32, 16, 4, 2, group_m=1)]:
         out = onegemm.grouped_matmul(a, b, offs, config=cfg)
         assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16], what=str(cfg))
+
+
+# ---- split-K over ragged rows (decode-sized expert groups) ----
+
+# (split, what): 2 and 3 splits of 10 K blocks; 16 splits, more than the blocks (empty splits)
+SPLITS = [2, 3, 16]
+
+
+def _split_cfg(split, block_k=32):
+    return with_meta(_cfg(16, 32, block_k, 4, 1, group_m=1), SPLIT_K=split)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_split_k_ragged_rows(split, device):
+    """SPLIT_K > 1 on ragged rows: each tile's K splits meet in a slot per (tile, split), the
+    last sums them in split order and alone runs the epilogue: bias and activation, empty
+    groups, rows past offs[-1] (zero) as without splits; bitwise reruns."""
+    sizes = [3, 0, 17, 1, 0]
+    a = rand(sum(sizes) + 2, 300, device=device)
+    b = expert_weights(5, 300, 40, torch.float32, device)
+    offs, bias = offs_of(sizes, device), rand(5, 40, device=device)
+    out = onegemm.grouped_matmul(a, b, offs, bias=bias, activation="gelu", config=_split_cfg(split))
+    assert_close(out, grouped_mm_ref(a, b, offs, bias, "gelu"), TOL[torch.float32])
+    assert (out[sum(sizes):] == 0).all()
+    assert torch.equal(onegemm.grouped_matmul(a, b, offs, bias=bias, activation="gelu", config=_split_cfg(split)), out)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_split_k_moe_gemms(split, device):
+    """The MoE pipeline's two GEMMs split along K: GEMM1 gathers token rows and applies SwiGLU
+    after the splits' sums meet (silu is not linear in them), GEMM2 scatters row r to
+    pair[r] times weight[pair[r]], each against float64."""
+    from onegemm.grouped.moe_steps import expert_gemm
+
+    T, H, I, E = 7, 96, 40, 3
+    x = rand(T, H, device=device)
+    w13, w2 = rand(E, 2 * I, H, device=device), rand(E, H, I, device=device)
+    token = torch.tensor([4, 0, 6, 2, 2, 5, 1, 3], dtype=torch.int32, device=device)
+    offs = offs_of([3, 0, 5], device)
+    h = torch.full((8, I), float("nan"), device=device)
+    expert_gemm(x, w13, h, offs, a_rows=token, swiglu=True, config=_split_cfg(split))
+    pre = torch.cat([x[token[r]].double()[None] @ w13[e].double().t() for e, r in
+                     [(0, 0), (0, 1), (0, 2)] + [(2, r) for r in range(3, 8)]])
+    want = torch.nn.functional.silu(pre[:, :I]) * pre[:, I:]
+    assert_close(h, want, TOL[torch.float32], "GEMM1 (gather, SwiGLU)")
+    pair, weight = torch.randperm(8, device=device).to(torch.int32), torch.rand(8, device=device)
+    y = torch.full((8, H), float("nan"), device=device)
+    expert_gemm(h, w2, y, offs, c_rows=pair, weight=weight, config=_split_cfg(split))
+    rows = torch.cat([h[r].double()[None] @ w2[e].double().t() for e, r in [(0, 0), (0, 1), (0, 2)] +
+                      [(2, r) for r in range(3, 8)]]) * weight.double()[pair.long()][:, None]  # weight[C row]
+    assert_close(y[pair.long()], rows, TOL[torch.float32], "GEMM2 (weight, scatter)")
 
 
 # ---- bad input ----
