@@ -235,10 +235,16 @@ def ragged_launch(
              SA_ROWS=1 if scaling is None else scaling.sa_rows, SB_COLS=1 if scaling is None else scaling.sb_cols,
              B_W4=w4 and w4[0], W4_GROUP=w4[1] if w4 else 32, W4_TMA=w4_tma, **layout_meta(layout)),
         a.device, forced_flavour(config, layout),
-        lambda plan: Launch(RAGGED, plan, _ragged_grid(plan, ragged, G, M, N, swiglu), own).run(c),
+        lambda plan: _ragged_launch_of(plan, ragged, G, M, N, swiglu, a.device, own).run(c),
     ))
+    return _ragged_launch_of(plan, ragged, G, M, N, swiglu, a.device, own if build is None else build)
+
+
+def _ragged_launch_of(plan, ragged, G, M, N, swiglu, device, build) -> Launch:
+    """ragged_kernel's Launch with ``plan`` (its grid, and split-K's buffers where it splits):
+    the call's and autotuning's trials alike."""
     grid = _ragged_grid(plan, ragged, G, M, N, swiglu)
-    return Launch(RAGGED, plan, grid, _with_split(plan, grid, a.device, own if build is None else build))
+    return Launch(RAGGED, plan, grid, _with_split(plan, grid, device, build))
 
 
 def _with_split(plan, grid, device, build):
