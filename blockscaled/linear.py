@@ -15,7 +15,7 @@ from ..core.runtime import INTERPRET, cdiv, empty_strided
 from ..core.scaling import BLOCKS, BLOCKWISE, ROW_BLOCKS, SCALE_BLOCK
 from .matmul import scaled_record
 from .quantize import QUANTIZE_OP, QUANTIZE_T_OP, quantize_fp8, quantize_launch, transposed_empty
-from .recipes import FP8_LINEAR_BACKWARD, RECIPES, TRAIN_OPS, bias_grad, check_recipe
+from .recipes import FP8_LINEAR_BACKWARD, TRAIN_OPS, bias_grad, check_recipe
 
 
 E4M3 = torch.float8_e4m3fn
