@@ -195,7 +195,8 @@ def list_heuristic(key: ListKey, sms: int) -> triton.Config:
     return cfg(64, 128, bk, 4, 4)
 
 # ---------------------------------------------------------------------------- MoE routing sort
-# grouped/'s sort_by_expert_kernel: one program, so a config is only its warp count.
+# grouped/'s moe_prep_kernel (the routing sort, x's sorted rows, the row-tile tables): its
+# block sizes follow E (moe_steps.prep_step), so a config is only its warp count.
 
 
 class SortKey(NamedTuple):
@@ -206,8 +207,8 @@ class SortKey(NamedTuple):
 
 
 SORT_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
-# The one-program sort serves decode-sized batches; above this many (token, slot) pairs
-# torch.sort's multi-block radix sort is faster on the GPU.
+# The prep kernel serves decode-sized batches (each program counts over all pairs); above this
+# many (token, slot) pairs torch.sort's multi-block radix sort is faster on the GPU.
 SORT_MAX_PAIRS = 4096
 
 

@@ -15,8 +15,8 @@ Where the operands allow it (row-major, 16-byte aligned group bases), the ragged
 core's TMA flavour with descriptors per group: their shape is the group's, so the TMA unit
 zero-fills and clips at group edges exactly where the pointer flavour masks.
 
-The memory-bound helpers around the MoE GEMMs: ``sort_by_expert_kernel`` (the routing sort at
-decode sizes); for core's Gluon FP8 body (core/hopper_fp8.py, its grouped flavour)
+The memory-bound helpers around the MoE GEMMs: ``moe_prep_kernel`` (at decode sizes the routing
+sort, x's rows in expert order and the row-tile tables, one launch); for core's Gluon FP8 body (core/hopper_fp8.py, its grouped flavour)
 ``row_tiles_kernel`` (the groups' row tiles, from offs on the device), ``gather_quantize_kernel``
 (x quantised once per pair in expert order: TMA cannot gather rows) and ``combine_kernel``
 (the top-k sum that skips other ranks' slots); ``route_kernel`` (fused routing at decode);
@@ -333,43 +333,131 @@ def list_kernel(
 
 
 @triton.jit
-def sort_by_expert_kernel(
-    ids_ptr, pair_ptr, token_ptr, offs_ptr, P, E, k,
-    E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr,
-):
-    """Stable counting sort of the P = T * k (token, slot) pairs by expert, in one program.
+def _expert_of(ids, i, live, E):
+    """The expert of pairs i (int32), E for ids outside [0, E) (compared in their own width:
+    no wrap-around), which sort after every expert's."""
+    e = tl.load(ids + i, mask=live, other=0)
+    return tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
 
-    ids_ptr [P] (int32 or int64, contiguous): the expert of pair i; ids outside [0, E) form a
-        last group after every expert's (compared in their own width: no wrap-around).
-    pair_ptr, token_ptr [P] int32 (out): row r of the sorted order is pair pair[r], of token
-        token[r] = pair[r] // k; pairs of one expert keep their order (stable).
-    offs_ptr [E] int32 (out): cumulative end offsets, expert e owns rows [offs[e-1], offs[e]).
-    E_BLOCK: a power of two > E (the experts plus the last group). PAIR_BLOCK: pairs per step.
-    Grid: (1,). Two passes over the pairs: count per expert, then place each pair at its
-    expert's start + the pairs of that expert before it (a running count plus a prefix sum
-    over the step's one-hot rows). For decode-sized P, where torch's sort is several launches.
-    """
+
+@triton.jit
+def _sorted_rows(ids, i, e, P, E, PAIR_BLOCK: tl.constexpr):
+    """Row of pairs i (experts e) in the stable sort by expert: the pairs of a lower expert,
+    plus the earlier pairs of the same one. Every program counts for its own pairs, so none
+    waits for another's result."""
+    rank = tl.zeros_like(i)
+    for start in range(0, P, PAIR_BLOCK):
+        j = start + tl.arange(0, PAIR_BLOCK)
+        ej = _expert_of(ids, j, j < P, E)
+        before = (ej[None, :] < e[:, None]) | ((ej[None, :] == e[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((before & (j < P)[None, :]).to(tl.int32), axis=1)
+    return rank
+
+
+@triton.jit
+def _expert_sizes(ids, P, E, E_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """(experts, sizes): arange(E_BLOCK) and each one's pair count, the pairs of ids outside
+    [0, E) at index E."""
     experts = tl.arange(0, E_BLOCK)
-    totals = tl.zeros([E_BLOCK], dtype=tl.int32)
-    for start in range(0, P, PAIR_BLOCK):
-        i = start + tl.arange(0, PAIR_BLOCK)
-        e = tl.load(ids_ptr + i, mask=i < P, other=0)
-        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
-        onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)
-        totals += tl.sum(onehot, axis=0)
-    ends = tl.cumsum(totals, axis=0)
-    tl.store(offs_ptr + experts, ends, mask=experts < E)
-    base = ends - totals
-    for start in range(0, P, PAIR_BLOCK):
-        i = start + tl.arange(0, PAIR_BLOCK)
-        e = tl.load(ids_ptr + i, mask=i < P, other=0)
-        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
-        onehot = ((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs earlier in this step
-        pos = tl.sum(onehot * (before + base[None, :]), axis=1)
-        tl.store(pair_ptr + pos, i, mask=i < P)
-        tl.store(token_ptr + pos, i // k, mask=i < P)
-        base += tl.sum(onehot, axis=0)
+    sizes = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for start in range(0, P, COUNT_BLOCK):
+        i = start + tl.arange(0, COUNT_BLOCK)
+        e = _expert_of(ids, i, i < P, E)
+        sizes += tl.sum(((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32), axis=0)
+    return experts, sizes
+
+
+class RowTiles(NamedTuple):
+    """A row-tile table of ``moe_prep_kernel`` (``row_tiles_kernel``'s sched and count), or
+    ``NO_ROW_TILES``; its tile height is the kernel's BLOCK_M1 / BLOCK_M2."""
+
+    sched: Any
+    count: Any
+
+
+NO_ROW_TILES = RowTiles(None, None)
+
+
+@triton.jit
+def moe_prep_kernel(ids, pair, token, offs, X, Q, S, tiles1, tiles2, P, E, k, H, col_blocks,
+                    E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+                    BLOCK_M1: tl.constexpr = 0, BLOCK_M2: tl.constexpr = 0, CHUNK: tl.constexpr = 32):
+    """The MoE step before the expert GEMMs, one launch: the (token, slot) pairs sorted by
+    expert, x's rows in that order (quantised), the row-tile tables of the GEMMs' tile heights.
+
+    ids [P = T * k] (int32 or int64, contiguous): the expert of pair i; ids outside [0, E)
+        (experts on other ranks) sort after every expert's, in a last group.
+    pair, token [P] int32 (out): row r of the sorted order is pair pair[r], of token
+        token[r] = pair[r] // k; the sort is stable (a pair's row: the pairs of lower experts
+        plus the earlier pairs of its own, ``_sorted_rows``).
+    offs [E] int32 (out): expert e owns rows [offs[e-1], offs[e]).
+    X: Operand over x [T, H] (any strides), or NO_OPERAND (the sort alone). Q: Operand over
+        [P, H], row r = x[token[r]], quantised to Q's fp8 dtype in 1x128 blocks with scales
+        S (Operand over fp32 [P, ceil(H/128)]; NO_OPERAND: Q is 16/32-bit and gets the rows as
+        they are). Rows of other ranks' pairs are not written (no GEMM tile reads them).
+    tiles1, tiles2: RowTiles of BLOCK_M1 / BLOCK_M2 rows (0: none), as ``row_tiles_kernel``
+        writes them without the tail group (the GEMMs' Groups.sched).
+    E_BLOCK: a power of two > E. PAIR_BLOCK: pairs per program. COUNT_BLOCK: pairs per step of
+        the expert counts (program 0). col_blocks: 128-column blocks of x per program.
+    Grid: (cdiv(P, PAIR_BLOCK), cdiv(ceil(H/128), col_blocks)): program (p, c) places pairs
+    [p * PAIR_BLOCK, ...) and writes their rows' column blocks c * col_blocks, ...; program
+    (0, 0) writes offs and the tables.
+    """
+    pid, cid = tl.program_id(0), tl.program_id(1)
+    i = pid * PAIR_BLOCK + tl.arange(0, PAIR_BLOCK)
+    live = i < P
+    e = _expert_of(ids, i, live, E)
+    row = _sorted_rows(ids, i, e, P, E, PAIR_BLOCK)
+    if cid == 0:
+        tl.store(pair + row, i, mask=live)
+        tl.store(token + row, i // k, mask=live)
+    if X.ptr is not None:
+        kb_lo = cid * col_blocks
+        _quantize_rows(X, (i // k).to(tl.int64), row.to(tl.int64), live & (e < E), Q, S, H, kb_lo,
+                       tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK)))
+    if (pid == 0) & (cid == 0):
+        experts, sizes = _expert_sizes(ids, P, E, E_BLOCK, COUNT_BLOCK)
+        ends = tl.cumsum(sizes, axis=0)
+        tl.store(offs + experts, ends, mask=experts < E)
+        if BLOCK_M1 > 0:
+            _write_row_tiles(experts, ends - sizes, sizes, False, E, P, tiles1, BLOCK_M1, CHUNK, False)
+        if BLOCK_M2 > 0:
+            _write_row_tiles(experts, ends - sizes, sizes, False, E, P, tiles2, BLOCK_M2, CHUNK, False)
+
+
+@triton.jit
+def _write_row_tiles(idx, starts, sizes, bad, G, M, tiles, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                     TAIL: tl.constexpr):
+    """Every row of a row-tile table (``row_tiles_kernel``'s layout), CHUNK at a time."""
+    for t0 in range(0, tl.cdiv(M, BLOCK_M) + G + 1, CHUNK):
+        _row_tile_chunk(t0 + tl.arange(0, CHUNK), idx, starts, sizes, bad, G, M, tiles, BLOCK_M, TAIL, t0 == 0)
+
+
+@triton.jit
+def _row_tile_chunk(t, idx, starts, sizes, bad, G, M, tiles, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, first):
+    """Rows t of a row-tile table from the groups' spans (``group_spans``' idx, starts, sizes,
+    bad); the count too where ``first``."""
+    starts = tl.where(bad, 0, starts)
+    sizes = tl.where(bad, tl.where(idx == G, M, 0), sizes)
+    n = (sizes + BLOCK_M - 1) // BLOCK_M
+    if not TAIL:
+        n = tl.where(idx == G, 0, n)
+    ends = tl.cumsum(n, 0)
+    total = tl.sum(n)
+    g = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    own = idx[None, :] == g[:, None]
+    first_tile = tl.sum(tl.where(own, (ends - n)[None, :], 0), axis=1)
+    start = tl.sum(tl.where(own, starts[None, :], 0), axis=1)
+    size = tl.sum(tl.where(own, sizes[None, :], 0), axis=1)
+    fill = tl.where(bad, 2, tl.where(g == G, 1, 0))
+    live = t < total
+    row = tiles.sched + t.to(tl.int64) * 4
+    tl.store(row, tl.minimum(g, G - 1), mask=live)
+    tl.store(row + 1, start + (t - first_tile) * BLOCK_M, mask=live)
+    tl.store(row + 2, start + size, mask=live)
+    tl.store(row + 3, fill, mask=live)
+    if first:
+        tl.store(tiles.count, total)
 
 
 @triton.jit
@@ -389,28 +477,36 @@ def row_tiles_kernel(offs, sched, count, G, M, BLOCK_M: tl.constexpr, G_BLOCK: t
     Grid: (cdiv(cdiv(M, BLOCK_M) + G + 1, CHUNK),): each program places CHUNK tiles.
     """
     idx, starts, sizes, bad = group_spans(offs, G, M, G_BLOCK)
-    starts = tl.where(bad, 0, starts)
-    sizes = tl.where(bad, tl.where(idx == G, M, 0), sizes)
-    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    if not TAIL:
-        tiles = tl.where(idx == G, 0, tiles)
-    ends = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles)
-    t = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    g = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
-    own = idx[None, :] == g[:, None]
-    first = tl.sum(tl.where(own, (ends - tiles)[None, :], 0), axis=1)
-    start = tl.sum(tl.where(own, starts[None, :], 0), axis=1)
-    size = tl.sum(tl.where(own, sizes[None, :], 0), axis=1)
-    fill = tl.where(bad, 2, tl.where(g == G, 1, 0))
-    live = t < total
-    row = sched + t.to(tl.int64) * 4
-    tl.store(row, tl.minimum(g, G - 1), mask=live)
-    tl.store(row + 1, start + (t - first) * BLOCK_M, mask=live)
-    tl.store(row + 2, start + size, mask=live)
-    tl.store(row + 3, fill, mask=live)
-    if tl.program_id(0) == 0:
-        tl.store(count, total)
+    t0 = tl.program_id(0) * CHUNK
+    _row_tile_chunk(t0 + tl.arange(0, CHUNK), idx, starts, sizes, bad, G, M, RowTiles(sched, count), BLOCK_M, TAIL,
+                    t0 == 0)
+
+
+@triton.jit
+def _quantize_rows(X, src, dst, live, Q, S, H, kb_lo, kb_hi, SWIGLU: tl.constexpr = False, ROUND: tl.constexpr = ""):
+    """Q[dst] = X[src] for 128-column blocks [kb_lo, kb_hi) of the rows where ``live``: in
+    fp8 with 1x128 block scales S[dst, kb] (core/fp8.py's rule), or as they are (S.ptr None).
+    SWIGLU, ROUND: ``gather_quantize_kernel``'s."""
+    dtype: tl.constexpr = Q.ptr.dtype.element_ty
+    for kb in range(kb_lo, kb_hi):
+        cols = kb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+        mask = live[:, None] & (cols < H)[None, :]
+        x = tl.load(X.ptr + src[:, None] * X.stride0 + cols[None, :] * X.stride1, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if SWIGLU:
+            u = tl.load(X.ptr + src[:, None] * X.stride0 + (cols + H)[None, :] * X.stride1, mask=mask, other=0.0)
+            x = x * tl.sigmoid(x) * u.to(tl.float32)
+            if ROUND == "bf16":
+                x = x.to(tl.bfloat16).to(tl.float32)
+            elif ROUND == "fp16":
+                x = x.to(tl.float16).to(tl.float32)
+        if S.ptr is None:
+            tl.store(Q.ptr + dst[:, None] * Q.stride0 + cols[None, :] * Q.stride1, x.to(dtype), mask=mask)
+        else:
+            scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype)
+            q = fp8_grid(x, scale[:, None], dtype)
+            tl.store(Q.ptr + dst[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q.to(dtype), mask=mask)
+            tl.store(S.ptr + dst * S.stride0 + kb * S.stride1, scale, mask=live)
 
 
 @triton.jit
@@ -440,28 +536,9 @@ def gather_quantize_kernel(X, rows, Q, S, P, H, offs, G, col_blocks, BLOCK_R: tl
             src = r.to(tl.int64)
         else:
             src = tl.load(rows + r, mask=live, other=0).to(tl.int64)
-        r64 = r.to(tl.int64)
-        dtype: tl.constexpr = Q.ptr.dtype.element_ty
         kb_lo = tl.program_id(1) * col_blocks
-        for kb in range(kb_lo, tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK))):
-            cols = kb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-            mask = live[:, None] & (cols < H)[None, :]
-            x = tl.load(X.ptr + src[:, None] * X.stride0 + cols[None, :] * X.stride1, mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            if SWIGLU:
-                u = tl.load(X.ptr + src[:, None] * X.stride0 + (cols + H)[None, :] * X.stride1, mask=mask, other=0.0)
-                x = x * tl.sigmoid(x) * u.to(tl.float32)
-                if ROUND == "bf16":
-                    x = x.to(tl.bfloat16).to(tl.float32)
-                elif ROUND == "fp16":
-                    x = x.to(tl.float16).to(tl.float32)
-            if S.ptr is None:
-                tl.store(Q.ptr + r64[:, None] * Q.stride0 + cols[None, :] * Q.stride1, x.to(dtype), mask=mask)
-            else:
-                scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype)
-                q = fp8_grid(x, scale[:, None], dtype)
-                tl.store(Q.ptr + r64[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q.to(dtype), mask=mask)
-                tl.store(S.ptr + r64 * S.stride0 + kb * S.stride1, scale, mask=live)
+        _quantize_rows(X, src, r.to(tl.int64), live, Q, S, H, kb_lo, tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK)),
+                       SWIGLU, ROUND)
 
 
 @triton.jit

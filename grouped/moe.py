@@ -16,16 +16,16 @@ from typing import Optional
 import torch
 
 from ..core import checks, configs, hopper_configs
-from ..core.dispatch import Op, Step, Workspace, wants_grad
-from ..blockscaled.quantize import QUANTIZE_FP8, quantize_fp8, quantize_int4, quantize_launch, quantize_mxfp4
-from ..core.runtime import INTERPRET, cdiv, empty, empty_strided
-from ..core.scaling import BLOCKWISE, MXFP4_BLOCK, ROW_BLOCKS, SCALE_BLOCK, weight_4bit
-from .kernels import NO_GROUPED_SCALES, grouped_scales
+from ..core.dispatch import Op, Workspace, wants_grad
+from ..blockscaled.quantize import quantize_fp8, quantize_int4, quantize_mxfp4
+from ..core.runtime import cdiv, empty, empty_strided
+from ..core.scaling import BLOCKWISE, MXFP4_BLOCK, SCALE_BLOCK, weight_4bit
+from .kernels import NO_GROUPED_SCALES, RowTiles, grouped_scales
 from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_routing, check_w4_experts,
-                        expert_gemm, expert_launch, expert_weight_grads, moe_sizes, sort_by_expert, sort_parts, sort_step, sorter)
+                        expert_gemm, expert_launch, expert_weight_grads, moe_sizes, prep_step, sort_by_expert, sort_parts)
 from .moe_train import MOE_FP8_TRAIN
-from .ops import combine, combine_launch, gather_quantize, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
-from .wgmma import gluon_grouped_mode, run_wgmma_grouped
+from .ops import combine, combine_launch, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
+from .wgmma import gluon_grouped_mode, wgmma_grouped_launch
 
 
 def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
@@ -142,24 +142,27 @@ def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids):
 
 class _Intermediates:
     """moe_ffn's intermediates for one call signature: where each lives in the call's one
-    workspace (core/dispatch.py Workspace: the sort's pair / token / offs, x's fp8 copy ``xq``
-    and its 1x128 scales ``xs`` stored [kh, T], h and its scales ``hs`` stored [ki, P],
+    workspace (core/dispatch.py Workspace: the sort's pair / token / offs, x's rows in sorted
+    order in fp8 ``xq`` and their 1x128 scales ``xs`` stored [kh, P], h and its scales ``hs`` stored [ki, P],
     ``y_pairs``), and the tensors each step of the pipeline takes from it, in its launch
     builder's order (each step's ``.on``)."""
 
-    def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool, w4: bool = False):
+    def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool, w4: bool = False,
+                 sorted_x: bool = False, tables: int = 0):
         T, H, E, I, k, P = sizes
         kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
         parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
-        if quantize_x:
-            parts.update(xq=((T, H), fp8_dtype), xs=((kh, T), torch.float32))
+        if quantize_x or sorted_x:
+            parts.update(xq=((P, H), fp8_dtype), xs=((kh, P), torch.float32))
+        for i in range(tables):  # row-tile tables (kernels.RowTiles) of tiles of 16 rows or more
+            parts.update({f"sched{i}": ((cdiv(P, 16) + E + 1, 4), torch.int32), f"count{i}": ((1,), torch.int32)})
         parts["h"] = ((P, I), h_dtype)
         if fp8:
             parts["hs"] = ((ki, P), torch.float32)
         parts["y_pairs"] = ((P, H), dtype)
         self.names = tuple(parts)
         self.workspace = Workspace(device, *parts.values())
-        self.fp8, self.quantize_x, self.w4 = fp8, quantize_x, w4
+        self.fp8, self.quantize_x, self.w4, self.tables = fp8, quantize_x, w4, tables
         self._h = self.names.index("h")
 
     def views(self, buffer) -> dict:
@@ -173,16 +176,18 @@ class _Intermediates:
         """h's part alone (the training forward's SwiGLU writes it)."""
         return self.workspace.part(buffer, self._h)
 
-    def sort_tensors(self, ids, buffer):
+    def prep_tensors(self, ids, x, buffer):
+        """The prep's (moe_steps.prep_step): the sort's outputs, x's quantised sorted rows, the
+        row-tile tables."""
         v = self.views(buffer)
-        return ids, v["pair"], v["token"], v["offs"]
+        return ((ids, v["pair"], v["token"], v["offs"]) + ((x, v["xq"], v["xs"]) if self.quantize_x else (None,) * 3)
+                + self.row_tiles(v))
 
-    def quantize_tensors(self, x, buffer):
-        v = self.views(buffer)
-        return x, v["xq"], v["xs"]
+    def row_tiles(self, v) -> tuple:
+        return tuple(RowTiles(v[f"sched{i}"], v[f"count{i}"]) for i in range(self.tables))
 
     def scales1(self, v, x_scale, w_gate_up_scale):
-        """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel), W13's, h's
+        """GEMM1's tiles.Scales (FP8 experts): x's rows' (sorted, or gathered in the kernel), W13's, h's
         (written); 4-bit experts: W13's scales (MXFP4's e8m0 as bytes)."""
         if self.w4:
             return grouped_scales(b=_w4_scale(w_gate_up_scale))
@@ -196,10 +201,11 @@ class _Intermediates:
         return grouped_scales(a=v["hs"], b=w_down_scale.transpose(1, 2)) if self.fp8 else NO_GROUPED_SCALES
 
     def gemm1_tensors(self, c, buffer, x, x_scale, w_gate_up, w_gate_up_scale):
-        """GEMM1's: h (or the pre-activation ``c``) of x's rows token[r] (gathered)."""
+        """GEMM1's: h (or the pre-activation ``c``) of x's rows token[r] (gathered in the
+        kernel, or already in sorted order when the prep quantised them)."""
         v = self.views(buffer)
-        return ((v["h"] if c is None else c), v["xq"] if self.quantize_x else x, w_gate_up, v["offs"], v["token"],
-                None, None, self.scales1(v, x_scale, w_gate_up_scale))
+        return ((v["h"] if c is None else c), v["xq"] if self.quantize_x else x, w_gate_up, v["offs"],
+                None if self.quantize_x else v["token"], None, None, self.scales1(v, x_scale, w_gate_up_scale))
 
     def fused_gemm1_tensors(self, buffer, *rest):
         return self.gemm1_tensors(None, buffer, *rest)
@@ -209,20 +215,20 @@ class _Intermediates:
         v = self.views(buffer)
         return v["y_pairs"], v["h"], w_down, v["offs"], None, v["pair"], weights.view(-1), self.scales2(v, w_down_scale)
 
+    def wgmma1_tensors(self, buffer, w_gate_up, w_gate_up_scale):
+        """The Gluon GEMM1's (wgmma.wgmma_grouped_launch): h of x's sorted fp8 rows, the first table."""
+        v = self.views(buffer)
+        return (v["xq"], w_gate_up, v["h"], self.row_tiles(v)[0], v["xs"], w_gate_up_scale.transpose(1, 2), None, None,
+                None, v["hs"])
+
+    def wgmma2_tensors(self, buffer, w_down, w_down_scale, weights):
+        """The Gluon GEMM2's: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T), the last table."""
+        v = self.views(buffer)
+        return (v["h"], w_down, v["y_pairs"], self.row_tiles(v)[-1], v["hs"], w_down_scale.transpose(1, 2), None,
+                v["pair"], weights, None)
+
     def combine_tensors(self, out, buffer, ids):
         return out, self.views(buffer)["y_pairs"], ids
-
-
-def _x_quantizer(x, dtype):
-    """The step that writes x's fp8 copy and 1x128 scales (builder: (x, q, scale))."""
-    if not INTERPRET:
-        return quantize_launch(x, ROW_BLOCKS, dtype, False)
-
-    def torch_quantize(x, q, scale):  # the quantiser's torch path (blockscaled/quantize.py: the interpreter's fp8 cast of NaN)
-        for part, value in zip((q, scale), QUANTIZE_FP8(x, (1, SCALE_BLOCK), dtype, False, False, False, "onegemm")):
-            part.copy_(value)
-
-    return Step(torch_quantize)
 
 
 def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
@@ -264,17 +270,17 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, bool(w4))
     # a 4-bit GEMM's (format, values per scale along K): H / GEMM1's scale columns, I / GEMM2's
     w4_1, w4_2 = ((w4, H // w_gate_up_scale.shape[2]), (w4, I // w_down_scale.shape[2])) if w4 else (None, None)
-    sort = sort_step(topk_ids, E).on(inter.sort_tensors)
-    quantize = _x_quantizer(x, w_gate_up.dtype).on(inter.quantize_tensors) if quantize_x else None
+    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype).on(inter.prep_tensors)
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
     fp32_weights = topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
     v = inter.views(inter.workspace.new())
-    a1, weights = (v["xq"] if quantize_x else x), topk_weights.to(torch.float32).contiguous()
+    a1, a_rows = (v["xq"], None) if quantize_x else (x, v["token"])  # the prep's sorted rows, or x's gathered
+    weights = topk_weights.to(torch.float32).contiguous()
     if keep_pre:
         gemm1 = expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],
-                              a_rows=v["token"]).on(inter.gemm1_tensors)
+                              a_rows=a_rows).on(inter.gemm1_tensors)
     else:
-        gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=v["token"], swiglu=True, w4=w4_1,
+        gemm1 = expert_launch(a1, w_gate_up, v["h"], v["offs"], a_rows=a_rows, swiglu=True, w4=w4_1,
                               scales=inter.scales1(v, x_scale, w_gate_up_scale),
                               **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
         gemm1 = gemm1.on(inter.fused_gemm1_tensors)
@@ -286,9 +292,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
         buffer = new_buffer()
-        sort(topk_ids, buffer)
-        if quantize is not None:
-            quantize(x, buffer)
+        prep(topk_ids, x, buffer)
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
             gemm1(h_pre, buffer, x, x_scale, w_gate_up, w_gate_up_scale)
@@ -362,53 +366,62 @@ def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scal
     T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
     mode = gluon_grouped_mode(w_gate_up, P, E, moe=True) if P else None
     if mode is not None and gluon_grouped_mode(w_down, P, E, moe=True) == mode:
-        sort = sorter(topk_ids, E)
-
-        def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
-            pair, token, offs = sort(topk_ids)
-            return _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair,
-                                  token, offs, mode, x_scale)
-
-        return run
+        return _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale,
+                                       x_scale, mode)
     return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
 
 
-def _moe_fp8_wgmma(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, pair, token, offs,
-                   mode, x_scale=None):
+def _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale,
+                            mode):
     """The FP8 expert FFN on core's Gluon body (sm_90; ``mode`` "grouped" or "decode", from
-    wgmma.gluon_grouped_mode): TMA cannot gather rows, so x is quantised once in
-    expert-sorted order (one row per pair), then GEMM1 (its two warpgroups the gate and the up
-    product) writes silu(gate) * up as fp8 with 1x128 scales, and GEMM2 scatters each pair's
-    weighted row; the combine sums each token's rows in slot order (fp32). The rows of experts
-    on other ranks get no tiles. At decode both GEMMs compute their tiles transposed (the
-    weights' rows on wgmma's 64-row side, the few tokens of an expert on its N side). An
-    already-quantised x (``x_scale``) has its rows and scales gathered as they are."""
-    (T, H), (E, two_i, _), k = x.shape, w_gate_up.shape, topk_weights.shape[1]
-    I, P = two_i // 2, T * k
-    # Rows past offs[-1] (ids of experts on other ranks) get no tiles and are never read.
-    if x_scale is None:
-        xq, xs = gather_quantize(x, token, w_gate_up.dtype, offs)
-    else:  # fp8 rows move as bytes (torch indexes no float8 dtype on every device)
-        xq = x.view(torch.uint8).index_select(0, token).view(x.dtype)
-        xs = x_scale.index_select(0, token)
+    wgmma.gluon_grouped_mode), its launches made once: TMA cannot gather rows, so the prep
+    (moe_steps.prep_step: one launch at decode sizes) writes x's rows quantised in
+    expert-sorted order with the GEMMs' row-tile tables; GEMM1 (its two warpgroups the gate
+    and the up product) writes silu(gate) * up as fp8 with 1x128 scales; GEMM2 scatters each
+    pair's weighted row; the combine sums each token's rows in slot order (fp32). The rows
+    of experts on other ranks get no tiles. At decode both GEMMs compute their tiles
+    transposed (the weights' rows on wgmma's 64-row side, the few tokens of an expert on its
+    N side). An already-quantised x (``x_scale``) has its rows and scales gathered as they are."""
+    sizes = moe_sizes(x, w_gate_up, topk_ids)
+    T, H, E, I, k, P = sizes
     out_dtype = _out_dtype(x)
-    h = empty((P, I), dtype=w_gate_up.dtype, device=x.device)
-    hs = empty((cdiv(I, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t()
+    quantize_x = x_scale is None
+    inter = _Intermediates(sizes, x.device, out_dtype, w_gate_up.dtype, w_gate_up.dtype, True, quantize_x,
+                           sorted_x=True, tables=2)
+    v = inter.views(inter.workspace.new())
+    prep_step(topk_ids, E)(topk_ids, v["pair"], v["token"], v["offs"])  # real tables for autotuning's trials
     m = configs.m_bucket(P // E)
-    tables = {}
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    schedule = lambda block_m: row_tiles(v["offs"], E, P, block_m, tail=False)  # noqa: E731
+    gemm1 = wgmma_grouped_launch(v["xq"], w_gate_up, v["h"], schedule, v["xs"], w_gate_up_scale.transpose(1, 2), N=I,
+                                 out_scale=v["hs"], key=hopper_configs.WgmmaKey(
+                                     m, I, H, BLOCKWISE, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
+    gemm2 = wgmma_grouped_launch(v["h"], w_down, v["y_pairs"], schedule, v["hs"], w_down_scale.transpose(1, 2), N=H,
+                                 scatter=v["pair"], weight=weights, key=hopper_configs.WgmmaKey(
+                                     m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
+    block_ms = tuple(dict.fromkeys((gemm1.plan.meta["BLOCK_M"], gemm2.plan.meta["BLOCK_M"])))  # one table if the same
+    inter.tables = len(block_ms)  # the tables the prep writes; GEMM1 reads the first, GEMM2 the last
+    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, block_ms).on(inter.prep_tensors)
+    gemm1, gemm2 = gemm1.on(inter.wgmma1_tensors), gemm2.on(inter.wgmma2_tensors)
+    combine = combine_launch(v["y_pairs"], topk_ids, E, out_dtype).on(inter.combine_tensors)
+    new_buffer = inter.workspace.new
+    fp32_weights = topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
 
-    def schedule(block_m):  # the row tiles of a tile height, shared by the two GEMMs
-        if block_m not in tables:
-            tables[block_m] = row_tiles(offs, E, P, block_m, tail=False)
-        return tables[block_m]
+    def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+        buffer = new_buffer()
+        prep(topk_ids, x, buffer)
+        if x_scale is not None:  # fp8 rows move as bytes (torch indexes no float8 dtype on every device)
+            u = inter.views(buffer)
+            torch.index_select(x.view(torch.uint8), 0, u["token"], out=u["xq"].view(torch.uint8))
+            u["xs"].copy_(x_scale.index_select(0, u["token"]))
+        gemm1(buffer, w_gate_up, w_gate_up_scale)
+        gemm2(buffer, w_down, w_down_scale, topk_weights.view(-1) if fp32_weights else
+              topk_weights.reshape(-1).to(torch.float32).contiguous())
+        y = empty_strided((T, H), (H, 1), dtype=out_dtype, device=x.device)
+        combine(y, buffer, topk_ids)
+        return y
 
-    run_wgmma_grouped(xq, w_gate_up, h, schedule, xs, w_gate_up_scale.transpose(1, 2), N=I, out_scale=hs,
-                      key=hopper_configs.WgmmaKey(m, I, H, BLOCKWISE, "fp8", "swiglu" if mode == "grouped" else "decode_swiglu"))
-    y_pairs = empty((T * k, H), dtype=out_dtype, device=x.device)
-    run_wgmma_grouped(h, w_down, y_pairs, schedule, hs, w_down_scale.transpose(1, 2), N=H,
-                      scatter=pair, weight=topk_weights.reshape(-1).to(torch.float32).contiguous(),
-                      key=hopper_configs.WgmmaKey(m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
-    return combine(y_pairs, topk_ids, E, out_dtype)
+    return run
 
 
 def _moe_fp8_fake(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):

@@ -13,12 +13,12 @@ import torch
 from ..core import checks
 from ..core.dispatch import Launch, Step, Workspace
 from ..core.launch import Launcher, Request
-from ..core.runtime import cdiv, next_pow2
+from ..core.runtime import INTERPRET, cdiv, interpretable, next_pow2, sm_count
 from ..core.scaling import INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK, weight_4bit
-from ..core.tiles import Routing
-from .configs import SORT_MAX_PAIRS, SortKey
-from .kernels import NO_GROUPED_SCALES, sort_by_expert_kernel
-from .ops import grouped_matmul, ragged_args, ragged_launch
+from ..core.tiles import NO_OPERAND, Operand, Routing
+from .configs import SORT_MAX_PAIRS, SortKey, gather_col_blocks
+from .kernels import NO_GROUPED_SCALES, NO_ROW_TILES, moe_prep_kernel
+from .ops import gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles
 from .w4 import w4_bytes
 
 
@@ -30,30 +30,49 @@ def sort_by_expert(topk_ids, num_experts: int):
     e owns rows [offs[e-1], offs[e]). The sort is stable, so the order (and the result) is the
     same on every run. Ids outside [0, E) (e.g. experts on another rank under expert
     parallelism) sort past offs[-1], where the grouped GEMM writes zeros: they contribute 0.
-    Up to SORT_MAX_PAIRS pairs one Triton program sorts them (one launch); more go through
-    torch.sort. Both are stable, so both give the same order.
+    Up to SORT_MAX_PAIRS pairs a Triton kernel sorts them (one launch, ``prep_step``); more go
+    through torch.sort. Both are stable, so both give the same order.
     """
     return sorter(topk_ids, num_experts)(topk_ids)
 
 
-# The one-program sort (sort_step takes it up to SORT_MAX_PAIRS pairs).
-SORT = Launcher(sort_by_expert_kernel, "sort")
+# The MoE prep (moe_prep_kernel): up to SORT_MAX_PAIRS pairs, the sort with x's sorted rows
+# and the row-tile tables in one launch.
+PREP = Launcher(moe_prep_kernel, "sort")
+_PAIR_BLOCK = 64  # pairs per program: each compares its pairs with all P (a [64, 64] step)
 
 
-def sort_step(topk_ids, E: int):
-    """``sort_by_expert``'s step for ids of topk_ids' signature: a Launch (the one-program sort)
-    or a Step (torch.sort) whose builder takes (ids, pair, token, offs), the three outputs
-    given (a record's workspace parts)."""
+def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = ()):
+    """The step before the expert GEMMs for arguments of these signatures: the routing sort;
+    with ``x`` [T, H] also its rows in sorted order, in ``dtype`` (fp8: quantised in 1x128
+    blocks with their scales; rows of experts on other ranks unwritten); and the row-tile
+    tables (ops.row_tiles without the tail group) of each tile height in ``block_ms``.
+    A Launch (``moe_prep_kernel``, one launch up to SORT_MAX_PAIRS contiguous pairs) or a Step
+    (torch.sort, gather_quantize, row_tiles); its builder takes (ids, pair, token, offs, x, q,
+    s, *tables), the outputs given (a record's workspace parts): q [P, H], s [P, ceil(H/128)]
+    or None, and a kernels.RowTiles per height."""
     T, k = topk_ids.shape
     P = T * k
     if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
         e_block = next_pow2(E + 1)
-        plan = SORT.plan_for(Request(SortKey(e_block),
-                                     dict(E_BLOCK=e_block, PAIR_BLOCK=max(16, min(256, 8192 // e_block))), topk_ids.device))
-        return Launch(SORT, plan, (1,), lambda ids, pair, token, offs: (ids.view(-1), pair, token, offs, P, E, k))
+        meta = dict(E_BLOCK=e_block, PAIR_BLOCK=_PAIR_BLOCK, COUNT_BLOCK=max(16, min(256, 8192 // e_block)),
+                    **{f"BLOCK_M{i + 1}": m for i, m in enumerate(block_ms)})
+        plan = PREP.plan_for(Request(SortKey(e_block), meta, topk_ids.device))
+        programs = cdiv(P, _PAIR_BLOCK)
+        kb = cdiv(x.shape[1], SCALE_BLOCK) if x is not None else 1
+        per = gather_col_blocks(programs, kb, 1 if INTERPRET else sm_count(plan.device_index))
+
+        def build(ids, pair, token, offs, x=None, q=None, s=None, *tables):
+            tiles = tables + (NO_ROW_TILES,) * (2 - len(tables))
+            if x is None:
+                return ids.view(-1), pair, token, offs, NO_OPERAND, NO_OPERAND, NO_OPERAND, *tiles, P, E, k, 0, 1
+            return (ids.view(-1), pair, token, offs, Operand(interpretable(x), *x.stride()), Operand(q, *q.stride()),
+                    NO_OPERAND if s is None else Operand(s, *s.stride()), *tiles, P, E, k, x.shape[1], per)
+
+        return Launch(PREP, plan, (programs, cdiv(kb, per)), build)
     experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)
 
-    def sort(ids, pair, token, offs):
+    def prep(ids, pair, token, offs, x=None, q=None, s=None, *tables):
         flat = ids.reshape(-1)
         # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
         flat = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
@@ -62,8 +81,12 @@ def sort_step(topk_ids, E: int):
         torch.floor_divide(order, k, out=token)
         # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
         torch.searchsorted(sorted_ids, experts, right=True, out_int32=True, out=offs)
+        if x is not None:
+            gather_quantize(x, token, q.dtype, offs, out=(q, s))
+        for tiles, block_m in zip(tables, block_ms):
+            row_tiles(offs, E, P, block_m, tail=False, out=tiles)
 
-    return Step(sort)
+    return Step(prep)
 
 
 def sort_parts(P: int, E: int) -> tuple:
@@ -76,7 +99,7 @@ def sorter(topk_ids, E: int):
     (the three in one allocation: each torch.empty costs the host more than a view)."""
     T, k = topk_ids.shape
     workspace = Workspace(topk_ids.device, *sort_parts(T * k, E))
-    step = sort_step(topk_ids, E)
+    step = prep_step(topk_ids, E)
 
     def sort(ids):
         parts = workspace.parts(workspace.new())

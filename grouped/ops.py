@@ -16,7 +16,7 @@ from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 NO_ROUTING = Routing()
 from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from .configs import ListKey, RaggedKey, gather_col_blocks
-from .kernels import (NO_GROUPED_SCALES, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
+from .kernels import (NO_GROUPED_SCALES, RowTiles, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
                       ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
 from .w4 import check_w4_operands, dequantize_w4, w4_bytes, w4_flavour, w4_scales
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
@@ -29,28 +29,30 @@ COMBINE = Launcher(combine_kernel, "combine")
 SWIGLU_BACKWARD = Launcher(swiglu_backward_kernel, "swiglu_backward")
 
 
-def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True):
+def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True, out=None):
     """The row tiles of M rows cut by offs into G groups, as core's Gluon body walks them:
     (sched int32 [cdiv(M, block_m) + G + 1, 4], count int32 [1]), built on the device
     (row_tiles_kernel), so no offs value reaches the host. ``tail`` False: no tiles for the
-    rows past offs[-1] (their output is never read)."""
+    rows past offs[-1] (their output is never read). ``out``: the two tensors to write."""
     units = cdiv(M, block_m) + G + 1
-    sched = torch.empty((units, 4), dtype=torch.int32, device=offs.device)
-    count = torch.empty(1, dtype=torch.int32, device=offs.device)
+    if out is None:
+        out = RowTiles(torch.empty((units, 4), dtype=torch.int32, device=offs.device),
+                       torch.empty(1, dtype=torch.int32, device=offs.device))
     g_block = next_pow2(G + 1)
     key = configs.PrepKey("row_tiles", g_block)
     plan = ROW_TILES.plan_for(lambda: Request(key, dict(BLOCK_M=block_m, G_BLOCK=g_block, TAIL=tail), offs.device),
                               (key, block_m, tail, offs.get_device()))
-    ROW_TILES.launch(plan, (cdiv(units, plan.meta["CHUNK"]),), (Vector(offs, offs.stride(0)), sched, count, G, M))
-    return sched, count
+    ROW_TILES.launch(plan, (cdiv(units, plan.meta["CHUNK"]),), (Vector(offs, offs.stride(0)), *out, G, M))
+    return tuple(out)
 
 
-def gather_quantize(x, rows, dtype=torch.float8_e4m3fn, offs=None):
+def gather_quantize(x, rows, dtype=torch.float8_e4m3fn, offs=None, out=None):
     """(q [P, H] fp8, scales fp32 [P, ceil(H/128)]) of x[rows] in 1x128 blocks, rows int32 [P]:
     quantize_fp8's values and scales of the gathered rows, in one pass. The scales are a
     transposed view of [ceil(H/128), P], so a GEMM reads a K block's scales of its rows in one
-    coalesced line. ``offs`` (int32 [G] group end offsets): rows past offs[-1] are left unwritten."""
-    return _gather_quantize(x, rows, rows.shape[0], x.shape[1], dtype, offs)
+    coalesced line. ``offs`` (int32 [G] group end offsets): rows past offs[-1] are left unwritten.
+    ``out``: (q, scales) to write."""
+    return _gather_quantize(x, rows, rows.shape[0], x.shape[1], dtype, offs, out=out)
 
 
 def swiglu_quantize(h_pre, dtype=torch.float8_e4m3fn):
@@ -64,15 +66,17 @@ def swiglu_forward(h_pre, dtype, out=None):
     """h = silu(gate) * up [P, I] in ``dtype`` of h_pre [P, 2I] (gate | up), computed in fp32
     from one read of h_pre (gather_quantize_kernel's SWIGLU without the quantisation), written
     to ``out`` (contiguous [P, I]) when given."""
-    return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True, out=out)[0]
+    return _gather_quantize(h_pre, None, h_pre.shape[0], h_pre.shape[1] // 2, dtype, None, swiglu=True, out=(out, None))[0]
 
 
 def _gather_quantize(x, rows, P: int, H: int, dtype, offs, swiglu: bool = False, out=None):
     """gather_quantize_kernel's launch: (q, scales) for an fp8 ``dtype``, (rows, None) else;
-    ``out``: the rows' tensor (16-bit dtypes), else allocated."""
+    ``out``: (q, scales) to write, else allocated."""
     quantize = dtype in checks.FP8_DTYPES
-    q = empty((P, H), dtype=dtype, device=x.device) if out is None else out
-    s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t() if quantize else None
+    q, s = (None, None) if out is None else out
+    q = empty((P, H), dtype=dtype, device=x.device) if q is None else q
+    if quantize and s is None:
+        s = empty((cdiv(H, SCALE_BLOCK), P), dtype=torch.float32, device=x.device).t()
     key = configs.PrepKey("gather_quantize", configs.m_bucket(P))
     round_to = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "") if swiglu and quantize else ""
     plan = GATHER_QUANTIZE.plan_for(lambda: Request(key, dict(SWIGLU=swiglu, ROUND=round_to), x.device),

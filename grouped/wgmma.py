@@ -11,6 +11,7 @@ import torch
 
 from ..core import configs, hopper_configs
 from ..core.hopper_fp8 import BLOCKSCALED_WGMMA, Groups, k_loop_meta, on_sm90
+from ..core.dispatch import Launch
 from ..core.launch import Request
 from ..core.runtime import cdiv, sm_count
 from ..core.scaling import BLOCKWISE, ROWWISE, SCALE_BLOCK, Scaling
@@ -82,21 +83,24 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: hoppe
     applied in the epilogue; bias [G, N]; scatter int32 [M]: c row of each row; weight fp32 per c row;
     out_scale: c's own 1x128 scales [M, ceil(N/128)] when c is fp8 (written).
     """
+    launch = wgmma_grouped_launch(a, w, c, schedule, scale_a, scale_b, N=N, key=key, bias=bias, activation=activation,
+                                  scatter=scatter, weight=weight, out_scale=out_scale, config=config)
+    launch.run(a, w, c, schedule(launch.plan.meta["BLOCK_M"]), scale_a, scale_b, bias, scatter, weight, out_scale)
+
+
+def wgmma_grouped_launch(a, w, c, schedule, scale_a, scale_b, *, N: int, key: hopper_configs.WgmmaKey, bias=None,
+                         activation=None, scatter=None, weight=None, out_scale=None, config=None) -> Launch:
+    """``run_wgmma_grouped``'s launch for tensors shaped like these (its plan chosen, tuned on
+    these tensors where autotuning is on): a core/dispatch.py Launch whose builder takes
+    (a, w, c, (sched, count), scale_a, scale_b, bias, scatter, weight, out_scale), the table
+    of the plan's BLOCK_M."""
     M, K = a.shape
     G = w.shape[0]
     swiglu, swap = key.mode.endswith("swiglu"), key.mode.startswith("decode")
+    b_cols = None if experts_layout(w) else K  # else side by side (gluon_grouped_mode checked one of the two)
 
-    def request():
-        return Request(key, dict(ACTIVATION=activation, **k_loop_meta(key.scaling, key.fast_accum), GROUPED=True,
-                                 SWIGLU=swiglu, SWAP=swap), a.device, config, lambda plan: launch(plan))
-
-    def launch(plan):
-        meta = plan.meta
-        # an upper bound on the tiles (the table's count is on the device): persistent programs
-        tile_n = meta["BLOCK_N"] * (2 if swap and not swiglu else 1)
-        tiles = (cdiv(M, meta["BLOCK_M"]) + G + 1) * cdiv(N, tile_n)
-        sched, count = schedule(meta["BLOCK_M"])
-        groups = Groups(sched, count, G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter,
+    def build(a, w, c, tiles, scale_a, scale_b, bias=None, scatter=None, weight=None, out_scale=None):
+        groups = Groups(tiles[0], tiles[1], G, w.shape[1], scale_b.stride(0), 0 if bias is None else bias.stride(0), scatter,
                         weight, b_cols)
         out = NO_OPERAND if out_scale is None else Operand(out_scale, *out_scale.stride())
         if key.epilogue_scaled:
@@ -104,12 +108,23 @@ def run_wgmma_grouped(a, w, c, schedule, scale_a, scale_b, *, N: int, key: hoppe
         else:
             scales = Scales(a=Operand(scale_a, *scale_a.stride()), b=Operand(scale_b, scale_b.stride(1),
                                                                               scale_b.stride(2)), out=out)
-        BLOCKSCALED_WGMMA.launch(plan, (min(tiles, sm_count(plan.device_index)),), (
-            Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K, scales,
-            NO_VECTOR if bias is None else Vector(bias, bias.stride(1)), groups,
-        ))
+        return (Operand(a, *a.stride()), Operand(w, 1, w.stride(1)), Operand(c, *c.stride()), M, N, K, scales,
+                NO_VECTOR if bias is None else Vector(bias, bias.stride(1)), groups)
 
-    b_cols = None if experts_layout(w) else K  # else side by side (gluon_grouped_mode checked one of the two)
+    def grid(plan):
+        # an upper bound on the tiles (the table's count is on the device): persistent programs
+        tile_n = plan.meta["BLOCK_N"] * (2 if swap and not swiglu else 1)
+        return (min((cdiv(M, plan.meta["BLOCK_M"]) + G + 1) * cdiv(N, tile_n), sm_count(plan.device_index)),)
+
+    def trial(plan):  # an autotuning trial: these tensors, the table of the trial's tile height
+        BLOCKSCALED_WGMMA.launch(plan, grid(plan), build(a, w, c, schedule(plan.meta["BLOCK_M"]), scale_a, scale_b, bias,
+                                                         scatter, weight, out_scale))
+
+    def request():
+        return Request(key, dict(ACTIVATION=activation, **k_loop_meta(key.scaling, key.fast_accum), GROUPED=True,
+                                 SWIGLU=swiglu, SWAP=swap), a.device, config, trial)
+
     call_key = (key, a.dtype, c.dtype, bias is None or bias.dtype, activation, scatter is None, weight is None,
                 out_scale is None, b_cols is None, a.get_device(), config)
-    launch(BLOCKSCALED_WGMMA.plan_for(request, call_key))
+    plan = BLOCKSCALED_WGMMA.plan_for(request, call_key)
+    return Launch(BLOCKSCALED_WGMMA, plan, grid(plan), build)

@@ -8,6 +8,9 @@ import onegemm
 from helpers import capture, fp8_layer_diff_bound, fp8_moe_inputs, moe_inputs
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER, sort_by_expert
 from onegemm.grouped import configs as grouped_configs
+from onegemm.grouped.kernels import RowTiles
+from onegemm.grouped.moe_steps import prep_step
+from onegemm.grouped.ops import row_tiles
 from onegemm.testing import (
     TOL,
     assert_close,
@@ -21,6 +24,8 @@ from onegemm.testing import (
     quantize_fp8_ref,
     route_ref,
 )
+
+E4M3 = torch.float8_e4m3fn
 
 
 # ---- routing ----
@@ -61,6 +66,49 @@ def test_sort_by_expert(T, E, k, device):
     for e in range(E):
         run = pair[offs[e] - counts[e] : offs[e]].tolist()
         assert run == sorted(run)
+
+
+# (T, k, E, H, ids): one pair; more pairs than a program's 64 and H not a multiple of 128;
+# ids of other ranks (outside [0, E)); int64 ids; more pairs than the one launch takes
+# (SORT_MAX_PAIRS: torch.sort, gather_quantize and row_tiles instead)
+PREP_CASES = [
+    pytest.param(1, 1, 4, 128, "in-range", id="one-pair"),
+    pytest.param(17, 8, 16, 300, "in-range", id="136-pairs"),
+    pytest.param(40, 4, 8, 256, "other-ranks", id="other-ranks"),
+    pytest.param(33, 2, 5, 136, "int64", id="int64-ids"),
+    pytest.param(1100, 4, 6, 128, "other-ranks", id="past-one-launch"),
+]
+
+
+@pytest.mark.parametrize("T,k,E,H,ids_kind", PREP_CASES)
+def test_moe_prep(T, k, E, H, ids_kind, device):
+    """The step before the expert GEMMs (moe_steps.prep_step): the stable sort by expert, x's
+    rows in that order quantised in 1x128 blocks (quantize_fp8 of each row), the rows of other
+    ranks' pairs left unwritten, and the row-tile tables of two heights (row_tiles' tables
+    without the tail group)."""
+    low, high = (-2, E + 3) if ids_kind == "other-ranks" else (0, E)
+    ids = torch.randint(low, high, (T, k), device=device, dtype=torch.int64 if ids_kind == "int64" else torch.int32)
+    x = torch.randn(T, H, device=device).to(torch.bfloat16) * 4
+    P, kb = T * k, -(-H // 128)
+    poison = lambda *shape, dtype=torch.int32: torch.full(shape, -7, dtype=dtype, device=device)  # noqa: E731
+    pair, token, offs = poison(P), poison(P), poison(E)
+    q, s = torch.full((P, H), float("nan"), device=device).to(E4M3), torch.full((kb, P), float("nan"), device=device).t()
+    tables = [RowTiles(poison(-(-P // m) + E + 1, 4), poison(1)) for m in (16, 64)]
+    prep_step(ids, E, x, E4M3, (16, 64))(ids, pair, token, offs, x, q, s, *tables)
+
+    flat = ids.reshape(-1)
+    expert = torch.where((flat >= 0) & (flat < E), flat, E)
+    order = torch.sort(expert, stable=True).indices
+    assert pair.tolist() == order.tolist() and token.tolist() == (order // k).tolist()
+    assert offs.tolist() == torch.bincount(expert, minlength=E + 1)[:E].cumsum(0).tolist()
+    live = int(offs[-1])  # rows past it are other ranks' pairs
+    want_q, want_s = quantize_fp8_ref(x[order // k], (1, 128))
+    assert torch.equal(q[:live].float(), want_q[:live].float()) and torch.equal(s[:live], want_s[:live])
+    assert q[live:].float().isnan().all() and s[live:].isnan().all()
+    for (sched, count), block_m in zip(tables, (16, 64)):
+        want_sched, want_count = row_tiles(offs, E, P, block_m, tail=False)
+        assert count.tolist() == want_count.tolist()
+        assert sched[:int(count)].tolist() == want_sched[:int(count)].tolist()
 
 
 # ---- moe_ffn ----
