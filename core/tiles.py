@@ -129,17 +129,52 @@ class Segment(NamedTuple):
     lock: Any = None
 
 
+class Combine(NamedTuple):
+    """MoE GEMM2's top-k sum after its store (``combine_pairs``): the last fields of a Routing
+    (``Routing(gather, scatter, weight, *combine)``; Triton 3.6 mishandles a specialised value
+    of a tuple nested in a tuple, so they are not a field of their own). C's rows are the
+    (token, slot) pairs p = t * k + j of every token, each stored exactly once per column tile
+    (other ranks' pairs too, as zeros).
+
+    out [T, N] (strides out_stride0, out_stride1): out[t] = the sum over slots j of
+    C[t * k + j] whose id is in [0, E), in slot order in fp32. tickets: int32
+    [T * cdiv(N, BLOCK_N)], zero before the launch (one per token and column tile); None: no
+    combine. ids [T, k] (int32 / int64; strides ids_stride0, ids_stride1): the pairs' experts.
+    """
+
+    out: Any = None
+    out_stride0: Any = 0
+    out_stride1: Any = 0
+    tickets: Any = None
+    ids: Any = None
+    ids_stride0: Any = 0
+    ids_stride1: Any = 0
+    k: Any = 0
+    E: Any = 0
+
+
 class Routing(NamedTuple):
     """The MoE rows of a ragged tile (each None when absent), indexed by the grouped row.
 
     gather: int32; A row of grouped row r is gather[r] (GEMM1 reads token rows of x in place).
     scatter: int32; C row of grouped row r is scatter[r] (GEMM2 writes each (token, slot) row).
     weight: the C row's multiplier, weight[C row] (the routing weight), after the activation.
+    out ... E: a Combine's fields (GEMM2 also sums each token's rows into ``out``; tickets
+    None: no combine).
     """
 
     gather: Any = None
     scatter: Any = None
     weight: Any = None
+    out: Any = None
+    out_stride0: Any = 0
+    out_stride1: Any = 0
+    tickets: Any = None
+    ids: Any = None
+    ids_stride0: Any = 0
+    ids_stride1: Any = 0
+    k: Any = 0
+    E: Any = 0
 
 
 class GroupK(NamedTuple):
@@ -720,6 +755,41 @@ def store_tile(C, acc, offs_m, offs_n, mask_m, mask_n, USE_TMA: tl.constexpr = F
 
 
 @triton.jit
+def combine_pairs(C, pairs, offs_n, mask_m, mask_n, pid_n, N, BLOCK_N: tl.constexpr, combine):
+    """``combine`` (a Routing's Combine fields) after a scattered tile's store (rows ``pairs`` of C, columns ``offs_n``): each
+    stored row takes a ticket on its token's counter for this column tile; the row that gets
+    the k-th sums the token's k rows of C in slot order, skipping other ranks' slots, and
+    stores out[t]. The sum reads stored values only, so it is the same whichever tile arrives
+    last (deterministic: no atomics on values), and nobody waits for anybody."""
+    t = pairs // combine.k
+    # Every thread's rows are stored before the tickets; acq_rel at GPU scope orders the
+    # other tiles' stores before the last arrival's loads (as split_k_combine's).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(combine.tickets + t * tl.cdiv(N, BLOCK_N) + pid_n, 1, mask=mask_m, sem="acq_rel", scope="gpu")
+    last = mask_m & (ticket == combine.k - 1)
+    tl.debug_barrier()
+    t64 = t.to(tl.int64)
+    cols = offs_n.to(tl.int64)[None, :]
+    # Slot j's id and row, stepped through the loop. The steps are tensors: Triton 3.6 fails to
+    # compile a specialised stride of 1 from a nested tuple used inside a runtime loop.
+    ids_at = combine.ids + t64 * combine.ids_stride0
+    ids_step = combine.ids_stride1 + tl.zeros_like(t64)
+    c_at = C.ptr + (t64 * combine.k)[:, None] * C.stride0 + cols * C.stride1
+    c_step = C.stride0 + tl.zeros_like(t64)[:, None]
+    experts = combine.E + tl.zeros_like(t)
+    acc = tl.zeros((pairs.shape[0], BLOCK_N), dtype=tl.float32)
+    for _ in range(combine.k):
+        e = tl.load(ids_at, mask=last, other=-1)
+        use = last & (e >= 0) & (e < experts)
+        # .cg: from L2, where the other SMs' rows are (not a stale L1 line)
+        acc += tl.load(c_at, mask=use[:, None] & mask_n[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+        ids_at += ids_step
+        c_at += c_step
+    tl.store(combine.out + t64[:, None] * combine.out_stride0 + cols * combine.out_stride1,
+             acc.to(combine.out.dtype.element_ty), mask=last[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def split_k_range(split, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """The K blocks [kb_lo, kb_hi) that split ``split`` of SPLIT_K sums: ceil(blocks / SPLIT_K)
     consecutive blocks each, the last splits shorter or empty (K of 2 blocks over 4 splits
@@ -877,16 +947,14 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     routing: Routing (grouped/ MoE; all None elsewhere): the tile's rows are grouped rows
         row0 + [0, M), by which the gather/scatter arrays and the routing weight are indexed.
         A scattered C is stored through pointers (C.ptr must then be a pointer, also in the
-        TMA flavour).
+        TMA flavour); with its Combine fields the stored rows are then summed per token (``combine_pairs``).
     split: SplitK when spec.SPLIT_K > 1: this program sums split ``split.index`` of the tile's
         K blocks (``split_k_range``); the last split to finish sums the partials and alone runs
         the epilogue and the store (``_combine_splits``; core/splitk.py is the host side).
-    spec.SWIGLU: B has 2N columns, gate then up; the tile's BLOCK_N B columns interleave them
-        (``_gate_up``) so ONE dot computes both, and the tile writes silu(gate) * up, BLOCK_N/2
-        columns of C. The [rows, 2N] product is never stored.
+    spec.SWIGLU: B has 2N columns, gate then up, interleaved in the tile (``_gate_up``) so ONE
+        dot computes both; the tile writes silu(gate) * up, BLOCK_N/2 columns of C.
     fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
-    segment: a stream-K Segment (``stream_k``): only its K blocks, and when other programs
-        share the tile, the last of them to finish sums the parts and alone stores.
+    segment: a stream-K Segment (``stream_k``): only its K blocks; the tile's last part stores.
     scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``).
     group_k: a ragged K's GroupK in the TMA flavour (K is then what its descriptors' loop sums).
     """
@@ -947,3 +1015,5 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
             acc = quantize_tile(acc, scales.out, out_rows, pid_n, N, mask_m, mask_n,
                                 C.ptr.dtype if TMA_STORE else C.ptr.dtype.element_ty)
         store_tile(C, acc, out_rows, offs_n, mask_m, mask_n, TMA_STORE, pid_m * BLOCK_M, pid_n * BLOCK_N)
+        if routing.tickets is not None:
+            combine_pairs(C, out_rows, offs_n, mask_m, mask_n, pid_n, N, BLOCK_N_OUT, routing)

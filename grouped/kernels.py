@@ -379,7 +379,7 @@ NO_ROW_TILES = RowTiles(None, None)
 
 
 @triton.jit
-def moe_prep_kernel(ids, pair, token, offs, X, Q, S, tiles1, tiles2, P, E, k, H, col_blocks,
+def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, P, E, k, H, col_blocks, n_zero,
                     E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
                     BLOCK_M1: tl.constexpr = 0, BLOCK_M2: tl.constexpr = 0, CHUNK: tl.constexpr = 32):
     """The MoE step before the expert GEMMs, one launch: the (token, slot) pairs sorted by
@@ -395,6 +395,7 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, tiles1, tiles2, P, E, k, H,
         [P, H], row r = x[token[r]], quantised to Q's fp8 dtype in 1x128 blocks with scales
         S (Operand over fp32 [P, ceil(H/128)]; NO_OPERAND: Q is 16/32-bit and gets the rows as
         they are). Rows of other ranks' pairs are not written (no GEMM tile reads them).
+    zeros: int32 [n_zero] (out: zeros), or None: GEMM2's combine tickets (core/tiles.py Combine).
     tiles1, tiles2: RowTiles of BLOCK_M1 / BLOCK_M2 rows (0: none), as ``row_tiles_kernel``
         writes them without the tail group (the GEMMs' Groups.sched).
     E_BLOCK: a power of two > E. PAIR_BLOCK: pairs per program. COUNT_BLOCK: pairs per step of
@@ -414,7 +415,14 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, tiles1, tiles2, P, E, k, H,
     if X.ptr is not None:
         kb_lo = cid * col_blocks
         _quantize_rows(X, (i // k).to(tl.int64), row.to(tl.int64), live & (e < E), Q, S, H, kb_lo,
-                       tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK)))
+                       tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK)), False, "")
+    if zeros is not None:  # each program a slice
+        per = tl.cdiv(n_zero, tl.num_programs(0) * tl.num_programs(1))
+        lo = (pid * tl.num_programs(1) + cid) * per
+        hi = tl.minimum(lo + per, n_zero)
+        for z in range(lo, hi, 1024):
+            o = z + tl.arange(0, 1024)
+            tl.store(zeros + o, 0, mask=o < hi)
     if (pid == 0) & (cid == 0):
         experts, sizes = _expert_sizes(ids, P, E, E_BLOCK, COUNT_BLOCK)
         ends = tl.cumsum(sizes, axis=0)
@@ -483,7 +491,7 @@ def row_tiles_kernel(offs, sched, count, G, M, BLOCK_M: tl.constexpr, G_BLOCK: t
 
 
 @triton.jit
-def _quantize_rows(X, src, dst, live, Q, S, H, kb_lo, kb_hi, SWIGLU: tl.constexpr = False, ROUND: tl.constexpr = ""):
+def _quantize_rows(X, src, dst, live, Q, S, H, kb_lo, kb_hi, SWIGLU: tl.constexpr, ROUND: tl.constexpr):
     """Q[dst] = X[src] for 128-column blocks [kb_lo, kb_hi) of the rows where ``live``: in
     fp8 with 1x128 block scales S[dst, kb] (core/fp8.py's rule), or as they are (S.ptr None).
     SWIGLU, ROUND: ``gather_quantize_kernel``'s."""

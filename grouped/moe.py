@@ -19,6 +19,7 @@ from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Op, Workspace, wants_grad
 from ..blockscaled.quantize import quantize_fp8, quantize_int4, quantize_mxfp4
 from ..core.runtime import cdiv, empty, empty_strided
+from ..core.tiles import Combine
 from ..core.scaling import BLOCKWISE, MXFP4_BLOCK, SCALE_BLOCK, weight_4bit
 from .kernels import NO_GROUPED_SCALES, RowTiles, grouped_scales
 from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_routing, check_w4_experts,
@@ -143,26 +144,37 @@ def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids):
 class _Intermediates:
     """moe_ffn's intermediates for one call signature: where each lives in the call's one
     workspace (core/dispatch.py Workspace: the sort's pair / token / offs, x's rows in sorted
-    order in fp8 ``xq`` and their 1x128 scales ``xs`` stored [kh, P], h and its scales ``hs`` stored [ki, P],
-    ``y_pairs``), and the tensors each step of the pipeline takes from it, in its launch
-    builder's order (each step's ``.on``)."""
+    order in fp8 ``xq`` and their 1x128 scales ``xs`` stored [kh, P], h and its scales ``hs``
+    stored [ki, P], ``y_pairs``; then what ``complete`` adds), and the tensors each step of the
+    pipeline takes from it, in its launch builder's order (each step's ``.on``)."""
 
     def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool, w4: bool = False,
-                 sorted_x: bool = False, tables: int = 0):
+                 sorted_x: bool = False):
         T, H, E, I, k, P = sizes
         kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
         parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
         if quantize_x or sorted_x:
             parts.update(xq=((P, H), fp8_dtype), xs=((kh, P), torch.float32))
-        for i in range(tables):  # row-tile tables (kernels.RowTiles) of tiles of 16 rows or more
-            parts.update({f"sched{i}": ((cdiv(P, 16) + E + 1, 4), torch.int32), f"count{i}": ((1,), torch.int32)})
         parts["h"] = ((P, I), h_dtype)
         if fp8:
             parts["hs"] = ((ki, P), torch.float32)
         parts["y_pairs"] = ((P, H), dtype)
-        self.names = tuple(parts)
-        self.workspace = Workspace(device, *parts.values())
-        self.fp8, self.quantize_x, self.w4, self.tables = fp8, quantize_x, w4, tables
+        self.sizes, self.device, self.parts = sizes, device, parts
+        self.fp8, self.quantize_x, self.w4, self.tables, self.tickets = fp8, quantize_x, w4, 0, False
+        self.complete()
+
+    def complete(self, tickets: int = 0, block_ms: tuple = ()):
+        """Add the parts that the GEMMs' plans size: GEMM2's combine tickets (``tickets``
+        int32, core/tiles.py Combine) and the row-tile tables of each of ``block_ms`` (the Gluon
+        GEMMs' kernels.RowTiles), after the others, which keep their places."""
+        T, H, E, I, k, P = self.sizes
+        if tickets:
+            self.parts["tickets"], self.tickets = ((tickets,), torch.int32), True
+        for i, block_m in enumerate(block_ms):
+            self.parts.update({f"sched{i}": ((cdiv(P, block_m) + E + 1, 4), torch.int32), f"count{i}": ((1,), torch.int32)})
+        self.tables = len(block_ms)
+        self.names = tuple(self.parts)
+        self.workspace = Workspace(self.device, *self.parts.values())
         self._h = self.names.index("h")
 
     def views(self, buffer) -> dict:
@@ -178,10 +190,10 @@ class _Intermediates:
 
     def prep_tensors(self, ids, x, buffer):
         """The prep's (moe_steps.prep_step): the sort's outputs, x's quantised sorted rows, the
-        row-tile tables."""
+        tickets to zero, the row-tile tables."""
         v = self.views(buffer)
         return ((ids, v["pair"], v["token"], v["offs"]) + ((x, v["xq"], v["xs"]) if self.quantize_x else (None,) * 3)
-                + self.row_tiles(v))
+                + (v.get("tickets"),) + self.row_tiles(v))
 
     def row_tiles(self, v) -> tuple:
         return tuple(RowTiles(v[f"sched{i}"], v[f"count{i}"]) for i in range(self.tables))
@@ -210,10 +222,14 @@ class _Intermediates:
     def fused_gemm1_tensors(self, buffer, *rest):
         return self.gemm1_tensors(None, buffer, *rest)
 
-    def gemm2_tensors(self, buffer, w_down, w_down_scale, weights):
-        """GEMM2's: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) (scattered)."""
+    def gemm2_tensors(self, buffer, w_down, w_down_scale, weights, out, ids):
+        """GEMM2's: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) (scattered), and out[t]
+        the sum of token t's rows (tiles.Combine, on the tickets the prep zeroed)."""
         v = self.views(buffer)
-        return v["y_pairs"], v["h"], w_down, v["offs"], None, v["pair"], weights.view(-1), self.scales2(v, w_down_scale)
+        T, H, E, I, k, P = self.sizes
+        combine = Combine(out, *out.stride(), v["tickets"], ids, *ids.stride(), k, E)
+        return (v["y_pairs"], v["h"], w_down, v["offs"], None, v["pair"], weights.view(-1), self.scales2(v, w_down_scale),
+                combine)
 
     def wgmma1_tensors(self, buffer, w_gate_up, w_gate_up_scale):
         """The Gluon GEMM1's (wgmma.wgmma_grouped_launch): h of x's sorted fp8 rows, the first table."""
@@ -233,19 +249,21 @@ class _Intermediates:
 
 def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
                   keep_pre=False):
-    """The sort, GEMM1 (gather + SwiGLU), GEMM2 (routing weight, scatter) and the combine:
-    their plans and grids made here, once; the callable runs them on a call's tensors.
+    """The prep (the sort), GEMM1 (gather + SwiGLU), GEMM2 (routing weight, scatter, and the
+    top-k combine after its stores): their plans and grids made here, once; the callable runs
+    them on a call's tensors, three launches at decode sizes.
 
     GEMM1: h[r] = silu(x[token[r]] @ W1_e^T) * (x[token[r]] @ W3_e^T), rows sorted by expert;
     B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
     GEMM2 writes y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) in x's dtype: for 16-bit x
     that halves the bytes GEMM2 writes and the combine reads, against an fp32 intermediate.
-    The combine (ops.combine's kernel) sums each token's k rows in slot order in fp32, no
-    atomics, so the result has the same bits on every run. Every intermediate lives in one
-    workspace per call (core/dispatch.py Workspace), so a call allocates that and its output.
+    The combine (core/tiles.py combine_pairs, in GEMM2: the last of a token's k rows to be
+    stored sums them) adds each token's k rows in slot order in fp32, no atomics on values,
+    so the result has the same bits on every run. Every intermediate lives in one workspace
+    per call (core/dispatch.py Workspace), so a call allocates that and its output.
 
-    FP8 experts (the scales given): x is quantised once per token (T rows, not T * k) and
-    GEMM1 gathers fp8 rows and their scales; GEMM1 writes silu(gate) * up as fp8 with its
+    FP8 experts (the scales given): the prep writes x's rows quantised in sorted order (one
+    row per pair, as the Gluon body's pipeline reads them); GEMM1 writes silu(gate) * up as fp8 with its
     1x128 scales, stored [ceil(I/128), P] (the outer-dim-major layout quantize_fp8 gives, so
     GEMM2's K loop reads them coalesced). ``x_scale``: x is already quantised (fp8 rows with
     their 1x128 scales); nothing is quantised again and the output is bfloat16.
@@ -285,9 +303,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
                               **(dict(scaling=BLOCKWISE._replace(fp8_out=True)) if fp8 else {}))
         gemm1 = gemm1.on(inter.fused_gemm1_tensors)
     gemm2 = expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
-                          scales=inter.scales2(v, w_down_scale), w4=w4_2,
-                          **(dict(scaling=BLOCKWISE) if fp8 else {})).on(inter.gemm2_tensors)
-    combine = combine_launch(v["y_pairs"], topk_ids, E, dtype).on(inter.combine_tensors)
+                          scales=inter.scales2(v, w_down_scale), w4=w4_2, **(dict(scaling=BLOCKWISE) if fp8 else {}))
+    inter.complete(tickets=T * cdiv(H, gemm2.plan.meta["BLOCK_N"]))  # one per token and GEMM2 column tile
+    gemm2 = gemm2.on(inter.gemm2_tensors)
     new_buffer = inter.workspace.new
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
@@ -299,9 +317,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
             swiglu_forward(h_pre, h_dtype, out=inter.h(buffer))
         else:
             gemm1(buffer, x, x_scale, w_gate_up, w_gate_up_scale)
-        gemm2(buffer, w_down, w_down_scale, topk_weights if fp32_weights else topk_weights.to(torch.float32).contiguous())
         y = empty_strided((T, H), (H, 1), dtype=dtype, device=device)
-        combine(y, buffer, topk_ids)
+        gemm2(buffer, w_down, w_down_scale, topk_weights if fp32_weights else topk_weights.to(torch.float32).contiguous(),
+              y, topk_ids)
         return (y, h_pre) if keep_pre else y
 
     return run
@@ -387,7 +405,7 @@ def _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate
     out_dtype = _out_dtype(x)
     quantize_x = x_scale is None
     inter = _Intermediates(sizes, x.device, out_dtype, w_gate_up.dtype, w_gate_up.dtype, True, quantize_x,
-                           sorted_x=True, tables=2)
+                           sorted_x=True)
     v = inter.views(inter.workspace.new())
     prep_step(topk_ids, E)(topk_ids, v["pair"], v["token"], v["offs"])  # real tables for autotuning's trials
     m = configs.m_bucket(P // E)
@@ -400,7 +418,7 @@ def _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate
                                  scatter=v["pair"], weight=weights, key=hopper_configs.WgmmaKey(
                                      m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
     block_ms = tuple(dict.fromkeys((gemm1.plan.meta["BLOCK_M"], gemm2.plan.meta["BLOCK_M"])))  # one table if the same
-    inter.tables = len(block_ms)  # the tables the prep writes; GEMM1 reads the first, GEMM2 the last
+    inter.complete(block_ms=block_ms)  # the tables the prep writes: GEMM1 reads the first, GEMM2 the last
     prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, block_ms).on(inter.prep_tensors)
     gemm1, gemm2 = gemm1.on(inter.wgmma1_tensors), gemm2.on(inter.wgmma2_tensors)
     combine = combine_launch(v["y_pairs"], topk_ids, E, out_dtype).on(inter.combine_tensors)

@@ -15,7 +15,7 @@ from ..core.dispatch import Launch, Step, Workspace
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, interpretable, next_pow2, sm_count
 from ..core.scaling import INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK, weight_4bit
-from ..core.tiles import NO_OPERAND, Operand, Routing
+from ..core.tiles import NO_OPERAND, Combine, Operand, Routing
 from .configs import SORT_MAX_PAIRS, SortKey, gather_col_blocks
 from .kernels import NO_GROUPED_SCALES, NO_ROW_TILES, moe_prep_kernel
 from .ops import gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles
@@ -45,12 +45,13 @@ _PAIR_BLOCK = 64  # pairs per program: each compares its pairs with all P (a [64
 def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = ()):
     """The step before the expert GEMMs for arguments of these signatures: the routing sort;
     with ``x`` [T, H] also its rows in sorted order, in ``dtype`` (fp8: quantised in 1x128
-    blocks with their scales; rows of experts on other ranks unwritten); and the row-tile
-    tables (ops.row_tiles without the tail group) of each tile height in ``block_ms``.
-    A Launch (``moe_prep_kernel``, one launch up to SORT_MAX_PAIRS contiguous pairs) or a Step
-    (torch.sort, gather_quantize, row_tiles); its builder takes (ids, pair, token, offs, x, q,
-    s, *tables), the outputs given (a record's workspace parts): q [P, H], s [P, ceil(H/128)]
-    or None, and a kernels.RowTiles per height."""
+    blocks with their scales; rows of experts on other ranks unwritten); the row-tile tables
+    (ops.row_tiles without the tail group) of each tile height in ``block_ms``; and zeros
+    (GEMM2's combine tickets). A Launch (``moe_prep_kernel``, one launch up to
+    SORT_MAX_PAIRS contiguous pairs) or a Step (torch.sort, gather_quantize, row_tiles); its
+    builder takes (ids, pair, token, offs, x, q, s, zeros, *tables), the outputs given (a
+    record's workspace parts): q [P, H], s [P, ceil(H/128)] or None, zeros int32 or None, and
+    a kernels.RowTiles per height."""
     T, k = topk_ids.shape
     P = T * k
     if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
@@ -62,17 +63,19 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = ()):
         kb = cdiv(x.shape[1], SCALE_BLOCK) if x is not None else 1
         per = gather_col_blocks(programs, kb, 1 if INTERPRET else sm_count(plan.device_index))
 
-        def build(ids, pair, token, offs, x=None, q=None, s=None, *tables):
+        def build(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, *tables):
             tiles = tables + (NO_ROW_TILES,) * (2 - len(tables))
+            n_zero = 0 if zeros is None else zeros.numel()
             if x is None:
-                return ids.view(-1), pair, token, offs, NO_OPERAND, NO_OPERAND, NO_OPERAND, *tiles, P, E, k, 0, 1
+                return (ids.view(-1), pair, token, offs, NO_OPERAND, NO_OPERAND, NO_OPERAND, zeros, *tiles, P, E, k, 0, 1,
+                        n_zero)
             return (ids.view(-1), pair, token, offs, Operand(interpretable(x), *x.stride()), Operand(q, *q.stride()),
-                    NO_OPERAND if s is None else Operand(s, *s.stride()), *tiles, P, E, k, x.shape[1], per)
+                    NO_OPERAND if s is None else Operand(s, *s.stride()), zeros, *tiles, P, E, k, x.shape[1], per, n_zero)
 
         return Launch(PREP, plan, (programs, cdiv(kb, per)), build)
     experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)
 
-    def prep(ids, pair, token, offs, x=None, q=None, s=None, *tables):
+    def prep(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, *tables):
         flat = ids.reshape(-1)
         # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
         flat = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
@@ -85,6 +88,8 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = ()):
             gather_quantize(x, token, q.dtype, offs, out=(q, s))
         for tiles, block_m in zip(tables, block_ms):
             row_tiles(offs, E, P, block_m, tail=False, out=tiles)
+        if zeros is not None:
+            zeros.zero_()
 
     return Step(prep)
 
@@ -233,13 +238,15 @@ def expert_gemm(a, w, c, offs, **kwargs):
 
 def expert_launch(a, w, c, offs, **kwargs):
     """``expert_gemm``'s launch for operands shaped like these: a core/dispatch.py Launch whose
-    builder takes (c, a, w, offs, a_rows, c_rows, weight, scales)."""
+    builder takes (c, a, w, offs, a_rows, c_rows, weight, scales, combine): combine a
+    core/tiles.py Combine (GEMM2 sums each token's rows too; Combine(): none)."""
     wt = w4_bytes(w.transpose(1, 2)) if kwargs.get("w4") else w.transpose(1, 2)  # (4-bit: strides in bytes)
     G, N, K, M = w.shape[0], c.shape[1], a.shape[1], c.shape[0]
     strides = ((0, a.stride(0), a.stride(1)), tuple(wt.stride()), (0, c.stride(0), c.stride(1)))
 
-    def build(c, a, w, offs, a_rows, c_rows, weight, scales):
-        return ragged_args(a, w.transpose(1, 2), c, None, offs, strides, Routing(a_rows, c_rows, weight), scales, G, M, N, K)
+    def build(c, a, w, offs, a_rows, c_rows, weight, scales, combine=Combine()):
+        return ragged_args(a, w.transpose(1, 2), c, None, offs, strides, Routing(a_rows, c_rows, weight, *combine), scales,
+                           G, M, N, K)
 
     return ragged_launch(a, wt, c, offs, ragged="M", G=G, M=M, N=N, K=K, strides_a=strides[0], strides_b=strides[1],
                          strides_c=strides[2], rows_per_group=M // G, build=build, **kwargs)

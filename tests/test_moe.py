@@ -84,8 +84,8 @@ PREP_CASES = [
 def test_moe_prep(T, k, E, H, ids_kind, device):
     """The step before the expert GEMMs (moe_steps.prep_step): the stable sort by expert, x's
     rows in that order quantised in 1x128 blocks (quantize_fp8 of each row), the rows of other
-    ranks' pairs left unwritten, and the row-tile tables of two heights (row_tiles' tables
-    without the tail group)."""
+    ranks' pairs left unwritten, the row-tile tables of two heights (row_tiles' tables
+    without the tail group), and zeros where asked (GEMM2's combine tickets)."""
     low, high = (-2, E + 3) if ids_kind == "other-ranks" else (0, E)
     ids = torch.randint(low, high, (T, k), device=device, dtype=torch.int64 if ids_kind == "int64" else torch.int32)
     x = torch.randn(T, H, device=device).to(torch.bfloat16) * 4
@@ -94,7 +94,8 @@ def test_moe_prep(T, k, E, H, ids_kind, device):
     pair, token, offs = poison(P), poison(P), poison(E)
     q, s = torch.full((P, H), float("nan"), device=device).to(E4M3), torch.full((kb, P), float("nan"), device=device).t()
     tables = [RowTiles(poison(-(-P // m) + E + 1, 4), poison(1)) for m in (16, 64)]
-    prep_step(ids, E, x, E4M3, (16, 64))(ids, pair, token, offs, x, q, s, *tables)
+    zeros = poison(3000)  # GEMM2's combine tickets: more than one program's slice
+    prep_step(ids, E, x, E4M3, (16, 64))(ids, pair, token, offs, x, q, s, zeros, *tables)
 
     flat = ids.reshape(-1)
     expert = torch.where((flat >= 0) & (flat < E), flat, E)
@@ -105,6 +106,7 @@ def test_moe_prep(T, k, E, H, ids_kind, device):
     want_q, want_s = quantize_fp8_ref(x[order // k], (1, 128))
     assert torch.equal(q[:live].float(), want_q[:live].float()) and torch.equal(s[:live], want_s[:live])
     assert q[live:].float().isnan().all() and s[live:].isnan().all()
+    assert not zeros.any()
     for (sched, count), block_m in zip(tables, (16, 64)):
         want_sched, want_count = row_tiles(offs, E, P, block_m, tail=False)
         assert count.tolist() == want_count.tolist()
@@ -631,6 +633,23 @@ def test_moe_ffn_torch_peer_matches_reference(use_grouped_mm, device):
     assert launched(lambda: out.append(moe_ffn_torch(x, w_gate_up, w_down, weights, ids, use_grouped_mm=use_grouped_mm))) == []
     (y,) = out
     assert_close(y, moe_ref(x, w_gate_up, w_down, weights, ids), 1e-12 if dtype == torch.float64 else 2e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_ffn_decode_is_three_launches(fp8, device):
+    """A decode call on core's Triton body: the prep (sort, and x's fp8 rows), GEMM1 with
+    SwiGLU, GEMM2 with the weighted top-k combine; other ranks' ids included."""
+    args = (fp8_moe_inputs(4, 256, 128, 8, 2, torch.bfloat16, device, bad_ids=True) if fp8 else
+            moe_inputs(4, 64, 32, 8, 2, torch.bfloat16, device))
+    scales = args[5] if fp8 else {}
+    onegemm.moe_ffn(*args[:5], **scales)  # the record
+    out = []
+    kernels = launched(lambda: out.append(onegemm.moe_ffn(*args[:5], **scales)))
+    assert [x["family"] for x in kernels] == ["sort", "ragged", "ragged"]
+    if fp8:
+        assert_moe_fp8_close(out[0], *args[:5], **scales)
+    else:
+        assert_close(out[0], moe_ref(*args[:5]), TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("bad_id", [2**32 + 1, 2**40, -(2**33), -1])
