@@ -37,6 +37,7 @@ the matrix (``tile_range`` wraps them with ``% size``; a gather reads them from 
 array), so loads need no M/N mask; only the store masks.
 """
 
+import collections
 from typing import Any, NamedTuple
 
 import triton
@@ -153,28 +154,14 @@ class Combine(NamedTuple):
     E: Any = 0
 
 
-class Routing(NamedTuple):
-    """The MoE rows of a ragged tile (each None when absent), indexed by the grouped row.
-
-    gather: int32; A row of grouped row r is gather[r] (GEMM1 reads token rows of x in place).
-    scatter: int32; C row of grouped row r is scatter[r] (GEMM2 writes each (token, slot) row).
-    weight: the C row's multiplier, weight[C row] (the routing weight), after the activation.
-    out ... E: a Combine's fields (GEMM2 also sums each token's rows into ``out``; tickets
-    None: no combine).
-    """
-
-    gather: Any = None
-    scatter: Any = None
-    weight: Any = None
-    out: Any = None
-    out_stride0: Any = 0
-    out_stride1: Any = 0
-    tickets: Any = None
-    ids: Any = None
-    ids_stride0: Any = 0
-    ids_stride1: Any = 0
-    k: Any = 0
-    E: Any = 0
+# The MoE rows of a ragged tile (each None when absent), indexed by the grouped row.
+# gather: int32; A row of grouped row r is gather[r] (GEMM1 reads token rows of x in place).
+# scatter: int32; C row of grouped row r is scatter[r] (GEMM2 writes each (token, slot) row).
+# weight: the C row's multiplier, weight[C row] (the routing weight), after the activation.
+# Then a Combine's fields (GEMM2 also sums each token's rows into ``out``; tickets None: no
+# combine), flat: see Combine.
+Routing = collections.namedtuple("Routing", ("gather", "scatter", "weight") + Combine._fields,
+                                 defaults=(None, None, None) + tuple(Combine()))
 
 
 class GroupK(NamedTuple):
