@@ -60,7 +60,7 @@ _empty_strided = torch.empty_strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _precision = torch._C._get_float32_matmul_precision  # torch.get_float32_matmul_precision without its wrapper
-_transforms_active = torch._C._are_functorch_transforms_active  # inside torch.func.vmap / grad
+transforms_active = torch._C._are_functorch_transforms_active  # inside torch.func.vmap / grad
 _unwrap_dead = torch._functorch.utils.unwrap_dead_wrappers  # what Function.apply does to its arguments
 
 
@@ -175,7 +175,7 @@ class Cached:
             try:
                 sig = signature(args, n)
             except RuntimeError:  # a tensor without storage: a torch.func wrapper, or no strided tensor
-                if not _transforms_active():  # a wrapper left by an exited transform stands for its tensor
+                if not transforms_active():  # a wrapper left by an exited transform stands for its tensor
                     args = _unwrap_dead(args)
                     sig = _signature_or_none(args, n)
             if sig is not None:
@@ -472,7 +472,7 @@ class Op:
         n = self.tensors
         rest = args[n:]
         grad = self.function is not None and wants_grad(*args[:n])
-        custom = torch.compiler.is_compiling() or _transforms_active() or has_subclass(args[:n])
+        custom = torch.compiler.is_compiling() or transforms_active() or has_subclass(args[:n])
         if not custom and not grad:
             return self.record(*args)
         i = self.activation
@@ -502,7 +502,7 @@ class Op:
 
     def run(self, args: tuple, grad: bool):
         """``__call__`` for a caller that has already asked ``wants_grad``."""
-        if torch.compiler.is_compiling() or _transforms_active() or has_subclass(args):
+        if torch.compiler.is_compiling() or transforms_active() or has_subclass(args):
             return self.custom(*args)
         if grad and self.function is not None:
             return self.function.apply(*args)

@@ -210,6 +210,11 @@ SORT_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
 # The prep kernel serves decode-sized batches (each program counts over all pairs); above this
 # many (token, slot) pairs torch.sort's multi-block radix sort is faster on the GPU.
 SORT_MAX_PAIRS = 4096
+# MoEFFN's routing in the prep (route fused in front of the sort): every program routes every
+# token, so up to this many logits (tokens x the experts' power-of-two block) per call, and
+# ROUTED_PREP_TOKENS x that block per step of a program; past it route() runs first.
+ROUTED_PREP_MAX_ELEMENTS = 1 << 14
+ROUTED_PREP_STEP_ELEMENTS = 1 << 11
 
 
 def sort_candidates(key: SortKey, sms: int) -> list[triton.Config]:

@@ -378,10 +378,28 @@ class RowTiles(NamedTuple):
 NO_ROW_TILES = RowTiles(None, None)
 
 
+class Routes(NamedTuple):
+    """``moe_prep_kernel``'s routing (onegemm.route fused in front of the sort): the logits
+    [T, E] and their strides (flat: Triton 3.6 drops a specialised value of a tuple nested in
+    a tuple), the correction bias ([E], stride 1; None without one), the weights written
+    (fp32 [T, k], contiguous) and the factor they are multiplied by."""
+
+    logits: Any
+    logits_stride0: Any
+    logits_stride1: Any
+    bias: Any
+    weights: Any
+    scale: Any
+
+
+NO_ROUTES = Routes(None, 0, 0, None, None, 1.0)
+
+
 @triton.jit
-def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, P, E, k, H, col_blocks, n_zero,
+def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, routes, P, E, k, H, col_blocks, n_zero,
                     E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-                    BLOCK_M1: tl.constexpr = 0, BLOCK_M2: tl.constexpr = 0, CHUNK: tl.constexpr = 32):
+                    BLOCK_M1: tl.constexpr = 0, BLOCK_M2: tl.constexpr = 0, CHUNK: tl.constexpr = 32,
+                    ROUTE: tl.constexpr = None, ROUTE_TOKENS: tl.constexpr = 16):
     """The MoE step before the expert GEMMs, one launch: the (token, slot) pairs sorted by
     expert, x's rows in that order (quantised), the row-tile tables of the GEMMs' tile heights.
 
@@ -398,6 +416,10 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, P, E
     zeros: int32 [n_zero] (out: zeros), or None: GEMM2's combine tickets (core/tiles.py Combine).
     tiles1, tiles2: RowTiles of BLOCK_M1 / BLOCK_M2 rows (0: none), as ``row_tiles_kernel``
         writes them without the tail group (the GEMMs' Groups.sched).
+    routes: Routes (ROUTE, a RouteSpec: the routing is this kernel's too), or NO_ROUTES. Every
+        program routes every token (``route_tokens``, ROUTE_TOKENS at a time) and stores the
+        weights and ids, the same bits from each, then reads the ids back after a barrier: no
+        program waits for another. ids is then int32 [T, k], written.
     E_BLOCK: a power of two > E. PAIR_BLOCK: pairs per program. COUNT_BLOCK: pairs per step of
         the expert counts (program 0). col_blocks: 128-column blocks of x per program.
     Grid: (cdiv(P, PAIR_BLOCK), cdiv(ceil(H/128), col_blocks)): program (p, c) places pairs
@@ -405,6 +427,14 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, P, E
     (0, 0) writes offs and the tables.
     """
     pid, cid = tl.program_id(0), tl.program_id(1)
+    if ROUTE is not None:
+        for t0 in range(0, P // k, ROUTE_TOKENS):
+            t = t0 + tl.arange(0, ROUTE_TOKENS)
+            live_t = t < P // k
+            logits = Operand(routes.logits, routes.logits_stride0, routes.logits_stride1)
+            w, chosen = route_tokens(logits, routes.bias, t, live_t, ROUTE)
+            store_routes(routes.weights, ids, t, live_t, w, chosen, routes.scale, ROUTE)
+        tl.debug_barrier()  # the CTA's own stores of ids, visible to all its threads
     i = pid * PAIR_BLOCK + tl.arange(0, PAIR_BLOCK)
     live = i < P
     e = _expert_of(ids, i, live, E)
@@ -600,70 +630,112 @@ def swiglu_backward_kernel(Hpre, dHu, w, dHpre, Hout, dw, I, BLOCK_I: tl.constex
     tl.store(dw + r, tl.sum(acc, axis=0))
 
 
-@triton.jit
-def route_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, stride_e, scale,
-    GROUP: tl.constexpr, N_GROUP: tl.constexpr, G_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, SCORING: tl.constexpr,
-    HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-):
-    """onegemm.route for one token per program (grouped/routing.py says what each step means).
+class RouteSpec(NamedTuple):
+    """onegemm.route's choices as one constexpr (grouped/routing.py says what each means).
 
-    logits_ptr [T, E] (strides stride_t, stride_e); bias_ptr [E] fp32 (HAS_BIAS); w_ptr fp32 and
-    ids_ptr int32 [T, TOP_K] (out). The experts are held as [G_BLOCK, GROUP_BLOCK]: group g,
-    member j is expert g * GROUP + j (without groups N_GROUP = 1 and GROUP = E). SCORING: 0
-    softmax, 1 sigmoid, 2 top-k then softmax, 3 top-k then sigmoid. Each pick is an argmax that
-    takes the lowest group, then the lowest member, among equal values: the lowest expert index,
-    as route's stable sort. Grid: (T,).
-    """
+    The experts are held as [G_BLOCK, GROUP_BLOCK]: group g, member j is expert g * GROUP + j
+    (without groups N_GROUP = 1 and GROUP = E). SCORING: 0 softmax, 1 sigmoid, 2 top-k then
+    softmax, 3 top-k then sigmoid. K_BLOCK: a power of two >= TOP_K."""
+
+    GROUP: int
+    N_GROUP: int
+    G_BLOCK: int
+    GROUP_BLOCK: int
+    TOPK_GROUP: int
+    TOP_K: int
+    K_BLOCK: int
+    SCORING: int
+    HAS_BIAS: bool
+    RENORMALIZE: bool
+
+
+@triton.jit
+def route_tokens(L, bias, t, live, R: tl.constexpr):
+    """(weights fp32, ids int32), each [TB, K_BLOCK], of tokens t [TB] (rows of the logits
+    Operand L; rows not ``live`` compute on row 0 and are the caller's to drop). bias: fp32
+    [E] (R.HAS_BIAS). Each pick is an argmax that takes the lowest group, then the lowest
+    member, among equal values: the lowest expert index, as route's stable sort."""
     NEG: tl.constexpr = float("-inf")
-    t = tl.program_id(0)
-    gs = tl.arange(0, G_BLOCK)
-    g = gs[:, None]
-    j = tl.arange(0, GROUP_BLOCK)[None, :]
+    # a constexpr tuple's fields arrive as Python values: bound as constexprs for the builders
+    GROUP: tl.constexpr = R.GROUP
+    N_GROUP: tl.constexpr = R.N_GROUP
+    TOPK_GROUP: tl.constexpr = R.TOPK_GROUP
+    TOP_K: tl.constexpr = R.TOP_K
+    K_BLOCK: tl.constexpr = R.K_BLOCK
+    SCORING: tl.constexpr = R.SCORING
+    GROUP_BLOCK: tl.constexpr = R.GROUP_BLOCK
+    gs = tl.arange(0, R.G_BLOCK)
+    g = gs[None, :, None]
+    j = tl.arange(0, GROUP_BLOCK)[None, None, :]
     valid = (g < N_GROUP) & (j < GROUP)
     e = g * GROUP + j
-    x = tl.load(logits_ptr + t * stride_t + e * stride_e, mask=valid, other=NEG).to(tl.float32)
+    rows = tl.where(live, t, 0)[:, None, None]
+    x = tl.load(L.ptr + rows * L.stride0 + e * L.stride1, mask=valid, other=NEG).to(tl.float32)
     if SCORING == 0:
-        p = tl.where(valid, tl.exp(x - tl.max(tl.max(x, axis=1), axis=0)), 0.0)
-        s = p / tl.sum(tl.sum(p, axis=1), axis=0)
+        p = tl.where(valid, tl.exp(x - tl.max(tl.max(x, axis=2), axis=1)[:, None, None]), 0.0)
+        s = p / tl.sum(tl.sum(p, axis=2), axis=1)[:, None, None]
     elif SCORING == 1:
         s = tl.where(valid, tl.sigmoid(x), 0.0)
     else:
         s = x
     choice = s
-    if HAS_BIAS:
-        choice = s + tl.load(bias_ptr + e, mask=valid, other=0.0)
+    if R.HAS_BIAS:
+        choice = s + tl.load(bias + e, mask=valid, other=0.0)
     choice = tl.where(valid, choice, NEG)
     if N_GROUP > 1:
-        best = tl.max(choice, axis=1)
-        if HAS_BIAS:  # the sum of the group's two best
-            first = tl.argmax(choice, axis=1, tie_break_left=True)
-            best += tl.max(tl.where(j == first[:, None], NEG, choice), axis=1)
-        gscore = tl.where(gs < N_GROUP, best, NEG)
-        kept = gs < 0
+        best = tl.max(choice, axis=2)
+        if R.HAS_BIAS:  # the sum of the group's two best
+            first = tl.argmax(choice, axis=2, tie_break_left=True)
+            best += tl.max(tl.where(j == first[:, :, None], NEG, choice), axis=2)
+        gscore = tl.where(gs[None, :] < N_GROUP, best, NEG)
+        kept = tl.zeros_like(gscore) != 0  # [TB, G_BLOCK]
         for _ in tl.static_range(TOPK_GROUP):
-            hit = gs == tl.argmax(gscore, axis=0, tie_break_left=True)
+            hit = gs[None, :] == tl.argmax(gscore, axis=1, tie_break_left=True)[:, None]
             kept = kept | hit
             gscore = tl.where(hit, NEG, gscore)
-        choice = tl.where(kept[:, None], choice, NEG)
-    ks = tl.arange(0, K_BLOCK)
-    w = tl.zeros([K_BLOCK], dtype=tl.float32)
-    ids = tl.zeros([K_BLOCK], dtype=tl.int32)
+        choice = tl.where(kept[:, :, None], choice, NEG)
+    ks = tl.arange(0, K_BLOCK)[None, :]
+    w = tl.zeros([t.shape[0], K_BLOCK], dtype=tl.float32)
+    ids = tl.zeros([t.shape[0], K_BLOCK], dtype=tl.int32)
     for i in tl.static_range(TOP_K):
-        gi = tl.argmax(tl.max(choice, axis=1), axis=0, tie_break_left=True)
-        ji = tl.sum(tl.where(gs == gi, tl.argmax(choice, axis=1, tie_break_left=True), 0), axis=0)
-        sel = (g == gi) & (j == ji)
-        w = tl.where(ks == i, tl.sum(tl.sum(tl.where(sel, s, 0.0), axis=1), axis=0), w)
-        ids = tl.where(ks == i, gi * GROUP + ji, ids)
+        gi = tl.argmax(tl.max(choice, axis=2), axis=1, tie_break_left=True)
+        ji = tl.sum(tl.where(gs[None, :] == gi[:, None], tl.argmax(choice, axis=2, tie_break_left=True), 0), axis=1)
+        sel = (g == gi[:, None, None]) & (j == ji[:, None, None])
+        w = tl.where(ks == i, tl.sum(tl.sum(tl.where(sel, s, 0.0), axis=2), axis=1)[:, None], w)
+        ids = tl.where(ks == i, (gi * GROUP + ji)[:, None], ids)
         choice = tl.where(sel, NEG, choice)
     real = ks < TOP_K
     if SCORING == 2:
-        p = tl.where(real, tl.exp(w - tl.max(tl.where(real, w, NEG), axis=0)), 0.0)
-        w = p / tl.sum(p, axis=0)
+        p = tl.where(real, tl.exp(w - tl.max(tl.where(real, w, NEG), axis=1)[:, None]), 0.0)
+        w = p / tl.sum(p, axis=1)[:, None]
     elif SCORING == 3:
         w = tl.sigmoid(w)
-    if RENORMALIZE:
-        w = w / (tl.sum(tl.where(real, w, 0.0), axis=0) + 1e-20)
-    tl.store(w_ptr + t * TOP_K + ks, w * scale, mask=real)
-    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=real)
+    if R.RENORMALIZE:
+        w = w / (tl.sum(tl.where(real, w, 0.0), axis=1)[:, None] + 1e-20)
+    return w, ids
+
+
+@triton.jit
+def store_routes(w_ptr, ids_ptr, t, live, w, ids, scale, R: tl.constexpr):
+    """Tokens t's rows of route's outputs: w_ptr fp32 and ids_ptr int32 [T, R.TOP_K]
+    (contiguous); the weights times ``scale``."""
+    K_BLOCK: tl.constexpr = R.K_BLOCK
+    TOP_K: tl.constexpr = R.TOP_K
+    ks = tl.arange(0, K_BLOCK)[None, :]
+    at = t[:, None] * TOP_K + ks
+    mask = live[:, None] & (ks < TOP_K)
+    tl.store(w_ptr + at, w * scale, mask=mask)
+    tl.store(ids_ptr + at, ids, mask=mask)
+
+
+@triton.jit
+def route_kernel(L, bias, w_ptr, ids_ptr, T, scale, R: tl.constexpr, TOKENS: tl.constexpr):
+    """onegemm.route for TOKENS tokens per program (``route_tokens``).
+
+    L: Operand over the logits [T, E] (any strides); bias [E] fp32 (R.HAS_BIAS); w_ptr fp32
+    and ids_ptr int32 [T, R.TOP_K] (out, contiguous). Grid: (cdiv(T, TOKENS),).
+    """
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    live = t < T
+    w, ids = route_tokens(L, bias, t, live, R)
+    store_routes(w_ptr, ids_ptr, t, live, w, ids, scale, R)

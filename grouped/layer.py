@@ -15,9 +15,10 @@ from torch import nn
 
 from ..blockscaled.linear import register_fp8_training
 from ..core import checks, configs
+from ..core.dispatch import transforms_active, wants_grad
 from ..core.matmul import linear, matmul
 from ..core.scaling import weight_4bit
-from .moe import moe_ffn
+from .moe import moe_ffn, moe_routed
 from .moe_steps import (check_expert_scales, check_expert_weights, check_layer_tensors, check_w4_experts,
                         sort_by_expert)
 from .moe_train import check_fp8_training
@@ -150,8 +151,12 @@ class MoEFFN(nn.Module):
         checks.check_tensor("x", x, ndim=2, dtypes=(self.gate_weight.dtype,))
         if x.shape[1] != self.gate_weight.shape[1]:
             raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
-        weights, ids = self.route(x)
         scales = dict(w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale)
+        if self._routes_in_moe(x):  # the routing in moe_ffn's prep launch
+            y = moe_routed(x, self.router_logits(x), self.w_gate_up, self.w_down, self.correction_bias, **scales,
+                           top_k=self.top_k, renormalize=self.renormalize, **self.routing)
+            return y if self.shared_w_down is None else y + self.shared_experts(x)
+        weights, ids = self.route(x)
         fp8 = dict(fp8_training=True) if self.fp8_training else {}
         if self.biased_experts:
             y = self.gpt_oss_experts(x, weights, ids)
@@ -168,6 +173,13 @@ class MoEFFN(nn.Module):
         if self.shared_w_down is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def _routes_in_moe(self, x) -> bool:
+        """Whether the forward routes inside moe_routed: inference (nothing records a
+        gradient), eager, the plain SwiGLU experts."""
+        return x.__class__ is torch.Tensor and not (
+            self.biased_experts or self.weights_on_input or self.fp8_training or torch.compiler.is_compiling()
+            or transforms_active() or wants_grad(x, *self.parameters()))
 
     def warmup(self, max_tokens: int, *, threads: int = 4) -> list[int]:
         """Compile every kernel the inference forward of 1 to ``max_tokens`` tokens can take,

@@ -16,16 +16,18 @@ from typing import Optional
 import torch
 
 from ..core import checks, configs, hopper_configs
-from ..core.dispatch import Op, Workspace, wants_grad
+from ..core.dispatch import Cached, Op, Workspace, wants_grad
 from ..blockscaled.quantize import quantize_fp8, quantize_int4, quantize_mxfp4
 from ..core.runtime import cdiv, empty, empty_strided
 from ..core.tiles import Combine
 from ..core.scaling import BLOCKWISE, MXFP4_BLOCK, SCALE_BLOCK, weight_4bit
-from .kernels import NO_GROUPED_SCALES, RowTiles, grouped_scales
+from .kernels import NO_GROUPED_SCALES, NO_ROUTES, Routes, RowTiles, grouped_scales
 from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_routing, check_w4_experts,
-                        expert_gemm, expert_launch, expert_weight_grads, moe_sizes, prep_step, sort_by_expert, sort_parts)
+                        expert_gemm, expert_launch, expert_weight_grads, moe_sizes, prep_step, routes_in_prep,
+                        sort_by_expert, sort_parts)
 from .moe_train import MOE_FP8_TRAIN
 from .ops import combine, combine_launch, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
+from .routing import route, route_spec
 from .wgmma import gluon_grouped_mode, wgmma_grouped_launch
 
 
@@ -82,6 +84,45 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     return MOE.call(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
+def moe_routed(x, logits, w_gate_up, w_down, correction_bias=None, w_gate_up_scale=None, w_down_scale=None, *,
+               top_k: int, renormalize: bool = True, scoring: str = "softmax", n_group: int = 1, topk_group=None,
+               routed_scaling_factor: float = 1.0):
+    """``moe_ffn(x, w_gate_up, w_down, *route(logits, top_k, ...), ...)`` without a gradient
+    (MoEFFN's inference forward): up to configs.ROUTED_PREP_MAX_ELEMENTS logits the prep
+    launch routes the tokens itself (moe_steps.routes_in_prep), so a decode call is the
+    prep and the two GEMMs. The arguments are route's and moe_ffn's."""
+    return MOE_ROUTED(x, logits, w_gate_up, w_down, correction_bias, w_gate_up_scale, w_down_scale, top_k, renormalize,
+                      scoring, n_group, topk_group, routed_scaling_factor)
+
+
+def _moe_routed_record(x, logits, w_gate_up, w_down, correction_bias, w_gate_up_scale, w_down_scale, top_k,
+                       renormalize, scoring, n_group, topk_group, routed_scaling_factor):
+    """moe_routed's path for its arguments' signature: route's and moe_ffn's checks on a first
+    routing (the build's example weights and ids), then moe_ffn's record with the prep routing."""
+    checks.check_not_differentiable("moe_routed (inference only: MoEFFN trains through route and moe_ffn)", x=x,
+                                    logits=logits, w_gate_up=w_gate_up, w_down=w_down, correction_bias=correction_bias)
+    choices = dict(scoring=scoring, n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+    weights, ids = route(logits, top_k, renormalize, correction_bias=correction_bias, **choices)
+    checks.check_tensor("x", x, ndim=2)
+    if logits.shape[0] != x.shape[0]:
+        raise checks.bad_shape("logits", f"[T, E] with T = {x.shape[0]} (x's rows)", logits.shape)
+    scales = dict(w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+    spec = route_spec(logits.shape[1], top_k, renormalize, scoring, correction_bias is not None, n_group, topk_group)
+    if not routes_in_prep(x.shape[0], top_k, spec) or (correction_bias is not None and correction_bias.stride(0) != 1):
+        def route_first(x, logits, w_gate_up, w_down, correction_bias, w_gate_up_scale, w_down_scale):
+            weights, ids = route(logits, top_k, renormalize, correction_bias=correction_bias, **choices)
+            return moe_ffn(x, w_gate_up, w_down, weights, ids, w_gate_up_scale=w_gate_up_scale,
+                           w_down_scale=w_down_scale)
+
+        return route_first
+    fused = (spec, float(routed_scaling_factor))
+    if w_gate_up_scale is None and w_down_scale is None and not weight_4bit(w_gate_up):
+        run = _moe_record(x, w_gate_up, w_down, weights, ids, route=fused)
+    else:
+        run = _moe_fp8_record(x, w_gate_up, w_down, weights, ids, *scales.values(), route=fused)
+    return lambda x, logits, w13, w2, bias, s13, s2: run(x, w13, w2, logits, bias, s13, s2)
+
+
 def quantize_experts(w_gate_up, w_down, *, format: str = "fp8", group: int = 32):
     """Expert weights -> moe_ffn's quantised experts: (w_gate_up, w_gate_up_scale, w_down, w_down_scale).
 
@@ -134,11 +175,11 @@ def _moe_impl(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     return MOE.direct(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
-def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids):
+def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids, route=None):
     """moe_ffn's full path for its arguments' signature: the checks, then the sort's and both
     GEMMs' launches made once, as one callable of the five tensors."""
     check_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
-    return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, route=route)
 
 
 class _Intermediates:
@@ -149,10 +190,12 @@ class _Intermediates:
     pipeline takes from it, in its launch builder's order (each step's ``.on``)."""
 
     def __init__(self, sizes, device, dtype, h_dtype, fp8_dtype, fp8: bool, quantize_x: bool, w4: bool = False,
-                 sorted_x: bool = False):
+                 sorted_x: bool = False, route=None):
         T, H, E, I, k, P = sizes
         kh, ki = cdiv(H, SCALE_BLOCK), cdiv(I, SCALE_BLOCK)
         parts = dict(zip(("pair", "token", "offs"), sort_parts(P, E)))
+        if route is not None:  # the prep routes: its weights and ids
+            parts.update(weights=((T, k), torch.float32), ids=((T, k), torch.int32))
         if quantize_x or sorted_x:
             parts.update(xq=((P, H), fp8_dtype), xs=((kh, P), torch.float32))
         parts["h"] = ((P, I), h_dtype)
@@ -161,6 +204,7 @@ class _Intermediates:
         parts["y_pairs"] = ((P, H), dtype)
         self.sizes, self.device, self.parts = sizes, device, parts
         self.fp8, self.quantize_x, self.w4, self.tables, self.tickets = fp8, quantize_x, w4, 0, False
+        self.route = route  # (kernels.RouteSpec, the routed scaling factor) or None
         self.complete()
 
     def complete(self, tickets: int = 0, block_ms: tuple = ()):
@@ -188,12 +232,22 @@ class _Intermediates:
         """h's part alone (the training forward's SwiGLU writes it)."""
         return self.workspace.part(buffer, self._h)
 
-    def prep_tensors(self, ids, x, buffer):
+    def prep_tensors(self, ids, x, buffer, weights):
         """The prep's (moe_steps.prep_step): the sort's outputs, x's quantised sorted rows, the
-        tickets to zero, the row-tile tables."""
+        tickets to zero, the row-tile tables; routed, the logits it routes and their bias (in
+        the weights' and the ids' places: moe_routed's order) and the routing it writes."""
         v = self.views(buffer)
+        routes = NO_ROUTES
+        if self.route is not None:
+            logits, bias = weights, ids
+            ids, routes = v["ids"], Routes(logits, *logits.stride(), bias, v["weights"], self.route[1])
         return ((ids, v["pair"], v["token"], v["offs"]) + ((x, v["xq"], v["xs"]) if self.quantize_x else (None,) * 3)
-                + (v.get("tickets"),) + self.row_tiles(v))
+                + (v.get("tickets"), self.row_tiles(v), routes))
+
+    def routing(self, v, weights, ids):
+        """GEMM2's routing weights (fp32 [P]) and the ids (for the combine): the call's, or
+        the prep's when it routes."""
+        return (v["weights"].view(-1), v["ids"]) if self.route is not None else (weights, ids)
 
     def row_tiles(self, v) -> tuple:
         return tuple(RowTiles(v[f"sched{i}"], v[f"count{i}"]) for i in range(self.tables))
@@ -227,6 +281,7 @@ class _Intermediates:
         the sum of token t's rows (tiles.Combine, on the tickets the prep zeroed)."""
         v = self.views(buffer)
         T, H, E, I, k, P = self.sizes
+        weights, ids = self.routing(v, weights, ids)
         combine = Combine(out, *out.stride(), v["tickets"], ids, *ids.stride(), k, E)
         return (v["y_pairs"], v["h"], w_down, v["offs"], None, v["pair"], weights.view(-1), self.scales2(v, w_down_scale),
                 combine)
@@ -241,14 +296,15 @@ class _Intermediates:
         """The Gluon GEMM2's: y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T), the last table."""
         v = self.views(buffer)
         return (v["h"], w_down, v["y_pairs"], self.row_tiles(v)[-1], v["hs"], w_down_scale.transpose(1, 2), None,
-                v["pair"], weights, None)
+                v["pair"], self.routing(v, weights, None)[0], None)
 
     def combine_tensors(self, out, buffer, ids):
-        return out, self.views(buffer)["y_pairs"], ids
+        v = self.views(buffer)
+        return out, v["y_pairs"], self.routing(v, None, ids)[1]
 
 
 def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None,
-                  keep_pre=False):
+                  keep_pre=False, route=None):
     """The prep (the sort), GEMM1 (gather + SwiGLU), GEMM2 (routing weight, scatter, and the
     top-k combine after its stores): their plans and grids made here, once; the callable runs
     them on a call's tensors, three launches at decode sizes.
@@ -273,6 +329,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     SwiGLU runs on those fp32 sums (ops.swiglu_forward, one pass; what the fused epilogue computes),
     and the callable returns (y, h_pre): the backward keeps h_pre rather than recomputing
     GEMM1, the largest of the expert GEMMs.
+
+    ``route`` (moe_routed: a kernels.RouteSpec, the scaling factor): the prep routes; the build's
+    topk_weights / topk_ids are examples, the callable's are the logits and the bias (or None).
     """
     sizes = moe_sizes(x, w_gate_up, topk_ids)
     T, H, E, I, k, P = sizes
@@ -285,12 +344,13 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     fp8 = w_gate_up_scale is not None and not w4
     quantize_x = fp8 and x_scale is None
     h_dtype = w_gate_up.dtype if fp8 else dtype
-    inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, bool(w4))
+    inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, bool(w4), route=route)
     # a 4-bit GEMM's (format, values per scale along K): H / GEMM1's scale columns, I / GEMM2's
     w4_1, w4_2 = ((w4, H // w_gate_up_scale.shape[2]), (w4, I // w_down_scale.shape[2])) if w4 else (None, None)
-    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype).on(inter.prep_tensors)
+    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, route=route and route[0])
+    prep = prep.on(inter.prep_tensors)
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
-    fp32_weights = topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+    fp32_weights = route is not None or topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
     v = inter.views(inter.workspace.new())
     a1, a_rows = (v["xq"], None) if quantize_x else (x, v["token"])  # the prep's sorted rows, or x's gathered
     weights = topk_weights.to(torch.float32).contiguous()
@@ -310,7 +370,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=None, w_down_scale=None, x_scale=None):
         buffer = new_buffer()
-        prep(topk_ids, x, buffer)
+        prep(topk_ids, x, buffer, topk_weights)
         if keep_pre:
             h_pre = empty((P, 2 * I), dtype=torch.float32, device=device)
             gemm1(h_pre, buffer, x, x_scale, w_gate_up, w_gate_up_scale)
@@ -376,21 +436,24 @@ def _moe_fp8_no_grad(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_sca
                                     w_down_scale=w_down_scale, x_scale=x_scale)
 
 
-def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
+def _moe_fp8_record(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None,
+                    route=None):
     """The FP8 moe_ffn's full path for its arguments' signature: the checks, then the Gluon
-    pipeline (on sm_90, ``wgmma.gluon_grouped_mode``) or the Triton body's (_moe_pipeline)."""
+    pipeline (on sm_90, ``wgmma.gluon_grouped_mode``) or the Triton body's (_moe_pipeline);
+    ``route``: _moe_pipeline's."""
     _check_moe_fp8(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     _moe_fp8_no_grad(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
     T, H, E, I, k, P = moe_sizes(x, w_gate_up, topk_ids)
     mode = gluon_grouped_mode(w_gate_up, P, E, moe=True) if P else None
     if mode is not None and gluon_grouped_mode(w_down, P, E, moe=True) == mode:
         return _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale,
-                                       x_scale, mode)
-    return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale)
+                                       x_scale, mode, route)
+    return _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale,
+                         route=route)
 
 
 def _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale,
-                            mode):
+                            mode, route=None):
     """The FP8 expert FFN on core's Gluon body (sm_90; ``mode`` "grouped" or "decode", from
     wgmma.gluon_grouped_mode), its launches made once: TMA cannot gather rows, so the prep
     (moe_steps.prep_step: one launch at decode sizes) writes x's rows quantised in
@@ -399,13 +462,14 @@ def _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate
     pair's weighted row; the combine sums each token's rows in slot order (fp32). The rows
     of experts on other ranks get no tiles. At decode both GEMMs compute their tiles
     transposed (the weights' rows on wgmma's 64-row side, the few tokens of an expert on its
-    N side). An already-quantised x (``x_scale``) has its rows and scales gathered as they are."""
+    N side). An already-quantised x (``x_scale``) has its rows and scales gathered as they are.
+    ``route``: _moe_pipeline's."""
     sizes = moe_sizes(x, w_gate_up, topk_ids)
     T, H, E, I, k, P = sizes
     out_dtype = _out_dtype(x)
     quantize_x = x_scale is None
     inter = _Intermediates(sizes, x.device, out_dtype, w_gate_up.dtype, w_gate_up.dtype, True, quantize_x,
-                           sorted_x=True)
+                           sorted_x=True, route=route)
     v = inter.views(inter.workspace.new())
     prep_step(topk_ids, E)(topk_ids, v["pair"], v["token"], v["offs"])  # real tables for autotuning's trials
     m = configs.m_bucket(P // E)
@@ -419,22 +483,23 @@ def _moe_fp8_wgmma_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate
                                      m, H, I, BLOCKWISE, configs.dtype_name(out_dtype), mode))
     block_ms = tuple(dict.fromkeys((gemm1.plan.meta["BLOCK_M"], gemm2.plan.meta["BLOCK_M"])))  # one table if the same
     inter.complete(block_ms=block_ms)  # the tables the prep writes: GEMM1 reads the first, GEMM2 the last
-    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, block_ms).on(inter.prep_tensors)
+    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, block_ms, route and route[0])
+    prep = prep.on(inter.prep_tensors)
     gemm1, gemm2 = gemm1.on(inter.wgmma1_tensors), gemm2.on(inter.wgmma2_tensors)
     combine = combine_launch(v["y_pairs"], topk_ids, E, out_dtype).on(inter.combine_tensors)
     new_buffer = inter.workspace.new
-    fp32_weights = topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+    fp32_weights = route is not None or topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
 
     def run(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale, x_scale=None):
         buffer = new_buffer()
-        prep(topk_ids, x, buffer)
+        prep(topk_ids, x, buffer, topk_weights)
         if x_scale is not None:  # fp8 rows move as bytes (torch indexes no float8 dtype on every device)
             u = inter.views(buffer)
             torch.index_select(x.view(torch.uint8), 0, u["token"], out=u["xq"].view(torch.uint8))
             u["xs"].copy_(x_scale.index_select(0, u["token"]))
         gemm1(buffer, w_gate_up, w_gate_up_scale)
         gemm2(buffer, w_down, w_down_scale, topk_weights.view(-1) if fp32_weights else
-              topk_weights.reshape(-1).to(torch.float32).contiguous())
+              topk_weights.reshape(-1).to(torch.float32).contiguous())  # (unread when routed)
         y = empty_strided((T, H), (H, 1), dtype=out_dtype, device=x.device)
         combine(y, buffer, topk_ids)
         return y
@@ -568,4 +633,5 @@ MOE_TRAIN = Op("moe_ffn_train", _moe_train_impl, _moe_train_fake, _moe_train_set
                record=_moe_train_record, tensors=5)
 # FP8 experts: a registered op of its own (optional scale tensors on moe_ffn's schema would
 # be traced on every bf16 call too), without a gradient.
+MOE_ROUTED = Cached(7, lambda args: _moe_routed_record(*args))
 MOE_FP8 = Op("moe_ffn_fp8", _moe_fp8_impl, _moe_fp8_fake, record=_moe_fp8_record, tensors=8, no_grad=_moe_fp8_no_grad)

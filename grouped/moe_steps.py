@@ -16,8 +16,8 @@ from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, interpretable, next_pow2, sm_count
 from ..core.scaling import INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK, weight_4bit
 from ..core.tiles import NO_OPERAND, Combine, Operand, Routing
-from .configs import SORT_MAX_PAIRS, SortKey, gather_col_blocks
-from .kernels import NO_GROUPED_SCALES, NO_ROW_TILES, moe_prep_kernel
+from .configs import ROUTED_PREP_MAX_ELEMENTS, ROUTED_PREP_STEP_ELEMENTS, SORT_MAX_PAIRS, SortKey, gather_col_blocks
+from .kernels import NO_GROUPED_SCALES, NO_ROUTES, NO_ROW_TILES, moe_prep_kernel
 from .ops import gather_quantize, grouped_matmul, ragged_args, ragged_launch, row_tiles
 from .w4 import w4_bytes
 
@@ -42,40 +42,49 @@ PREP = Launcher(moe_prep_kernel, "sort")
 _PAIR_BLOCK = 64  # pairs per program: each compares its pairs with all P (a [64, 64] step)
 
 
-def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = ()):
+def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=None):
     """The step before the expert GEMMs for arguments of these signatures: the routing sort;
     with ``x`` [T, H] also its rows in sorted order, in ``dtype`` (fp8: quantised in 1x128
     blocks with their scales; rows of experts on other ranks unwritten); the row-tile tables
     (ops.row_tiles without the tail group) of each tile height in ``block_ms``; and zeros
     (GEMM2's combine tickets). A Launch (``moe_prep_kernel``, one launch up to
     SORT_MAX_PAIRS contiguous pairs) or a Step (torch.sort, gather_quantize, row_tiles); its
-    builder takes (ids, pair, token, offs, x, q, s, zeros, *tables), the outputs given (a
-    record's workspace parts): q [P, H], s [P, ceil(H/128)] or None, zeros int32 or None, and
-    a kernels.RowTiles per height."""
+    builder takes (ids, pair, token, offs, x, q, s, zeros, tables, routes), the outputs given
+    (a record's workspace parts): q [P, H], s [P, ceil(H/128)] or None, zeros int32 or None,
+    a kernels.RowTiles per height, and kernels.Routes or NO_ROUTES.
+
+    ``route``: a kernels.RouteSpec (``routes_in_prep`` says where it may be given): the
+    launch routes the tokens too, writing the weights and ids (int32 [T, k]) that it sorts."""
     T, k = topk_ids.shape
     P = T * k
     if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
         e_block = next_pow2(E + 1)
         meta = dict(E_BLOCK=e_block, PAIR_BLOCK=_PAIR_BLOCK, COUNT_BLOCK=max(16, min(256, 8192 // e_block)),
                     **{f"BLOCK_M{i + 1}": m for i, m in enumerate(block_ms)})
+        if route is not None:
+            step = ROUTED_PREP_STEP_ELEMENTS // (route.G_BLOCK * route.GROUP_BLOCK)
+            meta.update(ROUTE=route, ROUTE_TOKENS=max(2, min(next_pow2(T), step)))
         plan = PREP.plan_for(Request(SortKey(e_block), meta, topk_ids.device))
         programs = cdiv(P, _PAIR_BLOCK)
         kb = cdiv(x.shape[1], SCALE_BLOCK) if x is not None else 1
         per = gather_col_blocks(programs, kb, 1 if INTERPRET else sm_count(plan.device_index))
 
-        def build(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, *tables):
-            tiles = tables + (NO_ROW_TILES,) * (2 - len(tables))
+        def build(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, tables=(), routes=NO_ROUTES):
+            tiles = tuple(tables) + (NO_ROW_TILES,) * (2 - len(tables))
             n_zero = 0 if zeros is None else zeros.numel()
             if x is None:
-                return (ids.view(-1), pair, token, offs, NO_OPERAND, NO_OPERAND, NO_OPERAND, zeros, *tiles, P, E, k, 0, 1,
-                        n_zero)
+                return (ids.view(-1), pair, token, offs, NO_OPERAND, NO_OPERAND, NO_OPERAND, zeros, *tiles, routes, P, E,
+                        k, 0, 1, n_zero)
             return (ids.view(-1), pair, token, offs, Operand(interpretable(x), *x.stride()), Operand(q, *q.stride()),
-                    NO_OPERAND if s is None else Operand(s, *s.stride()), zeros, *tiles, P, E, k, x.shape[1], per, n_zero)
+                    NO_OPERAND if s is None else Operand(s, *s.stride()), zeros, *tiles, routes, P, E, k, x.shape[1], per,
+                    n_zero)
 
         return Launch(PREP, plan, (programs, cdiv(kb, per)), build)
+    if route is not None:
+        raise AssertionError("prep_step: routes only in the launch (routes_in_prep)")
     experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)
 
-    def prep(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, *tables):
+    def prep(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, tables=(), routes=None):
         flat = ids.reshape(-1)
         # Range-check in the ids' own width before narrowing: an int64 id of 2**32 + 1 is not expert 1.
         flat = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
@@ -92,6 +101,12 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = ()):
             zeros.zero_()
 
     return Step(prep)
+
+
+def routes_in_prep(T: int, k: int, route) -> bool:
+    """Whether ``prep_step`` can route T tokens' top-k by ``route`` (a kernels.RouteSpec) in
+    its launch: every program routes all of them (configs.ROUTED_PREP_MAX_ELEMENTS)."""
+    return 0 < T * k <= SORT_MAX_PAIRS and T * route.G_BLOCK * route.GROUP_BLOCK <= ROUTED_PREP_MAX_ELEMENTS
 
 
 def sort_parts(P: int, E: int) -> tuple:

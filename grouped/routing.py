@@ -24,8 +24,9 @@ import torch
 from ..core import checks
 from ..core.launch import Launcher, Request
 from ..core.runtime import next_pow2
+from ..core.tiles import Operand
 from .configs import ROUTE_MAX_E_BLOCK, ROUTE_MAX_TOKENS, RouteKey
-from .kernels import route_kernel
+from .kernels import RouteSpec, route_kernel
 
 # How router logits L become the routing weights, and on what the top-k is taken.
 #   softmax:       p = softmax(L) over all experts; top-k of p (+ bias); w = p of the chosen
@@ -148,16 +149,24 @@ def _route_torch(logits, top_k, renormalize, scoring, correction_bias, n_group, 
 ROUTE = Launcher(route_kernel, "route")
 
 
-def _blocks(E: int, n_group: int) -> tuple[int, int]:
-    """The fused kernel's [G_BLOCK, GROUP_BLOCK] layout of the experts (powers of two >= 2)."""
-    return max(2, next_pow2(n_group)), max(2, next_pow2(E // n_group))
+def route_spec(E: int, top_k: int, renormalize: bool, scoring: str, has_bias: bool, n_group: int, topk_group) -> RouteSpec:
+    """The fused kernels' constexpr of route's choices (kernels.route_tokens), the experts
+    held as [G_BLOCK, GROUP_BLOCK] (powers of two >= 2)."""
+    return RouteSpec(GROUP=E // n_group, N_GROUP=n_group, G_BLOCK=max(2, next_pow2(n_group)),
+                     GROUP_BLOCK=max(2, next_pow2(E // n_group)), TOPK_GROUP=topk_group or 1, TOP_K=top_k,
+                     K_BLOCK=max(2, next_pow2(top_k)), SCORING=SCORINGS.index(scoring), HAS_BIAS=has_bias,
+                     RENORMALIZE=renormalize)
+
+
+def e_block(spec: RouteSpec) -> int:
+    """The experts' block (G_BLOCK * GROUP_BLOCK): what a token's routing holds."""
+    return spec.G_BLOCK * spec.GROUP_BLOCK
 
 
 def use_fused(logits, n_group: int) -> bool:
     """Whether route() runs the fused kernel: decode-sized, on a GPU, no gradient, not traced."""
-    g_block, group_block = _blocks(logits.shape[1], n_group)
     return (logits.is_cuda and logits.shape[0] <= ROUTE_MAX_TOKENS
-            and g_block * group_block <= ROUTE_MAX_E_BLOCK
+            and e_block(route_spec(logits.shape[1], 1, False, "softmax", False, n_group, 1)) <= ROUTE_MAX_E_BLOCK
             and not (logits.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
 
 
@@ -167,6 +176,12 @@ def _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, 
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T == 0:
         return w, ids
+    spec = route_spec(E, top_k, renormalize, scoring, correction_bias is not None, n_group, topk_group)
+    bias = w if correction_bias is None else correction_bias.float().contiguous()
+    key = (logits.dtype, logits.get_device(), spec)
+    plan = ROUTE.plan_for(lambda: Request(RouteKey(e_block(spec)), dict(R=spec, TOKENS=1), logits.device), key)
+    ROUTE.launch(plan, (T,), (Operand(logits, *logits.stride()), bias, w, ids, T, float(scale)))
+    return w, ids
     g_block, group_block = _blocks(E, n_group)
     bias = w if correction_bias is None else correction_bias.float().contiguous()
     constexprs = dict(GROUP=E // n_group, N_GROUP=n_group, G_BLOCK=g_block, GROUP_BLOCK=group_block,

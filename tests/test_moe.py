@@ -95,7 +95,7 @@ def test_moe_prep(T, k, E, H, ids_kind, device):
     q, s = torch.full((P, H), float("nan"), device=device).to(E4M3), torch.full((kb, P), float("nan"), device=device).t()
     tables = [RowTiles(poison(-(-P // m) + E + 1, 4), poison(1)) for m in (16, 64)]
     zeros = poison(3000)  # GEMM2's combine tickets: more than one program's slice
-    prep_step(ids, E, x, E4M3, (16, 64))(ids, pair, token, offs, x, q, s, zeros, *tables)
+    prep_step(ids, E, x, E4M3, (16, 64))(ids, pair, token, offs, x, q, s, zeros, tables)
 
     flat = ids.reshape(-1)
     expert = torch.where((flat >= 0) & (flat < E), flat, E)

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import onegemm
 from helpers import capture
-from onegemm.testing import assert_close, assert_route_close, moe_ref, route_ref
+from onegemm.testing import assert_close, assert_moe_fp8_close, assert_route_close, launched, moe_ref, route_ref
 
 # ---- routing ----
 
@@ -450,6 +450,56 @@ def test_route_fused_kernel_ties(logits, options, k, want, device, monkeypatch):
     options = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
     _, ids = onegemm.route(torch.tensor(logits, device=device), k, **options)
     assert ids.tolist() == want
+
+
+# Every routing branch at 9 tokens in fp32; one token; FP8 experts with DeepSeek-V3's routing.
+ROUTED_LAYERS = ([pytest.param(*r.values, 9, "fp32", id=f"{r.id}-T9") for r in FUSED_ROUTES]
+                 + [pytest.param(*r.values, T, experts, id=f"{r.id}-T{T}-{experts}") for r in FUSED_ROUTES
+                    for T, experts, name in ((1, "fp32", "softmax-renormalised-mixtral"),
+                                             (5, "fp8", "sigmoid-groups-bias-deepseek-v3")) if r.id == name])
+
+
+@pytest.mark.parametrize("options,E,k,T,experts", ROUTED_LAYERS)
+def test_moeffn_routes_in_the_prep(options, E, k, T, experts, device, monkeypatch):
+    """MoEFFN's inference forward at decode sizes routes inside moe_ffn's prep launch (the
+    router GEMM, then prep, GEMM1, GEMM2: no launch of its own), choosing the experts
+    route_ref chooses on the layer's logits; the same layer with the routing first agrees."""
+    from onegemm.core.launch import clear_plans
+    from onegemm.grouped import moe
+
+    options = dict(options)
+    renormalize = options.pop("renormalize", True)
+    if options.pop("bias", False):
+        options["correction_bias"] = torch.randn(E, device=device) * 0.1
+    H, I = (256, 128) if experts == "fp8" else (48, 40)
+    gate = torch.randn(E, H, device=device) * H**-0.5
+    w13 = torch.randn(E, 2 * I, H, device=device) * H**-0.5
+    w2 = torch.randn(E, H, I, device=device) * I**-0.5
+    if experts == "fp8":
+        q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2)
+        layer = onegemm.MoEFFN(gate, q13, q2, w_gate_up_scale=s13, w_down_scale=s2, top_k=k, renormalize=renormalize,
+                               **options)
+    else:
+        layer = onegemm.MoEFFN(gate, w13, w2, top_k=k, renormalize=renormalize, **options)
+    x = torch.randn(T, H, device=device)
+    with torch.inference_mode():
+        layer(x)  # the records
+        out = []
+        families = [kernel["family"] for kernel in launched(lambda: out.append(layer(x)))]
+        logits = layer.router_logits(x)
+        monkeypatch.setattr(moe, "routes_in_prep", lambda *args: False)
+        clear_plans()  # and the records made under the rule
+        routed_first = []
+        assert "route" in [kernel["family"] for kernel in launched(lambda: routed_first.append(layer(x)))] or not x.is_cuda
+    clear_plans()
+    options.pop("correction_bias", None)
+    weights, ids = route_ref(logits, k, renormalize, correction_bias=layer.correction_bias, **options)
+    assert "route" not in families and families.count("sort") == 1 and len(families) == 4, families
+    if experts == "fp8":
+        assert_moe_fp8_close(out[0], x, q13, q2, weights.float(), ids, s13, s2)
+    else:
+        assert_close(out[0], moe_ref(x, w13, w2, weights, ids), 1e-5)
+    assert_close(out[0], routed_first[0], 1e-5)
 
 
 def test_fused_fp8_experts_load_as_the_per_expert_file(tmp_path, device):
