@@ -182,12 +182,3 @@ def _route_fused(logits, top_k, renormalize, scoring, correction_bias, n_group, 
     plan = ROUTE.plan_for(lambda: Request(RouteKey(e_block(spec)), dict(R=spec, TOKENS=1), logits.device), key)
     ROUTE.launch(plan, (T,), (Operand(logits, *logits.stride()), bias, w, ids, T, float(scale)))
     return w, ids
-    g_block, group_block = _blocks(E, n_group)
-    bias = w if correction_bias is None else correction_bias.float().contiguous()
-    constexprs = dict(GROUP=E // n_group, N_GROUP=n_group, G_BLOCK=g_block, GROUP_BLOCK=group_block,
-                      TOPK_GROUP=topk_group or 1, TOP_K=top_k, K_BLOCK=max(2, next_pow2(top_k)),
-                      SCORING=SCORINGS.index(scoring), HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize)
-    key = (logits.dtype, logits.get_device(), *constexprs.values())
-    plan = ROUTE.plan_for(lambda: Request(RouteKey(g_block * group_block), constexprs, logits.device), key)
-    ROUTE.launch(plan, (T,), (logits, bias, w, ids, logits.stride(0), logits.stride(1), float(scale)))
-    return w, ids
