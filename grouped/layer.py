@@ -176,10 +176,11 @@ class MoEFFN(nn.Module):
 
     def _routes_in_moe(self, x) -> bool:
         """Whether the forward routes inside moe_routed: inference (nothing records a
-        gradient), eager, the plain SwiGLU experts."""
+        gradient), eager, the plain SwiGLU experts. (Grad mode first: under inference_mode
+        the parameters are not walked on every call.)"""
         return x.__class__ is torch.Tensor and not (
             self.biased_experts or self.weights_on_input or self.fp8_training or torch.compiler.is_compiling()
-            or transforms_active() or wants_grad(x, *self.parameters()))
+            or transforms_active() or torch.is_grad_enabled() and wants_grad(x, *self.parameters()))
 
     def warmup(self, max_tokens: int, *, threads: int = 4) -> list[int]:
         """Compile every kernel the inference forward of 1 to ``max_tokens`` tokens can take,
