@@ -351,7 +351,9 @@ def test_gpu_ep_layer_cuda_graph(fp8, nccl_rank):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, plain(x))
+        assert torch.equal(y, layer(x)), "the replay differs from the layer's eager call"
+        # MoEFFN routes inside its prep at inference (another order of the same float ops)
+        assert_close(y, plain(x), TOL[torch.bfloat16], "the replay against MoEFFN")
 
 
 @pytest.mark.gpu

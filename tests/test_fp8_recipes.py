@@ -26,9 +26,11 @@ SHAPES = [
 # The emulation differs from the kernels by fp32 sums (and on the GPU the fp8 MMA's reduced
 # precision inside a K block, over all of K where the forward may use fast accumulation).
 EXACT_TOL = {torch.float32: 1e-5 if onegemm.INTERPRET else 2e-3, torch.bfloat16: TOL[torch.bfloat16]}
-# Against the unquantised float64 result: e4m3 puts ~2^-5 relative error on each operand
-# (measured 2.5e-2 on both operands); e5m2's gradient (tensorwise) has one mantissa bit less.
-FP8_TOL = {"tensorwise": 8e-2}
+# Against the unquantised float64 result: e4m3 puts ~2^-5 relative error on each operand;
+# e5m2's gradient (tensorwise) has one mantissa bit less. With few outputs (1 x 17) the error
+# spreads: over 300 draws of SHAPES the largest was 0.081 (e4m3 recipes), 0.117 (tensorwise).
+FP8_TOL = {"tensorwise": 1.5e-1}
+FP8_TOL_E4M3 = 1e-1
 
 
 def layer_and_inputs(M, K, N, dtype, bias, recipe, device, seed=0):
@@ -57,7 +59,7 @@ def test_recipe_matches_its_emulation(recipe, M, K, N, dtype, bias, device):
     b64 = linear.bias.detach().double() if bias else 0
     plain = (x64 @ w64.t() + b64, dy64 @ w64, dy64.t() @ x64)
     for name, g, w in zip(("y", "dx", "dW"), got, plain):
-        assert_close(g, w, FP8_TOL.get(recipe, 4e-2), f"{recipe} {name} against float64 of the unquantised operands")
+        assert_close(g, w, FP8_TOL.get(recipe, FP8_TOL_E4M3), f"{recipe} {name} against float64 of the unquantised operands")
     if bias:
         assert_close(linear.bias.grad, dy64.sum(0), TOL[dtype], "grad of bias")
 
