@@ -213,7 +213,7 @@ SORT_MAX_PAIRS = 4096
 # MoEFFN's routing in the prep (route fused in front of the sort): every program routes every
 # token, so up to this many logits (tokens x the experts' power-of-two block) per call, and
 # ROUTED_PREP_TOKENS x that block per step of a program; past it route() runs first.
-ROUTED_PREP_MAX_ELEMENTS = 1 << 14
+ROUTED_PREP_MAX_ELEMENTS = 1 << 11
 ROUTED_PREP_STEP_ELEMENTS = 1 << 11
 
 

@@ -341,30 +341,36 @@ def _expert_of(ids, i, live, E):
 
 
 @triton.jit
-def _sorted_rows(ids, i, e, P, E, PAIR_BLOCK: tl.constexpr):
-    """Row of pairs i (experts e) in the stable sort by expert: the pairs of a lower expert,
-    plus the earlier pairs of the same one. Every program counts for its own pairs, so none
-    waits for another's result."""
-    rank = tl.zeros_like(i)
-    for start in range(0, P, PAIR_BLOCK):
-        j = start + tl.arange(0, PAIR_BLOCK)
+def _expert_counts(ids, P, E, start, E_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr):
+    """(all, before): each expert's pair count over all P pairs and over pairs [0, start), as
+    [E_BLOCK] histograms (ids outside [0, E) at index E), SCAN_BLOCK pairs per step: a few
+    steps for any P the prep takes, where a compare matrix took P / 64 dependent ones."""
+    last = tl.arange(0, E_BLOCK) == E_BLOCK - 1
+    total = tl.zeros([E_BLOCK], dtype=tl.int32)
+    before = tl.zeros([E_BLOCK], dtype=tl.int32)
+    end = 0
+    for s0 in range(0, P, SCAN_BLOCK):
+        j = s0 + tl.arange(0, SCAN_BLOCK)
         ej = _expert_of(ids, j, j < P, E)
-        before = (ej[None, :] < e[:, None]) | ((ej[None, :] == e[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum((before & (j < P)[None, :]).to(tl.int32), axis=1)
-    return rank
+        # the padding goes to the last bin and is taken off it below (it may be E's own bin)
+        total += tl.histogram(tl.where(j < P, ej, E_BLOCK - 1), E_BLOCK)
+        before += tl.histogram(tl.where(j < start, ej, E_BLOCK - 1), E_BLOCK)
+        end = s0 + SCAN_BLOCK
+    total = tl.where(last, total - (end - P), total)
+    before = tl.where(last, before - (end - start), before)
+    return total, before
 
 
 @triton.jit
-def _expert_sizes(ids, P, E, E_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr):
-    """(experts, sizes): arange(E_BLOCK) and each one's pair count, the pairs of ids outside
-    [0, E) at index E."""
-    experts = tl.arange(0, E_BLOCK)
-    sizes = tl.zeros([E_BLOCK], dtype=tl.int32)
-    for start in range(0, P, COUNT_BLOCK):
-        i = start + tl.arange(0, COUNT_BLOCK)
-        e = _expert_of(ids, i, i < P, E)
-        sizes += tl.sum(((e[:, None] == experts[None, :]) & (i < P)[:, None]).to(tl.int32), axis=0)
-    return experts, sizes
+def _sorted_rows(ids, i, e, live, start, P, E, E_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr):
+    """Row of pairs i = start + arange (experts e) in the stable sort by expert: the pairs of
+    lower experts, the earlier pairs of the same one before the block (histograms) and within
+    it (a [block, block] compare). Every program counts for its own pairs, so none waits for
+    another's result."""
+    total, before = _expert_counts(ids, P, E, start, E_BLOCK, SCAN_BLOCK)
+    lower = tl.cumsum(total, axis=0) - total
+    same = (e[None, :] == e[:, None]) & (i[None, :] < i[:, None]) & live[None, :]
+    return tl.gather(lower + before, e, 0) + tl.sum(same.to(tl.int32), axis=1)
 
 
 class RowTiles(NamedTuple):
@@ -397,7 +403,7 @@ NO_ROUTES = Routes(None, 0, 0, None, None, 1.0)
 
 @triton.jit
 def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, routes, P, E, k, H, col_blocks, n_zero,
-                    E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+                    E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr,
                     BLOCK_M1: tl.constexpr = 0, BLOCK_M2: tl.constexpr = 0, CHUNK: tl.constexpr = 32,
                     ROUTE: tl.constexpr = None, ROUTE_TOKENS: tl.constexpr = 16):
     """The MoE step before the expert GEMMs, one launch: the (token, slot) pairs sorted by
@@ -420,32 +426,50 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, rout
         program routes every token (``route_tokens``, ROUTE_TOKENS at a time) and stores the
         weights and ids, the same bits from each, then reads the ids back after a barrier: no
         program waits for another. ids is then int32 [T, k], written.
-    E_BLOCK: a power of two > E. PAIR_BLOCK: pairs per program. COUNT_BLOCK: pairs per step of
-        the expert counts (program 0). col_blocks: 128-column blocks of x per program.
-    Grid: (cdiv(P, PAIR_BLOCK), cdiv(ceil(H/128), col_blocks)): program (p, c) places pairs
-    [p * PAIR_BLOCK, ...) and writes their rows' column blocks c * col_blocks, ...; program
-    (0, 0) writes offs and the tables.
+    E_BLOCK: a power of two > E. PAIR_BLOCK: pairs per program. SCAN_BLOCK: pairs per step of
+        the expert counts. col_blocks: 128-column blocks of x per program.
+    Grid: (cdiv(P, PAIR_BLOCK) + table programs, cdiv(ceil(H/128), col_blocks)): program
+    (p, c), p < cdiv(P, PAIR_BLOCK), places pairs [p * PAIR_BLOCK, ...) and writes their rows'
+    column blocks c * col_blocks, ...; table program (cdiv(P, PAIR_BLOCK) + q, 0) writes rows
+    [q * CHUNK, ...) of each table, and q = 0 offs (the tables' serial work spread, not on one
+    program's path). Every program zeroes a slice of ``zeros``.
     """
     pid, cid = tl.program_id(0), tl.program_id(1)
+    pair_programs = tl.cdiv(P, PAIR_BLOCK)
+    is_pairs = pid < pair_programs
     if ROUTE is not None:
-        for t0 in range(0, P // k, ROUTE_TOKENS):
-            t = t0 + tl.arange(0, ROUTE_TOKENS)
-            live_t = t < P // k
-            logits = Operand(routes.logits, routes.logits_stride0, routes.logits_stride1)
-            w, chosen = route_tokens(logits, routes.bias, t, live_t, ROUTE)
-            store_routes(routes.weights, ids, t, live_t, w, chosen, routes.scale, ROUTE)
-        tl.debug_barrier()  # the CTA's own stores of ids, visible to all its threads
-    i = pid * PAIR_BLOCK + tl.arange(0, PAIR_BLOCK)
-    live = i < P
-    e = _expert_of(ids, i, live, E)
-    row = _sorted_rows(ids, i, e, P, E, PAIR_BLOCK)
-    if cid == 0:
-        tl.store(pair + row, i, mask=live)
-        tl.store(token + row, i // k, mask=live)
-    if X.ptr is not None:
-        kb_lo = cid * col_blocks
-        _quantize_rows(X, (i // k).to(tl.int64), row.to(tl.int64), live & (e < E), Q, S, H, kb_lo,
-                       tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK)), False, "")
+        if is_pairs | (cid == 0):
+            for t0 in range(0, P // k, ROUTE_TOKENS):
+                t = t0 + tl.arange(0, ROUTE_TOKENS)
+                live_t = t < P // k
+                logits = Operand(routes.logits, routes.logits_stride0, routes.logits_stride1)
+                w, chosen = route_tokens(logits, routes.bias, t, live_t, ROUTE)
+                store_routes(routes.weights, ids, t, live_t, w, chosen, routes.scale, ROUTE)
+            tl.debug_barrier()  # the CTA's own stores of ids, visible to all its threads
+    if is_pairs:
+        i = pid * PAIR_BLOCK + tl.arange(0, PAIR_BLOCK)
+        live = i < P
+        e = _expert_of(ids, i, live, E)
+        row = _sorted_rows(ids, i, e, live, pid * PAIR_BLOCK, P, E, E_BLOCK, SCAN_BLOCK)
+        if cid == 0:
+            tl.store(pair + row, i, mask=live)
+            tl.store(token + row, i // k, mask=live)
+        if X.ptr is not None:
+            kb_lo = cid * col_blocks
+            _quantize_rows(X, (i // k).to(tl.int64), row.to(tl.int64), live & (e < E), Q, S, H, kb_lo,
+                           tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK)), False, "")
+    elif cid == 0:
+        q = pid - pair_programs
+        sizes, _ = _expert_counts(ids, P, E, 0, E_BLOCK, SCAN_BLOCK)
+        experts = tl.arange(0, E_BLOCK)
+        ends = tl.cumsum(sizes, axis=0)
+        if q == 0:
+            tl.store(offs + experts, ends, mask=experts < E)
+        t = q * CHUNK + tl.arange(0, CHUNK)
+        if BLOCK_M1 > 0:
+            _row_tile_chunk(t, experts, ends - sizes, sizes, False, E, P, tiles1, BLOCK_M1, False, q == 0)
+        if BLOCK_M2 > 0:
+            _row_tile_chunk(t, experts, ends - sizes, sizes, False, E, P, tiles2, BLOCK_M2, False, q == 0)
     if zeros is not None:  # each program a slice
         per = tl.cdiv(n_zero, tl.num_programs(0) * tl.num_programs(1))
         lo = (pid * tl.num_programs(1) + cid) * per
@@ -453,22 +477,6 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, rout
         for z in range(lo, hi, 1024):
             o = z + tl.arange(0, 1024)
             tl.store(zeros + o, 0, mask=o < hi)
-    if (pid == 0) & (cid == 0):
-        experts, sizes = _expert_sizes(ids, P, E, E_BLOCK, COUNT_BLOCK)
-        ends = tl.cumsum(sizes, axis=0)
-        tl.store(offs + experts, ends, mask=experts < E)
-        if BLOCK_M1 > 0:
-            _write_row_tiles(experts, ends - sizes, sizes, False, E, P, tiles1, BLOCK_M1, CHUNK, False)
-        if BLOCK_M2 > 0:
-            _write_row_tiles(experts, ends - sizes, sizes, False, E, P, tiles2, BLOCK_M2, CHUNK, False)
-
-
-@triton.jit
-def _write_row_tiles(idx, starts, sizes, bad, G, M, tiles, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                     TAIL: tl.constexpr):
-    """Every row of a row-tile table (``row_tiles_kernel``'s layout), CHUNK at a time."""
-    for t0 in range(0, tl.cdiv(M, BLOCK_M) + G + 1, CHUNK):
-        _row_tile_chunk(t0 + tl.arange(0, CHUNK), idx, starts, sizes, bad, G, M, tiles, BLOCK_M, TAIL, t0 == 0)
 
 
 @triton.jit

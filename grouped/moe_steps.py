@@ -39,7 +39,9 @@ def sort_by_expert(topk_ids, num_experts: int):
 # The MoE prep (moe_prep_kernel): up to SORT_MAX_PAIRS pairs, the sort with x's sorted rows
 # and the row-tile tables in one launch.
 PREP = Launcher(moe_prep_kernel, "sort")
-_PAIR_BLOCK = 64  # pairs per program: each compares its pairs with all P (a [64, 64] step)
+_PAIR_BLOCK = 64  # pairs per program
+_SCAN_BLOCK = 1024  # pairs per step of the expert histograms: <= 4 steps up to SORT_MAX_PAIRS
+_CHUNK = 32  # row-tile table rows per table program
 
 
 def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=None):
@@ -59,13 +61,14 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=
     P = T * k
     if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
         e_block = next_pow2(E + 1)
-        meta = dict(E_BLOCK=e_block, PAIR_BLOCK=_PAIR_BLOCK, COUNT_BLOCK=max(16, min(256, 8192 // e_block)),
+        meta = dict(E_BLOCK=e_block, PAIR_BLOCK=_PAIR_BLOCK, SCAN_BLOCK=_SCAN_BLOCK, CHUNK=_CHUNK,
                     **{f"BLOCK_M{i + 1}": m for i, m in enumerate(block_ms)})
         if route is not None:
             step = ROUTED_PREP_STEP_ELEMENTS // (route.G_BLOCK * route.GROUP_BLOCK)
             meta.update(ROUTE=route, ROUTE_TOKENS=max(2, min(next_pow2(T), step)))
         plan = PREP.plan_for(Request(SortKey(e_block), meta, topk_ids.device))
         programs = cdiv(P, _PAIR_BLOCK)
+        table_programs = max([cdiv(cdiv(P, m) + E + 1, _CHUNK) for m in block_ms], default=1)
         kb = cdiv(x.shape[1], SCALE_BLOCK) if x is not None else 1
         per = gather_col_blocks(programs, kb, 1 if INTERPRET else sm_count(plan.device_index))
 
@@ -79,7 +82,7 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=
                     NO_OPERAND if s is None else Operand(s, *s.stride()), zeros, *tiles, routes, P, E, k, x.shape[1], per,
                     n_zero)
 
-        return Launch(PREP, plan, (programs, cdiv(kb, per)), build)
+        return Launch(PREP, plan, (programs + table_programs, cdiv(kb, per)), build)
     if route is not None:
         raise AssertionError("prep_step: routes only in the launch (routes_in_prep)")
     experts = torch.arange(E, device=topk_ids.device, dtype=torch.int32)

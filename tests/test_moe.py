@@ -70,9 +70,11 @@ def test_sort_by_expert(T, E, k, device):
 
 # (T, k, E, H, ids): one pair; more pairs than a program's 64 and H not a multiple of 128;
 # ids of other ranks (outside [0, E)); int64 ids; more pairs than the one launch takes
-# (SORT_MAX_PAIRS: torch.sort, gather_quantize and row_tiles instead)
+# (SORT_MAX_PAIRS: torch.sort, gather_quantize and row_tiles instead); 2400 pairs: several
+# histogram steps and table programs, E = 15 whose out-of-range bin is the padding's bin
 PREP_CASES = [
     pytest.param(1, 1, 4, 128, "in-range", id="one-pair"),
+    pytest.param(300, 8, 15, 136, "other-ranks", id="2400-pairs-E15"),
     pytest.param(17, 8, 16, 300, "in-range", id="136-pairs"),
     pytest.param(40, 4, 8, 256, "other-ranks", id="other-ranks"),
     pytest.param(33, 2, 5, 136, "int64", id="int64-ids"),
