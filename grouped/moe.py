@@ -364,9 +364,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
         gemm1 = gemm1.on(inter.fused_gemm1_tensors)
     gemm2 = expert_launch(v["h"], w_down, v["y_pairs"], v["offs"], c_rows=v["pair"], weight=weights.view(-1),
                           scales=inter.scales2(v, w_down_scale), w4=w4_2, **(dict(scaling=BLOCKWISE) if fp8 else {}))
-    # one per token and GEMM2 column tile; a multiple of 16 so that the prep's count of them
-    # never changes Triton's int class (one prep kernel for every T that a warmup covers)
-    inter.complete(tickets=16 * cdiv(T * cdiv(H, gemm2.plan.meta["BLOCK_N"]), 16))
+    inter.complete(tickets=16 * cdiv(T * cdiv(H, gemm2.plan.meta["BLOCK_N"]), 16))  # per (token, column tile); 16s keep 1 int class
     gemm2 = gemm2.on(inter.gemm2_tensors)
     new_buffer = inter.workspace.new
 
