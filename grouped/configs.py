@@ -212,7 +212,8 @@ SORT_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
 SORT_MAX_PAIRS = 4096
 # MoEFFN's routing in the prep (route fused in front of the sort): every program routes every
 # token, so up to this many logits (tokens x the experts' power-of-two block) per call, and
-# ROUTED_PREP_TOKENS x that block per step of a program; past it route() runs first.
+# ROUTED_PREP_TOKENS x that block per step of a program; past it route() runs first. One step:
+# past it the repeated routing cost more than route_kernel's launch (bench/results/moe_prep.md).
 ROUTED_PREP_MAX_ELEMENTS = 1 << 11
 ROUTED_PREP_STEP_ELEMENTS = 1 << 11
 
