@@ -38,12 +38,22 @@ class WgmmaKey(NamedTuple):
         return not (self.scaling.a_per_k_block or self.scaling.b_per_k_block)
 
 
-def wgmma_cfg(bn, stages, k_group, regs=232, bm=128, pingpong=False):
+def wgmma_cfg(bn, stages, k_group, regs=232, bm=128, pingpong=False, loader_regs=40):
     """A Gluon-body config. pingpong: each consumer warpgroup owns whole bm-row tiles, in turn
-    (one's epilogue runs under the other's K loop); else the two share each 128-row tile."""
+    (one's epilogue runs under the other's K loop); else the two share each 128-row tile.
+    regs / loader_regs: registers per thread of the worker consumer and of the loader warp."""
     extra = {"PINGPONG": True} if pingpong else {}
+    if loader_regs != 40:
+        extra["LOADER_REGS"] = loader_regs
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": SCALE_BLOCK, "GROUP_M": 8, "STAGES": stages,
                           "K_GROUP": k_group, "CONSUMER_REGS": regs, **extra}, num_warps=4, num_stages=1)
+
+
+def tall_cfg(stages: int = 3) -> triton.Config:
+    """The 256 x 128 tile (SPLIT_M: each consumer's 128 rows as two promoted 64-row halves), with
+    224 registers per consumer thread and 56 for the loader: the split that compiles spill-free
+    with 1x128 scale_a too (232 / 40 spilled there; tools/wgmma_ptxas.py)."""
+    return wgmma_cfg(128, stages, 1, bm=256, regs=224, loader_regs=56)
 
 
 def is_wgmma(c: triton.Config) -> bool:

@@ -790,7 +790,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
                              K_GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                              GROUPED: gl.constexpr = False, SWIGLU: gl.constexpr = False,
                              SWAP: gl.constexpr = False, PINGPONG: gl.constexpr = False,
-                             FAST_ACC: gl.constexpr = False):
+                             FAST_ACC: gl.constexpr = False, LOADER_REGS: gl.constexpr = 40):
     """C = epilogue(sum over K blocks of (A_k @ B_k) * scale_a_k * scale_b_k), on sm_90.
 
     A: Operand over fp8 [M, K] with stride1 == 1 (row-major), 16-byte aligned rows.
@@ -812,7 +812,8 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     The options (SWIGLU, SWAP, FAST_ACC, PINGPONG, SPLIT, K_GROUP, STAGES): ``Tiling``.
     BLOCK_M = 128 (two 64-row consumers; 64 with SWIGLU; tokens with SWAP; 256 with SPLIT_M), BLOCK_K = 128
     (one scale block per K step); BLOCK_N <= 128 per accumulator when SB_COLS = 128.
-    CONSUMER_REGS: registers per thread of the worker consumer.
+    CONSUMER_REGS, LOADER_REGS: registers per thread of the worker consumer and of the loader
+    (the default consumer gets what the register file leaves).
     Grid: (min(tiles, SMs),); each program walks tiles pid, pid + grid, ... in GROUP_M order.
     """
     gl.static_assert(SWAP or PINGPONG or BLOCK_M == (1 if SWIGLU else 2) * ROWS or BLOCK_M == 4 * ROWS)
@@ -824,7 +825,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
     gl.static_assert(SA_ROWS <= 1 or SA_ROWS % min(BLOCK_M, 2 * ROWS) == 0)  # an accumulator's rows share a scale
     gl.static_assert(SB_COLS <= 1 or SB_COLS % min(BLOCK_N, 128) == 0)
     gl.static_assert(not _split(BLOCK_M, BLOCK_N, FAST_ACC) or not (SWIGLU or SWAP or PINGPONG))
-    gl.static_assert(BLOCK_M <= 2 * ROWS or (BLOCK_M == 4 * ROWS and BLOCK_N <= 128 and not (GROUPED or FAST_ACC)))
+    gl.static_assert(BLOCK_M <= 2 * ROWS or (BLOCK_M == 4 * ROWS and BLOCK_N <= 128 and not FAST_ACC))
     gl.static_assert(BLOCK_N <= 128 or FAST_ACC or (BLOCK_N == 256 and SB_COLS != 1))
     gl.static_assert(GROUPED or not SWIGLU)
     t = Tiling(ACTIVATION, SA_ROWS, SB_COLS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, K_GROUP, GROUPED, SWIGLU, SWAP,
@@ -840,7 +841,7 @@ def blockscaled_wgmma_kernel(A, B, C, M, N, K, scales, bias, groups,
         (_consume_partition, (ring, handoff, out0, C, M, N, K, scales, bias, groups, 0, t)),
         (_consume_partition, (ring, handoff, out1, C, M, N, K, scales, bias, groups, 1, t)),
         (_load_partition, (a_desc, b_desc, ring, M, N, K, groups, t)),
-    ], [4, 1], [CONSUMER_REGS, 40])
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @gluon.jit

@@ -988,7 +988,8 @@ def test_gpu_wgmma_every_config(grans, fast, cfg, M, N, K, device):
 
 # The split tiles (two accumulators per consumer): 256 x 128 (SPLIT_M, two 64-row halves) on
 # each scaling of A it serves, 128 x 256 (two 128-column halves) where it compiles spill-free.
-SPLIT_CASES = [(128, 256, "1x128"), (128, 256, "128x128"), (128, 256, "row"), (256, 128, "128x128"), (256, 128, "row")]
+SPLIT_CASES = [(128, 256, "1x128"), (128, 256, "128x128"), (128, 256, "row"), (256, 128, "1x128"), (256, 128, "128x128"),
+               (256, 128, "row")]
 
 
 @pytest.mark.gpu
@@ -1001,7 +1002,8 @@ def test_gpu_wgmma_split_tiles(M, N, K, bn, bm, gran_a, device):
     gran_b = "col" if gran_a == "row" else "128x128"
     qa, sa, ba = quant_a(make_input((M, K), device), gran_a)
     qb, sb, bb = quant_b(make_input((N, K), device), gran_b)
-    cfg = hopper_configs.wgmma_cfg(bn, 2, 1, bm=bm)  # two ring slots: an fp32 256 x 128 staging tile fits beside them
+    # two ring slots: an fp32 256 x 128 staging tile fits beside them
+    cfg = hopper_configs.tall_cfg(2) if bm == 256 else hopper_configs.wgmma_cfg(bn, 2, 1, bm=bm)
     torch.full((M, N), float("nan"), device=device)  # freed: the output below reuses its NaN block
     out = onegemm.blockscaled_matmul(qa, qb, sa, sb, out_dtype=torch.float32, config=cfg)
     assert_close(out, blockscaled_matmul_ref(qa, qb, sa, sb, ba, bb), KERNEL_TOL)

@@ -11,7 +11,7 @@ import torch
 
 import onegemm
 from helpers import fp8_grouped_inputs, fp8_layer_diff_bound, fp8_moe_inputs, offs_of
-from onegemm.core import hopper_fp8
+from onegemm.core import hopper_configs, hopper_fp8
 from onegemm.core.configs import cfg
 from onegemm.grouped import configs, wgmma
 from onegemm.core.launch import clear_plans, plans
@@ -268,6 +268,26 @@ GROUPED_GPU_CASES = [
     pytest.param([2000, 3, 0, 45, 0, 0, 12, 500], 2048, 768, id="skewed-8-experts"),
     pytest.param([64] * 32, 7168, 256, id="32-experts-deepseek-K"),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("sizes,K,N", GROUPED_GPU_CASES)
+@pytest.mark.parametrize("kinds", [("1x128", "128x128"), ("row", "col")], ids=["blockwise", "row-wise"])
+def test_gpu_grouped_fp8_tall_tiles(sizes, K, N, kinds, device):
+    """The grouped flavour's 256-row tiles (SPLIT_M, forced: two consumers of 128 rows, each as
+    two promoted 64-row halves) against float64: tiles whose second consumer, or half, lies
+    past its group (the next group's rows, or past the last offset), with bias and activation;
+    a poisoned output shows an unwritten row."""
+    qa, qb, sa, sb, offs, a_deq, b_deq = fp8_grouped_inputs(*kinds, sizes, K, N, device)
+    (G, M), scaling = (len(sizes), qa.shape[0]), Scaling.parse(",".join(kinds))
+    bias = torch.randn(G, N, device=device)
+    key = hopper_configs.WgmmaKey(M // G, N, K, scaling, "bf16", "grouped")
+    out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
+    wgmma.run_wgmma_grouped(qa, qb.transpose(1, 2), out, lambda bm: row_tiles(offs, G, M, bm), sa, sb, N=N, key=key,
+                            bias=bias, activation="silu", config=hopper_configs.tall_cfg(3))
+    assert_close(out[:sum(sizes)], grouped_mm_ref(a_deq, b_deq, offs, bias, "silu")[:sum(sizes)], 1e-2)
+    assert (out[sum(sizes):] == 0).all()  # rows past the last offset: a tile of zeros
 
 
 @pytest.mark.gpu
