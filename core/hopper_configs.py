@@ -110,6 +110,10 @@ def wgmma_candidates(key: WgmmaKey, sms: int) -> list[triton.Config]:
             found += [wgmma_cfg(256, 3, 1)]
         if _tall_tiles(key):
             found += [wgmma_cfg(128, 3, 1, bm=256)]
+        # grouped 256-row tiles where groups hold that many rows: from 0.92x to 1.1x the 128 x 128
+        # tile by shape (bench/results/wgmma_modes.md), so autotuning's to choose, not the heuristic
+        if key.mode == "grouped" and key.m >= 256:
+            found += [tall_cfg(3), tall_cfg(4)]
     return with_pick([c for c in found if _wgmma_fits(c, key.out, key.mode)], wgmma_heuristic(key, sms))
 
 

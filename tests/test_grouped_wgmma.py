@@ -215,6 +215,19 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
                                     config=args["config"]) == expected
 
 
+@pytest.mark.parametrize("rows,tall", [(512, True), (256, True), (128, False)])
+def test_wgmma_grouped_tall_candidates(rows, tall):
+    """256-row tiles are autotuning candidates of the grouped flavour where groups hold that many
+    rows, with the register split that compiles spill-free, and fit shared memory."""
+    key = hopper_configs.WgmmaKey(rows, 4096, 7168, Scaling.parse("1x128,128x128"), "bf16", "grouped")
+    found = hopper_configs.wgmma_candidates(key, 132)
+    talls = [c for c in found if c.kwargs["BLOCK_M"] == 256]
+    assert bool(talls) == tall
+    assert all(c.kwargs["CONSUMER_REGS"] == 224 and c.kwargs["LOADER_REGS"] == 56 for c in talls)
+    assert all(hopper_configs._wgmma_fits(c, "bf16", "grouped") for c in found)
+    assert hopper_configs.wgmma_heuristic(key, 132).kwargs["BLOCK_M"] == 128
+
+
 def test_wgmma_decode_form_only_in_moe_pipeline(monkeypatch):
     """Under the shipped thresholds a decode-sized call takes the SWAP form inside moe_ffn's
     pipeline and core's Triton body as a plain grouped GEMM, where the form never won
@@ -274,7 +287,8 @@ GROUPED_GPU_CASES = [
 @pytest.mark.sm90
 @pytest.mark.parametrize("sizes,K,N", GROUPED_GPU_CASES)
 @pytest.mark.parametrize("kinds", [("1x128", "128x128"), ("row", "col")], ids=["blockwise", "row-wise"])
-def test_gpu_grouped_fp8_tall_tiles(sizes, K, N, kinds, device):
+@pytest.mark.parametrize("stages", [3, 4], ids=["s3", "s4"])
+def test_gpu_grouped_fp8_tall_tiles(sizes, K, N, kinds, stages, device):
     """The grouped flavour's 256-row tiles (SPLIT_M, forced: two consumers of 128 rows, each as
     two promoted 64-row halves) against float64: tiles whose second consumer, or half, lies
     past its group (the next group's rows, or past the last offset), with bias and activation;
@@ -285,7 +299,7 @@ def test_gpu_grouped_fp8_tall_tiles(sizes, K, N, kinds, device):
     key = hopper_configs.WgmmaKey(M // G, N, K, scaling, "bf16", "grouped")
     out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
     wgmma.run_wgmma_grouped(qa, qb.transpose(1, 2), out, lambda bm: row_tiles(offs, G, M, bm), sa, sb, N=N, key=key,
-                            bias=bias, activation="silu", config=hopper_configs.tall_cfg(3))
+                            bias=bias, activation="silu", config=hopper_configs.tall_cfg(stages))
     assert_close(out[:sum(sizes)], grouped_mm_ref(a_deq, b_deq, offs, bias, "silu")[:sum(sizes)], 1e-2)
     assert (out[sum(sizes):] == 0).all()  # rows past the last offset: a tile of zeros
 
