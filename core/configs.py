@@ -72,9 +72,8 @@ def label(c: triton.Config) -> str:
     k = c.kwargs
     tile = f"{k['BLOCK_M']}x{k.get('BLOCK_N', '-')}x{k['BLOCK_K']} " if "BLOCK_M" in k and "BLOCK_K" in k else ""
     if "K_GROUP" in k:  # the Gluon body's (core/hopper_fp8.py): its ring depth and K unroll
-        regs = (k["CONSUMER_REGS"], k.get("LOADER_REGS", 40))
-        return (f"{tile}s{k['STAGES']} kg{k['K_GROUP']}{' pingpong' if k.get('PINGPONG') else ''}"
-                f"{'' if regs == (232, 40) else ' r%d/%d' % regs} gluon")
+        regs = f" r{k['CONSUMER_REGS']}/{k['LOADER_REGS']}" if "LOADER_REGS" in k else ""  # a register split of its own
+        return f"{tile}s{k['STAGES']} kg{k['K_GROUP']}{' pingpong' if k.get('PINGPONG') else ''}{regs} gluon"
     text = f"{tile}w{c.num_warps} s{c.num_stages}"
     for flag, name in (("WARP_SPECIALIZE", "WS"), ("PERSISTENT", "pers"), ("STREAM_K", "streamK")):
         if k.get(flag):

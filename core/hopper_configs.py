@@ -38,12 +38,13 @@ class WgmmaKey(NamedTuple):
         return not (self.scaling.a_per_k_block or self.scaling.b_per_k_block)
 
 
-def wgmma_cfg(bn, stages, k_group, regs=232, bm=128, pingpong=False, loader_regs=40):
+def wgmma_cfg(bn, stages, k_group, regs=232, bm=128, pingpong=False, loader_regs=None):
     """A Gluon-body config. pingpong: each consumer warpgroup owns whole bm-row tiles, in turn
     (one's epilogue runs under the other's K loop); else the two share each 128-row tile.
-    regs / loader_regs: registers per thread of the worker consumer and of the loader warp."""
+    regs / loader_regs: registers per thread of the worker consumer and of the loader warp
+    (None: the kernel's LOADER_REGS default)."""
     extra = {"PINGPONG": True} if pingpong else {}
-    if loader_regs != 40:
+    if loader_regs is not None:
         extra["LOADER_REGS"] = loader_regs
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": SCALE_BLOCK, "GROUP_M": 8, "STAGES": stages,
                           "K_GROUP": k_group, "CONSUMER_REGS": regs, **extra}, num_warps=4, num_stages=1)
