@@ -36,13 +36,14 @@ its cell is blank, with the reason printed); DeepGEMM's layouts are made outside
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
-from common import (bench_ms, differs, geomean, header, import_deepgemm, kept_sections, markdown_table, run_or_reason,
-                    update_summary, write_results)
+from common import (RESULTS, bench_ms, commit, copy_tb_s, differs, geomean, header, import_deepgemm, import_vllm_moe,
+                    kept_sections, markdown_table, run_or_reason, update_summary, write_results)
 from onegemm.testing import (
     assert_close,
     assert_moe_fp8_close,
@@ -59,8 +60,9 @@ MODELS = [
     ("Qwen3-30B-A3B", 128, 128, 2048, 768, 8),
     ("Mixtral-8x7B", 8, 8, 4096, 14336, 2),
     ("DeepSeek-V3 EP8", 32, 256, 7168, 2048, 8),
+    ("gpt-oss-120b", 128, 128, 2880, 2880, 4),
 ]
-DECODE = [1, 16, 64, 256, 512]
+DECODE = [1, 4, 16, 64, 256, 512]
 PREFILL = [4096, 16384]
 QUICK_MODELS = [("tiny", 4, 6, 200, 136, 2)]
 
@@ -73,7 +75,47 @@ def moe_routing(T, E_routed, k, skewed, device):
     return onegemm.route(logits, k)
 
 
-def measure_moe(model, T, skewed, device, timer, quick):
+VLLM_VERSION_NOTE = "0.33"
+
+
+def bw_ratio(rows, fmt):
+    """Weight TB/s / its run's copy TB/s, of the decode rows (T <= 64) that read >= 100 MB of fp8 weights."""
+    return [r[f"{fmt} weight TB/s"] / r["copy TB/s"] for r in rows if r["T"] <= 64 and r.get("fp8 weight MB read", 0) >= 100]
+
+
+ROWS_FILE = RESULTS / "moe_fp8_rows.json"
+
+
+def merge_moe_rows(rows, models):
+    """This run's expert-FFN rows, stored in ROWS_FILE, plus the stored rows of the models it did
+    not run (a --models rerun of some models keeps the others' figures, from the same GPU)."""
+    gpu, ran = torch.cuda.get_device_name(), {m[0] for m in models}
+    stamp = dict(gpu=gpu, commit=commit())
+    old = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.exists() else []
+    kept = [r for r in old if r["model"] not in ran and r.get("gpu") == gpu]
+    rows = [{**r, **stamp} for r in rows] + kept
+    ROWS_FILE.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def vllm_moe(vllm, x, experts, weights, ids, E, k):
+    """vLLM's fused_moe kernels on the same experts (bf16: (w13, w2); FP8: (q13, q2, s13, s2),
+    whose layouts and 128x128 scales are vLLM's too), with the config vLLM picks on an H200 and
+    its moe_align_block_size made here, outside the timed call. Ids outside [0, E) (experts of
+    other ranks) become expert -1, whose blocks vLLM's kernel fills with zeros, as its
+    expert_map does. Returns the timed call."""
+    w1, w2, *scales = experts
+    s1, s2 = scales or (None, None)
+    local = (ids >= 0) & (ids < E)
+    ids_v = torch.where(local, ids, -1).to(torch.int32)
+    config = vllm.get_config(x.shape[0], w1.shape, w2.shape, k, "fp8_w8a8" if scales else None,
+                             [128, 128] if scales else None)
+    align = vllm.moe_align_block_size(torch.where(local, ids, E), config["BLOCK_SIZE_M"], E + 1)
+    align[1].masked_fill_(align[1] == E, -1)
+    return lambda: vllm.fused_moe(x, w1, w2, weights, ids_v, w1_scale=s1, w2_scale=s2, config=config, align=align)
+
+
+def measure_moe(model, T, skewed, device, timer, quick, vllm=None):
     name, E, E_routed, H, I, k = model
     torch.manual_seed(T)
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
@@ -105,6 +147,19 @@ def measure_moe(model, T, skewed, device, timer, quick):
         # The bytes a decode step must read: the experts it hits, with their scales.
         row["fp8 weight TB/s"] = hit * (3 * H * I + 4 * (s13[0].numel() + s2[0].numel())) / (t8 * 1e-3) / 1e12
         row["bf16 weight TB/s"] = hit * 3 * H * I * 2 / (t16 * 1e-3) / 1e12
+        row["fp8 weight MB read"] = hit * 3 * H * I / 1e6
+        if vllm is not None:
+            if s13.shape[1] != -(-2 * I // 128):  # gate and up quantised apart (I % 128 != 0): vLLM's own blocks
+                vq13, vs13 = vllm.quant_weight_block_fp8(w13)
+            else:
+                vq13, vs13 = q13, s13
+            y16 = bf16()
+            for fmt, experts, t_ours, tol in [("fp8", (vq13, q2, vs13, s2), t8, 5e-3), ("bf16", (w13, w2), t16, 1e-3)]:
+                call = vllm_moe(vllm, x, experts, weights, ids, E, k)
+                _, why = run_or_reason(call, lambda out: differs(out, y16, tol))
+                row[f"{fmt} vs vLLM (GPU)"] = math.nan if why else timer(call) / t_ours
+                if why:
+                    print(f"vLLM {fmt} {name} T={T}: {why}", flush=True)
     print(row, flush=True)
     return row
 
@@ -397,6 +452,8 @@ def main():
     parser.add_argument("--part", choices=["moe", "gemm", "both", "decode-bodies"], default="both",
                         help="which part to run (default both; gemm: the grouped GEMM at prefill and decode, "
                              "sections 2 and 3; decode-bodies: FP8 decode on each body)")
+    parser.add_argument("--models", help="part moe: comma-separated model name fragments (default every model)")
+    parser.add_argument("--tokens", help="part moe: comma-separated token counts (default decode and prefill)")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
 
@@ -412,10 +469,17 @@ def main():
         decode_bodies(device)
         return
     moe_rows, rows, decode_rows = [], [], []
+    vllm, copy = None, math.nan
     if args.part in ("moe", "both"):
         models, sizes = (QUICK_MODELS, [3]) if args.quick else (MODELS, DECODE + PREFILL)
-        moe_rows = [measure_moe(m, T, skewed, device, timer, args.quick)
+        models = [m for m in models if not args.models or any(w.lower() in m[0].lower() for w in args.models.split(","))]
+        sizes = [int(t) for t in args.tokens.split(",")] if args.tokens else sizes
+        if not args.quick:
+            vllm, copy = import_vllm_moe(), copy_tb_s(device)
+        moe_rows = [measure_moe(m, T, skewed, device, timer, args.quick, vllm)
                     for m in models for T in sizes for skewed in (False, True)]
+        if not args.quick:
+            moe_rows = merge_moe_rows([{**r, "copy TB/s": copy} for r in moe_rows], models)
     dg = None
     if args.part in ("gemm", "both"):
         dg = import_deepgemm()
@@ -440,7 +504,15 @@ def main():
             f"Geomeans, FP8 vs bf16 moe_ffn (GPU): prefill {geomean([r['fp8 vs bf16 (GPU)'] for r in prefill]):.3f}, "
             f"decode {geomean([r['fp8 vs bf16 (GPU)'] for r in decode]):.3f}; eager: prefill "
             f"{geomean([r['fp8 vs bf16 (eager)'] for r in prefill]):.3f}, decode "
-            f"{geomean([r['fp8 vs bf16 (eager)'] for r in decode]):.3f}.\n\n")
+            f"{geomean([r['fp8 vs bf16 (eager)'] for r in decode]):.3f}.\n\n"
+            "Decode against the copy speed (copy TB/s: a 1 GiB bf16 clone in the row's run): weight TB/s / copy, geomean "
+            f"over T <= 64 where a step reads >= 100 MB of fp8 weights: FP8 {geomean(bw_ratio(decode, 'fp8')):.3f}, "
+            f"bf16 {geomean(bw_ratio(decode, 'bf16')):.3f}. Rows carry the commit and GPU of their run (--models "
+            "reruns some models and keeps the others' rows). vs vLLM: vLLM {VLLM_VERSION_NOTE} fused_moe kernels' GPU "
+            "time / onegemm's (its H200 config table, moe_align_block_size made outside the timed call, ids of other "
+            "ranks as expert -1 blocks that it fills with zeros), geomean at T <= 512: FP8 "
+            f"{geomean([r.get('fp8 vs vLLM (GPU)') for r in decode]):.3f}, bf16 "
+            f"{geomean([r.get('bf16 vs vLLM (GPU)') for r in decode]):.3f}.\n\n")
     text += "" if rows else kept_sections("moe_fp8", ["## 2.", "## 3."])
     if rows:
         text += (
@@ -479,7 +551,18 @@ def main():
             dict(name="fp8_moe_ffn_vs_bf16_prefill", peer="onegemm moe_ffn bf16 (GPU time, T >= 4096, uniform routing)",
                  value=geomean([r["fp8 vs bf16 (GPU)"] for r in uniform if r["T"] >= min(PREFILL)])),
             dict(name="fp8_moe_ffn_vs_bf16_decode", peer="onegemm moe_ffn bf16 (GPU time, T <= 512, uniform routing)",
-                 value=geomean([r["fp8 vs bf16 (GPU)"] for r in uniform if r["T"] <= max(DECODE)]))]
+                 value=geomean([r["fp8 vs bf16 (GPU)"] for r in uniform if r["T"] <= max(DECODE)])),
+            dict(name="fp8_moe_ffn_vs_bf16_decode_eager", peer="onegemm moe_ffn bf16 (eager, host included, T <= 512, uniform routing)",
+                 value=geomean([r["fp8 vs bf16 (eager)"] for r in uniform if r["T"] <= max(DECODE)])),
+            dict(name="decode_weight_bw_vs_copy",
+                 peer="a 1 GiB bf16 clone in the same run: weight TB/s / copy TB/s, FP8 and bf16 moe_ffn, "
+                      "T <= 64 where a step reads >= 100 MB of fp8 weights, both routings",
+                 value=geomean(bw_ratio(moe_rows, "fp8") + bw_ratio(moe_rows, "bf16")))]
+        versus = [r.get(f"{f} vs vLLM (GPU)") for r in moe_rows if r["T"] <= max(DECODE) for f in ("fp8", "bf16")]
+        if any(v is not None and math.isfinite(v) for v in versus):
+            summary.append(dict(name="moe_decode_vs_vllm_kernels", value=geomean(versus),
+                                peer=f"vLLM {VLLM_VERSION_NOTE} Triton fused_moe kernels, FP8 (w8a8 block) and bf16, its "
+                                     "H200 configs, alignment precomputed (GPU time, T <= 512, both routings)"))
     if rows:
         summary += [
             dict(name="fp8_grouped_vs_bf16_grouped_mm", peer="torch._grouped_mm bf16 (GPU time, prefill expert GEMMs)",

@@ -23,7 +23,7 @@ import time
 
 import onegemm  # first: it picks Triton's interpreter when there is no GPU
 import torch
-from common import bench_ms, geomean, header, markdown_table, update_summary, write_results
+from common import bench_ms, copy_tb_s, geomean, header, markdown_table, update_summary, write_results
 from onegemm.testing import TOL, assert_close, calc_diff, eager_ms, int4_dequantize_ref, moe_ref, mxfp4_dequantize_ref
 
 # (name, local experts, routed experts, H, I, top-k)
@@ -59,12 +59,6 @@ def random_int4(E, rows, K, device, zero_points=False):
         scales = onegemm.pack_int4_zeros(scales, torch.randint(4, 12, scales.shape, device=device))
     twin = torch.stack([int4_dequantize_ref(packed[e], scales[e]).to(torch.bfloat16) for e in range(E)])
     return packed, scales, twin
-
-
-def copy_tb_s(device) -> float:
-    """A bf16 clone's rate (read + write bytes / time): the copy speed the weight rates compare with."""
-    t = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
-    return 2 * t.numel() * 2 / (bench_ms(lambda: t.clone()) * 1e-3) / 1e12
 
 
 def measure(model, T, fmt, device, quick):

@@ -48,6 +48,13 @@ def tflops(flop: float, ms: float) -> float:
     return flop / (ms * 1e-3) / 1e12
 
 
+def copy_tb_s(device="cuda") -> float:
+    """A 1 GiB bf16 clone's rate (read + write bytes / GPU time): the copy speed that weight
+    rates compare with, measured in the same run."""
+    t = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    return 2 * t.numel() * 2 / (bench_ms(lambda: t.clone()) * 1e-3) / 1e12
+
+
 def geomean(xs) -> float:
     xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
@@ -188,6 +195,19 @@ def import_peer(module: str, label: str, how: str):
               flush=True)
         return None
     return peer
+
+
+VLLM_HOW = ("copy $ONEGEMM_PEERS/vllm into the checkout's ignored .peers/vllm on the GPU machine and run with "
+            "ONEGEMM_PEERS=.peers")
+
+
+def import_vllm_moe():
+    """vLLM's Triton fused_moe kernels (the peers folder's vllm/vllm_fused_moe.py under
+    $ONEGEMM_PEERS), or None after saying why (see import_peer)."""
+    root = os.environ.get("ONEGEMM_PEERS")
+    if root and str(Path(root, "vllm")) not in sys.path:
+        sys.path.insert(0, str(Path(root, "vllm")))
+    return import_peer("vllm_fused_moe", "vLLM fused_moe", VLLM_HOW)
 
 
 def import_deepgemm():
