@@ -96,17 +96,27 @@ def m_bucket(n: int, cap: int = _BUCKET_CAP) -> int:
     return min(next_pow2(int(n)), cap)
 
 
+def bucket_floor(n: int, cap: int = _BUCKET_CAP) -> int:
+    """The fewest rows of n's ``m_bucket`` (n itself past the cap): what a dispatch rule reads
+    for M, so that its choice holds over the whole bucket, one compiled variant per key (the
+    variants ``token_counts`` meets)."""
+    if n > cap:
+        return n
+    top = m_bucket(n, cap)
+    return top // 2 + 1 if top > 1 else top
+
+
 def token_counts(max_tokens: int, multiples=(1,)) -> list[int]:
     """Token counts that between them meet every compiled variant a call of 1 to
     ``max_tokens`` tokens can: per ``m_bucket`` up to max_tokens' one, a count for each
-    combination of Triton's int classes (core/triton_abi.py: 1, a multiple of 16, other) of
-    t * m, m in ``multiples`` (the ints a call derives from t, such as t * top_k), taken from
-    the bucket's top down (32 counts meet every residue mod 16). What a warmup runs."""
+    combination of the ``m_bucket`` and Triton's int class (core/triton_abi.py: 1, a multiple
+    of 16, other) of t * m, m in ``multiples`` (the ints a call derives from t, such as
+    t * top_k), the first met from the bucket's top down. What a warmup runs."""
     counts, top = [], 1
     while True:
         seen = set()
-        for t in range(top, max(top // 2, top - 32), -1):
-            kind = tuple(triton_abi.int_class(t * m) for m in multiples)
+        for t in range(top, top // 2, -1):
+            kind = tuple((triton_abi.int_class(t * m), m_bucket(t * m)) for m in multiples)
             if kind not in seen:
                 seen.add(kind)
                 counts.append(t)

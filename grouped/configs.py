@@ -287,12 +287,13 @@ WGMMA_MIN_GROUP_ROWS = 32
 WGMMA_MIN_EXPERT_ELEMENTS = 1 << 20
 # ... its decode form (SWAP: the weights' rows on wgmma's M side) in moe_ffn's pipeline up to
 # WGMMA_DECODE_MAX_ROWS, where the step reads at least WGMMA_DECODE_MIN_ELEMENTS weights
-# (min(M, G) * N * K): below that (Qwen3 at T = 1) the form's launches cost more than it
+# (min(M, G) * N * K): below that (Qwen3 up to T = 4) the form's launches cost more than it
 # saves. A plain grouped GEMM (grouped_matmul, the FP8 training GEMMs) never gained from it:
-# WGMMA_GEMM_DECODE_MAX_ROWS. Between the bands, and for small steps, core's Triton body.
+# WGMMA_GEMM_DECODE_MAX_ROWS. Between the bands, and for small steps, core's Triton body. The
+# rule reads M at its bucket's floor (grouped_band), so that one compiled variant serves a bucket.
 WGMMA_DECODE_MAX_ROWS = 16
 WGMMA_GEMM_DECODE_MAX_ROWS = 0
-WGMMA_DECODE_MIN_ELEMENTS = 1 << 26
+WGMMA_DECODE_MIN_ELEMENTS = 1 << 25
 
 
 register(

@@ -42,27 +42,38 @@ def side_by_side_layout(w: torch.Tensor) -> bool:
             and (w.stride(1) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
+def grouped_band(N: int, K: int, M: int, G: int, moe: bool = False) -> str | None:
+    """The band of ``gluon_grouped_mode`` for M rows over G experts of N x K weights, read at
+    the fewest rows of M's bucket (configs.bucket_floor), so that the answer holds for every M
+    of a compiled variant's key (the counts a warmup meets): "grouped" from
+    grouped_configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles computed
+    transposed, SWAP) up to grouped_configs.WGMMA_DECODE_MAX_ROWS (``moe``: moe_ffn's pipeline;
+    WGMMA_GEMM_DECODE_MAX_ROWS for a plain grouped GEMM) where the call reads
+    grouped_configs.WGMMA_DECODE_MIN_ELEMENTS weights; None between them, for no rows, and for
+    experts under grouped_configs.WGMMA_MIN_EXPERT_ELEMENTS weights."""
+    if M == 0 or N * K < grouped_configs.WGMMA_MIN_EXPERT_ELEMENTS:
+        return None
+    M = configs.bucket_floor(M)
+    rows = M / max(G, 1)
+    read = min(M, G) * N * K  # weights the call reads at most: a group's experts without rows are skipped
+    decode_rows = grouped_configs.WGMMA_DECODE_MAX_ROWS if moe else grouped_configs.WGMMA_GEMM_DECODE_MAX_ROWS
+    if rows >= grouped_configs.WGMMA_MIN_GROUP_ROWS:
+        return "grouped"
+    return "decode" if rows <= decode_rows and read >= grouped_configs.WGMMA_DECODE_MIN_ELEMENTS else None
+
+
 def gluon_grouped_mode(w, M: int, G: int, scaling: Scaling = BLOCKWISE, a=None, tma: bool | None = None,
                   config=None, moe: bool = False) -> str | None:
     """The dispatch rule of the grouped flavour (grouped_matmul 2D x 3D with scales, and the
     FP8 moe_ffn's GEMMs): on an sm_90 GPU, e4m3 operands with 1x128 scale_a and 128x128
-    scale_b (or row-wise scale_a and per-column scale_b, applied in the epilogue), the experts w [G, N, K] TMA-readable (``experts_layout``, or side by side along K:
+    scale_b (or row-wise scale_a and per-column scale_b, applied in the epilogue), the experts
+    w [G, N, K] TMA-readable (``experts_layout``, or side by side along K:
     ``side_by_side_layout``) and a [M, K] too (``rows_layout``; ``a`` None: a row-major copy
-    the caller writes, whose rows are K bytes):
-    "grouped" from grouped_configs.WGMMA_MIN_GROUP_ROWS rows per group on average, "decode" (tiles
-    computed transposed, SWAP) up to grouped_configs.WGMMA_DECODE_MAX_ROWS (``moe``: moe_ffn's
-    pipeline; WGMMA_GEMM_DECODE_MAX_ROWS for a plain grouped GEMM) where the call reads
-    grouped_configs.WGMMA_DECODE_MIN_ELEMENTS weights, for experts of at least
-    grouped_configs.WGMMA_MIN_EXPERT_ELEMENTS weights. None (core's Triton body): anything else,
-    between the two, a forced config (the Triton body's family) or tma=False."""
-    N, K = w.shape[1], w.shape[2]
-    if config is not None or tma is False or M == 0 or N * K < grouped_configs.WGMMA_MIN_EXPERT_ELEMENTS:
+    the caller writes, whose rows are K bytes), the band ``grouped_band`` gives. None (core's
+    Triton body): anything else, a forced config (the Triton body's family) or tma=False."""
+    if config is not None or tma is False:
         return None
-    rows = M / max(G, 1)
-    read = min(M, G) * N * K  # weights the call reads at most: a group's experts without rows are skipped
-    decode_rows = grouped_configs.WGMMA_DECODE_MAX_ROWS if moe else grouped_configs.WGMMA_GEMM_DECODE_MAX_ROWS
-    mode = ("grouped" if rows >= grouped_configs.WGMMA_MIN_GROUP_ROWS else
-            "decode" if rows <= decode_rows and read >= grouped_configs.WGMMA_DECODE_MIN_ELEMENTS else None)
+    mode = grouped_band(w.shape[1], w.shape[2], M, G, moe)
     if mode is None or not (on_sm90(w) and scaling[:2] in (BLOCKWISE[:2], ROWWISE[:2]) and w.dtype == torch.float8_e4m3fn):
         return None
     a_ok = w.shape[2] % 16 == 0 if a is None else (a.dtype == w.dtype and rows_layout(a))

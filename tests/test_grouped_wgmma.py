@@ -165,22 +165,26 @@ def _expert_weights(G, N, K, dtype=E4M3):
     return torch.empty(G, N, K, dtype=dtype)
 
 
-# (what changes from 256 rows per group of K = 256 over 8 experts of N = 512, the rule's
+# (what changes from 512 rows per group of K = 256 over 8 experts of N = 512, the rule's
 # answer: the flavour's mode, or None for core's Triton body), with the thresholds at
 # 256 rows per group for "grouped", 64 for "decode" where a call reads 8 experts' weights, and
-# experts of 512 x 128 weights at least (the tuned ones differ)
+# experts of 512 x 128 weights at least (the tuned ones differ). The rule reads M at its
+# bucket's floor: M = 2^n covers 2^(n-1) + 1 to 2^n rows.
 ROWS, DECODE_ROWS = 256, 64
 GROUPED_DISPATCH_CASES = [
     pytest.param({}, "grouped", id="eligible"),
+    pytest.param({"M": 8 * ROWS + 1}, "grouped", id="bucket-floor-at-grouped-rows"),
+    pytest.param({"M": 8 * ROWS}, None, id="bucket-floor-under-grouped-rows"),
     pytest.param({"M": 8 * DECODE_ROWS}, "decode", id="decode-rows-per-group"),
-    pytest.param({"M": 8}, "decode", id="one-row-per-group"),
-    pytest.param({"M": 7}, None, id="decode-reading-7-of-8-experts"),
-    pytest.param({"M": 8 * ROWS - 1}, None, id="between-decode-and-grouped"),
+    pytest.param({"M": 8 * DECODE_ROWS + 1}, None, id="bucket-floor-over-decode-rows"),
+    pytest.param({"M": 16}, "decode", id="two-rows-per-group"),
+    pytest.param({"M": 9}, "decode", id="bucket-floor-reads-8-experts"),
+    pytest.param({"M": 8}, None, id="bucket-floor-reads-5-of-8-experts"),
     pytest.param({"M": 0}, None, id="no-rows"),
     pytest.param({"kind_a": "row"}, None, id="row-wise-scale_a"),
     pytest.param({"kind_b": "col"}, None, id="per-channel-scale_b"),
     pytest.param({"kind_a": "row", "kind_b": "col"}, "grouped", id="row-wise-epilogue-scales"),
-    pytest.param({"kind_a": "row", "kind_b": "col", "M": 8}, "decode", id="row-wise-decode"),
+    pytest.param({"kind_a": "row", "kind_b": "col", "M": 16}, "decode", id="row-wise-decode"),
     pytest.param({"tma": False}, None, id="tma-False"),
     pytest.param({"config": cfg(64, 128, 128, 4, 3)}, None, id="forced-triton-config"),
     pytest.param({"K": 200}, None, id="rows-of-200-bytes"),
@@ -202,7 +206,7 @@ def test_wgmma_grouped_dispatch_rule(change, expected, monkeypatch):
     monkeypatch.setattr(configs, "WGMMA_GEMM_DECODE_MAX_ROWS", DECODE_ROWS)
     monkeypatch.setattr(configs, "WGMMA_DECODE_MIN_ELEMENTS", 8 * 512 * 256)
     monkeypatch.setattr(configs, "WGMMA_MIN_EXPERT_ELEMENTS", 512 * 128)
-    args = dict(M=8 * ROWS, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
+    args = dict(M=2 * 8 * ROWS, K=256, N=512, G=8, kind_a="1x128", kind_b="128x128", tma=None, config=None, w="plain",
                 a="contig", dtype=E4M3)
     args.update(change)
     M, K, N, G = args["M"], args["K"], args["N"], args["G"]
@@ -233,11 +237,27 @@ def test_wgmma_decode_form_only_in_moe_pipeline(monkeypatch):
     pipeline and core's Triton body as a plain grouped GEMM, where the form never won
     (bench/results/moe_decode_bodies.md); 32 rows per group take the tiles either way."""
     monkeypatch.setattr(wgmma, "on_sm90", lambda t: True)
-    w = _expert_weights(8, 2048, 4096, E4M3)  # 8 experts read: 2^26 weights, the decode form's floor
+    w = _expert_weights(8, 1024, 4096, E4M3)  # 8 experts read: 2^25 weights, the decode form's floor
     assert wgmma.gluon_grouped_mode(w, 64, 8, moe=True) == "decode"
     assert wgmma.gluon_grouped_mode(w, 64, 8) is None
-    assert wgmma.gluon_grouped_mode(w, 7, 8, moe=True) is None  # 7 experts read: too few weights
-    assert wgmma.gluon_grouped_mode(w, 8 * 32, 8) == "grouped" == wgmma.gluon_grouped_mode(w, 8 * 32, 8, moe=True)
+    assert wgmma.gluon_grouped_mode(w, 8, 8, moe=True) is None  # M = 5 to 8 read 5 experts at least: too few
+    assert wgmma.gluon_grouped_mode(w, 8 * 64, 8) == "grouped" == wgmma.gluon_grouped_mode(w, 8 * 64, 8, moe=True)
+
+
+# (N, K, G) of the stored layers' FP8 GEMMs: Qwen3-30B-A3B's, Mixtral's, DeepSeek-V3 EP8's
+# gate_up and down experts, and gpt-oss-120b's
+BAND_SHAPES = [(1536, 2048, 128), (2048, 768, 128), (28672, 4096, 8), (4096, 14336, 8), (4096, 7168, 32),
+               (7168, 2048, 32), (5760, 2880, 128), (2880, 2880, 128)]
+
+
+@pytest.mark.parametrize("N,K,G", BAND_SHAPES)
+@pytest.mark.parametrize("moe", [True, False])
+def test_grouped_band_holds_over_each_bucket(N, K, G, moe):
+    """The band is one over every M of an M bucket (the compiled variants' key), so that the
+    counts a warmup runs (configs.token_counts) meet the body each M of the bucket takes."""
+    for top in (2**n for n in range(16)):
+        bands = {wgmma.grouped_band(N, K, m, G, moe) for m in range(top // 2 + 1, top + 1)}
+        assert len(bands) == 1, (top, bands)
 
 
 def test_wgmma_grouped_off_sm90(device):

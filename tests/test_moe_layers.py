@@ -588,15 +588,16 @@ def test_gpu_deepseek_layer_cuda_graph_and_compile(device, monkeypatch):
 # ---- warmup: every compiled variant before the first call ----
 
 
-@pytest.mark.parametrize("max_tokens,k", [(1, 1), (40, 2), (300, 8), (20000, 3), (70000, 8)])
+@pytest.mark.parametrize("max_tokens,k", [(1, 1), (40, 2), (300, 8), (300, 6), (20000, 3), (70000, 8)])
 def test_token_counts_meet_every_variant(max_tokens, k):
-    """Each count from 1 to max_tokens shares its bucket and Triton's int classes (of t and
-    t * k) with one of token_counts' counts, which stay within max_tokens' bucket."""
+    """Each count from 1 to max_tokens shares the buckets and Triton's int classes of t and of
+    t * k (the pairs, whose bucket picks the grouped body) with one of token_counts' counts,
+    which stay within max_tokens' bucket."""
     from onegemm.core.configs import m_bucket, token_counts
     from onegemm.core.triton_abi import int_class
 
     def variant(t):
-        return m_bucket(t), int_class(t), int_class(t * k)
+        return m_bucket(t), int_class(t), m_bucket(t * k), int_class(t * k)
 
     counts = token_counts(max_tokens, (1, k))
     met = {variant(t) for t in counts}
