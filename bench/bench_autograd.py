@@ -3,7 +3,8 @@ against bf16, and what recording gradients adds to an eager call.
 
     python bench/bench_autograd.py           # H200: bench/results/autograd.md and fp8_training.png
     python bench/bench_autograd.py --moe-fp8 # H200: the FP8 MoE training part alone (moe_fp8_training.md)
-    python bench/bench_autograd.py --mlp-fp8 # H200: the FP8 MLP part alone (fp8_training.md)
+    python bench/bench_autograd.py --mlp-fp8 # H200: the FP8 MLP part alone (fp8_training.md;
+                                             # --tokens 8192 --no-block: one batch size, no block)
     python bench/bench_autograd.py --quick   # CPU interpreter: every path once, tiny shapes, no files
 
 Forward+backward is timed in GPU time (the whole step, forward and backward, replayed from a
@@ -346,6 +347,8 @@ def main():
     parser.add_argument("--speed-steps", type=int, default=40, help="steps per variant of the step-time matrix")
     parser.add_argument("--moe-fp8", action="store_true", help="the FP8 MoE training part alone")
     parser.add_argument("--mlp-fp8", action="store_true", help="the FP8 MLP training part alone")
+    parser.add_argument("--tokens", default="8192,16384", help="the FP8 MLP part's batch sizes, comma-separated")
+    parser.add_argument("--no-block", action="store_true", help="leave the Llama-3-8B block's step times out")
     args = parser.parse_args()
     quick = args.quick
     device = "cpu" if quick else "cuda"
@@ -359,7 +362,8 @@ def main():
     if not args.mlp_fp8:
         run_moe_fp8(quick, device, timer)
     if not args.moe_fp8:
-        run_mlp_fp8(quick, device, args.steps, args.speed_steps)
+        run_mlp_fp8(quick, device, args.steps, args.speed_steps, [int(t) for t in args.tokens.split(",")],
+                    not args.no_block)
     if args.moe_fp8 or args.mlp_fp8:
         return
     gemm_rows = measure_linear(QUICK["linear"] if quick else LINEAR_SHAPES, device, timer)
@@ -394,10 +398,10 @@ def main():
     ])
 
 
-def run_mlp_fp8(quick, device, steps, speed_steps):
+def run_mlp_fp8(quick, device, steps, speed_steps, tokens=(8192, 16384), with_block=True):
     """The FP8 MLP part: each recipe's losses and step times against bf16 and torchao's same
     recipe; bench/results/fp8_training.md, its plot and summary figures."""
-    d, batches = (QUICK["mlp"][0], [QUICK["mlp"][2]]) if quick else (4096, [8192, 16384])
+    d, batches = (QUICK["mlp"][0], [QUICK["mlp"][2]]) if quick else (4096, list(tokens))
     steps = QUICK["mlp"][1] if quick else steps
     train_rows, speed_rows = [], []
     for batch in batches:
@@ -405,7 +409,7 @@ def run_mlp_fp8(quick, device, steps, speed_steps):
         train_rows += rows
         if not quick:
             speed_rows += measure_fp8_speed(d, batch, speed_steps, device)
-    if not quick:  # Llama-3-8B's block linears at its width, 8192 tokens
+    if with_block and not quick:  # Llama-3-8B's block linears at its width, 8192 tokens
         speed_rows += measure_fp8_speed(4096, 8192, speed_steps, device, "Llama-3-8B block linears", block)
     if quick:
         assert all(math.isfinite(x) for losses in (bf16_losses, *curves.values()) for x in losses)
@@ -433,12 +437,12 @@ def run_mlp_fp8(quick, device, steps, speed_steps):
     by = lambda recipe, key: geomean([r[key] for r in mlp_rows if r["recipe"] == recipe and key in r])  # noqa: E731
     figures = [dict(name="fp8_mlp_train_vs_bf16", value=by("tensorwise", "vs_bf16_compiled"),
                     peer="bf16 nn.Linear MLP 4096->16384->4096 training step, both compiled, onegemm's tensorwise "
-                         "recipe (8192 and 16384 tokens; every recipe in fp8_training.md)")]
+                         f"recipe ({batches} tokens; every recipe in fp8_training.md)")]
     for recipe in ("tensorwise", "rowwise"):
         if any("vs_torchao_compiled" in r for r in mlp_rows if r["recipe"] == recipe):
             figures.append(dict(name=f"fp8_mlp_train_vs_torchao_{recipe}_compiled", value=by(recipe, "vs_torchao_compiled"),
                                 peer=f"torchao float8 {recipe} training, both models under torch.compile, same recipe "
-                                     "(8192 and 16384 tokens)"))
+                                     f"({batches} tokens)"))
     update_summary(figures)
 
 
