@@ -518,8 +518,9 @@ def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w
     its other neighbour: the kernels compute it in fp32 (FP8 wgmma accumulates in less), so
     such an element may round either way."""
     fp8 = w_gate_up.dtype
-    w13 = dequantize_experts_ref(w_gate_up, w_gate_up_scale, gate_up=True)
-    w2 = dequantize_experts_ref(w_down, w_down_scale)
+    w13 = _LazyExperts(w_gate_up.shape, lambda e: dequantize_experts_ref(w_gate_up[e:e + 1], w_gate_up_scale[e:e + 1],
+                                                                        gate_up=True)[0])
+    w2 = _LazyExperts(w_down.shape, lambda e: dequantize_experts_ref(w_down[e:e + 1], w_down_scale[e:e + 1])[0])
 
     def per_token_blocks(t):
         return dequantize_ref(*quantize_fp8_ref(t, (1, 128), fp8), 1, 128)
@@ -530,7 +531,20 @@ def moe_fp8_ref(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w
         return y
     # each near-midpoint element flips either way, independently: the root of the sum of squares
     steps2 = lambda h: _fp8_flip_steps(h, fp8) ** 2  # noqa: E731
-    return y, _moe_sum(xq, w13, w2**2, topk_weights**2, topk_ids, steps2).sqrt()
+    w2_squared = _LazyExperts(w_down.shape, lambda e: w2[e] ** 2)
+    return y, _moe_sum(xq, w13, w2_squared, topk_weights**2, topk_ids, steps2).sqrt()
+
+
+class _LazyExperts:
+    """[E, N, K] experts made float64 one at a time, as _moe_sum reaches them: a real model's
+    stack in float64 (DeepSeek-V3's 32 local experts: 7.5 GB for gate_up) need not fit beside
+    other test processes on one GPU."""
+
+    def __init__(self, shape, expert):
+        self.shape, self._expert = tuple(shape), expert
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self._expert(e)
 
 
 # How close (relative) to a rounding midpoint a float64 value must be for a kernel's fp32
