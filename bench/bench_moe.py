@@ -2,6 +2,9 @@
 
     python bench/bench_moe.py           # H200: bench/results/moe_fp8.md
     python bench/bench_moe.py --quick   # CPU interpreter: every path once, tiny shapes, no files
+    python bench/bench_moe.py --part moe --models qwen3,mixtral --tokens 1,4,16  # H200: a subset
+    python bench/bench_moe.py --part moe --render  # any machine: section 1 from the stored rows
+    # (each device call's bench/results/moe_fp8_rows.json comes back into this tree first)
     # DeepGEMM's columns need `import deep_gemm` to work (else one line says why, and they are
     # nan). Here, copy DeepGEMM (a checkout with its build.sh, from the peers folder named by
     # $ONEGEMM_PEERS) into the ignored .peers/, which travels with the working tree:
@@ -36,6 +39,7 @@ its cell is blank, with the reason printed); DeepGEMM's layouts are made outside
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import time
@@ -90,7 +94,7 @@ def merge_moe_rows(rows, models):
     """This run's expert-FFN rows, stored in ROWS_FILE, plus the stored rows of the models it did
     not run (a --models rerun of some models keeps the others' figures, from the same GPU)."""
     gpu, ran = torch.cuda.get_device_name(), {m[0] for m in models}
-    stamp = dict(gpu=gpu, commit=commit())
+    stamp = dict(gpu=gpu, commit=commit(), date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}")
     old = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.exists() else []
     kept = [r for r in old if r["model"] not in ran and r.get("gpu") == gpu]
     rows = [{**r, **stamp} for r in rows] + kept
@@ -454,6 +458,9 @@ def main():
                              "sections 2 and 3; decode-bodies: FP8 decode on each body)")
     parser.add_argument("--models", help="part moe: comma-separated model name fragments (default every model)")
     parser.add_argument("--tokens", help="part moe: comma-separated token counts (default decode and prefill)")
+    parser.add_argument("--render", action="store_true",
+                        help="part moe: no GPU; rewrite section 1 and its summary figures from the stored rows "
+                             f"({ROWS_FILE.name}: rows of several --models runs, each with its GPU and commit)")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
 
@@ -470,7 +477,11 @@ def main():
         return
     moe_rows, rows, decode_rows = [], [], []
     vllm, copy = None, math.nan
-    if args.part in ("moe", "both"):
+    if args.render:
+        if args.part != "moe" or args.quick:
+            parser.error("--render rewrites part moe from its stored rows: --part moe, no --quick")
+        moe_rows = json.loads(ROWS_FILE.read_text())
+    elif args.part in ("moe", "both"):
         models, sizes = (QUICK_MODELS, [3]) if args.quick else (MODELS, DECODE + PREFILL)
         models = [m for m in models if not args.models or any(w.lower() in m[0].lower() for w in args.models.split(","))]
         sizes = [int(t) for t in args.tokens.split(",")] if args.tokens else sizes
@@ -489,7 +500,11 @@ def main():
         assert all(math.isnan(r["blocked_vs_DeepGEMM"]) for r in rows) and all(math.isnan(r["vs DeepGEMM"]) for r in decode_rows)
         print("quick: every path ran; no files written")
         return
-    text = header("FP8 MoE vs bf16, torch and DeepGEMM: the expert FFN and the grouped GEMM")
+    stamp = None  # rendered figures carry their rows' provenance
+    if args.render:
+        stamp = {key: ", ".join(sorted({str(r.get(key, "?")) for r in moe_rows})) for key in ("gpu", "commit", "date")}
+    text = header("FP8 MoE vs bf16, torch and DeepGEMM: the expert FFN and the grouped GEMM",
+                  gpu=stamp and f"{stamp['gpu']} (section 1 rendered from {ROWS_FILE.name}: each row's GPU and commit)")
     # A run of one part keeps the other's sections from the last file, each saying where it came from.
     text += "" if moe_rows else kept_sections("moe_fp8", ["## 1."])
     if moe_rows:
@@ -505,10 +520,10 @@ def main():
             f"decode {geomean([r['fp8 vs bf16 (GPU)'] for r in decode]):.3f}; eager: prefill "
             f"{geomean([r['fp8 vs bf16 (eager)'] for r in prefill]):.3f}, decode "
             f"{geomean([r['fp8 vs bf16 (eager)'] for r in decode]):.3f}.\n\n"
-            "Decode against the copy speed (copy TB/s: a 1 GiB bf16 clone in the row's run): weight TB/s / copy, geomean "
+            "Decode against the copy speed (copy TB/s: a 1 GiB bf16 copy in the row's run, common.copy_tb_s): weight TB/s / copy, geomean "
             f"over T <= 64 where a step reads >= 100 MB of fp8 weights: FP8 {geomean(bw_ratio(decode, 'fp8')):.3f}, "
             f"bf16 {geomean(bw_ratio(decode, 'bf16')):.3f}. Rows carry the commit and GPU of their run (--models "
-            "reruns some models and keeps the others' rows). vs vLLM: vLLM {VLLM_VERSION_NOTE} fused_moe kernels' GPU "
+            f"reruns some models and keeps the others' rows). vs vLLM: vLLM {VLLM_VERSION_NOTE} fused_moe kernels' GPU "
             "time / onegemm's (its H200 config table, moe_align_block_size made outside the timed call, ids of other "
             "ranks as expert -1 blocks that it fills with zeros), geomean at T <= 512: FP8 "
             f"{geomean([r.get('fp8 vs vLLM (GPU)') for r in decode]):.3f}, bf16 "
@@ -555,7 +570,7 @@ def main():
             dict(name="fp8_moe_ffn_vs_bf16_decode_eager", peer="onegemm moe_ffn bf16 (eager, host included, T <= 512, uniform routing)",
                  value=geomean([r["fp8 vs bf16 (eager)"] for r in uniform if r["T"] <= max(DECODE)])),
             dict(name="decode_weight_bw_vs_copy",
-                 peer="a 1 GiB bf16 clone in the same run: weight TB/s / copy TB/s, FP8 and bf16 moe_ffn, "
+                 peer="a 1 GiB bf16 copy in the same run: weight TB/s / copy TB/s, FP8 and bf16 moe_ffn, "
                       "T <= 64 where a step reads >= 100 MB of fp8 weights, both routings",
                  value=geomean(bw_ratio(moe_rows, "fp8") + bw_ratio(moe_rows, "bf16")))]
         versus = [r.get(f"{f} vs vLLM (GPU)") for r in moe_rows if r["T"] <= max(DECODE) for f in ("fp8", "bf16")]
@@ -586,7 +601,7 @@ def main():
             if timed:
                 summary.append(dict(name=name, value=geomean(timed), peer=peer + (
                     f" ({len(timed)} of {len(ratios)} cases; it refused the others)" if len(timed) < len(ratios) else "")))
-    update_summary([e for e in summary if math.isfinite(e["value"])])  # a run of decode T alone has no prefill figure
+    update_summary([e for e in summary if math.isfinite(e["value"])], stamp)  # a run of decode T alone has no prefill figure
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_moe.py regenerates everything else. -->\n")
     write_results("moe_fp8", text)
