@@ -414,7 +414,15 @@ def run_mlp_fp8(quick, device, steps, speed_steps, tokens=(8192, 16384), with_bl
     if quick:
         assert all(math.isfinite(x) for losses in (bf16_losses, *curves.values()) for x in losses)
         return
-    text = header("FP8 training (onegemm.fp8_training, each recipe) against bf16 and torchao")
+    write_fp8_training(d, speed_steps, batches, train_rows, speed_rows)
+    plot_losses({"bf16 (nn.Linear)": bf16_losses, **{f"FP8 {r}": c for r, c in curves.items()}})
+
+
+def write_fp8_training(d, speed_steps, batches, train_rows, speed_rows, stamp=None, note=""):
+    """bench/results/fp8_training.md and its summary figures from the FP8 MLP part's rows
+    (``stamp``, ``note``: the provenance of rows gathered from several runs)."""
+    text = header("FP8 training (onegemm.fp8_training, each recipe) against bf16 and torchao",
+                  gpu=stamp and stamp["gpu"]) + note
     text += (
         "## Losses\n\n"
         f"The MLP {d}->{4 * d}->{d} learns a fixed random teacher (MSE, AdamW lr 1e-3), the same batches for "
@@ -432,7 +440,6 @@ def run_mlp_fp8(quick, device, steps, speed_steps, tokens=(8192, 16384), with_bl
     text += ("## What the numbers say\n\n<!-- EXPLANATION: written after reading this run's numbers. "
              "bench/bench_autograd.py regenerates everything else. -->\n\n")
     write_results("fp8_training", text)
-    plot_losses({"bf16 (nn.Linear)": bf16_losses, **{f"FP8 {r}": c for r, c in curves.items()}})
     mlp_rows = [r for r in speed_rows if r["model"] == "MLP"]
     by = lambda recipe, key: geomean([r[key] for r in mlp_rows if r["recipe"] == recipe and key in r])  # noqa: E731
     figures = [dict(name="fp8_mlp_train_vs_bf16", value=by("tensorwise", "vs_bf16_compiled"),
@@ -443,7 +450,7 @@ def run_mlp_fp8(quick, device, steps, speed_steps, tokens=(8192, 16384), with_bl
             figures.append(dict(name=f"fp8_mlp_train_vs_torchao_{recipe}_compiled", value=by(recipe, "vs_torchao_compiled"),
                                 peer=f"torchao float8 {recipe} training, both models under torch.compile, same recipe "
                                      f"({batches} tokens)"))
-    update_summary(figures)
+    update_summary(figures, stamp)
 
 
 def plot_losses(curves: dict, name="fp8_training.png", model="MLP"):

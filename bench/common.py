@@ -84,7 +84,9 @@ def header(title: str, gpu: str | None = None) -> str:
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ".3g") -> str:
-    columns = columns or list(rows[0].keys())
+    """Rows as a markdown table: ``columns``, else every key of any row in order of first use
+    (a row without one gets an empty cell)."""
+    columns = columns or list(dict.fromkeys(key for r in rows for key in r))
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         cells = []
