@@ -15,8 +15,8 @@ from typing import NamedTuple
 import triton
 
 from ..core.configs import (
-    BLOCK_K, EITHER, MATMUL_CONFIGS, MATMUL_INTERPRET, TMA_ONLY, Family, PrepKey, bucket_floor, cfg, flavoured, register,
-    with_meta, with_pick)
+    BLOCK_K, EITHER, MATMUL_CONFIGS, MATMUL_INTERPRET, TMA_ONLY, Family, PrepKey, cfg, flavoured, register, with_meta,
+    with_pick)
 from ..core.runtime import cdiv, next_pow2
 from ..core.scaling import SCALE_BLOCK, Scaling
 
@@ -39,14 +39,12 @@ class RaggedKey(NamedTuple):
     w4: str = ""    # b holds 4-bit weights ("mxfp4", "int4"), dequantised in the K loop (a 16-bit a)
     w4_group: int = 0  # a 4-bit b's values along K per scale
     w4_tma: bool = False  # a 4-bit b's bytes through a descriptor (tiles.TileSpec.W4_TMA)
-    hit: int = 0    # a 4-bit decode call's m_bucket of min(M, G), the groups that can hold rows (else 0)
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
                 f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
                 + (f" scaling={self.scaling}" if self.scaling is not None else "")
-                + (f" w4={self.w4}/{self.w4_group}{' tma' if self.w4_tma else ''}" if self.w4 else "")
-                + (f" hit={self.hit}" if self.hit else ""))
+                + (f" w4={self.w4}/{self.w4_group}{' tma' if self.w4_tma else ''}" if self.w4 else ""))
 
 
 # Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
@@ -122,30 +120,10 @@ def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     if key.m <= 16 and key.ragged == "M":
         # Decode: a few experts' column tiles leave most SMs idle; K splits multiply the tiles
-        # (grouped/kernels.py ragged_kernel SPLIT_K). A 4-bit decode's heuristic splits too (w4_split).
+        # (grouped/kernels.py ragged_kernel SPLIT_K). Candidates only: the heuristic cannot see how
+        # many experts a call really hits (docs/hopper.md, "MXFP4 and INT4 weights").
         kept += [with_meta(c, SPLIT_K=s) for c in kept if c.kwargs["BLOCK_M"] == 16 for s in (2, 4)]
     return with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
-
-
-# A 4-bit decode step splits K where its output tiles leave SMs idle, each split keeping at
-# least this many K values (four 128-wide blocks of packed bytes in flight).
-W4_SPLIT_MIN_K = 512
-W4_SPLIT_MAX = 4
-
-
-def w4_split(key: RaggedKey, sms: int) -> int:
-    """SPLIT_K of a 4-bit decode GEMM: the power of two (at most W4_SPLIT_MAX) by which the
-    fewest groups of ``hit``'s bucket times the 128-wide column tiles fit into the SMs, 1 where
-    they fill them. Autotuning measured it on the H200 at T = 1: Kimi-K2 EP8 (one expert of 48
-    hit, 32 / 56 column tiles) 0.19 -> 0.10 ms with four splits; gpt-oss-120b (four experts,
-    180 / 92 tiles) no faster split."""
-    if not key.hit:
-        return 1
-    tiles = bucket_floor(key.hit) * cdiv(key.n, 128)  # SwiGLU's 128 columns give 64 of output: N / 128 too
-    split = 1
-    while split < W4_SPLIT_MAX and tiles * split * 2 <= sms and key.k // (split * 2) >= W4_SPLIT_MIN_K:
-        split *= 2
-    return split
 
 
 def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
@@ -159,9 +137,6 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         return with_meta(cfg(bm, fp8_out_width(key), SCALE_BLOCK, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
                          USE_TMA=key.tma == TMA_ONLY)
     if key.w4_tma:
-        split = w4_split(key, sms)
-        if split > 1:  # the autotuned pick where the split paid (Kimi-K2 EP8 at T = 1)
-            return with_meta(cfg(16, 128, 64, 4, 4), USE_TMA=False, SPLIT_K=split)
         # The decode, not the MMA, bounds a 4-bit tile: 128-wide K blocks (64-byte boxes) for the
         # thin tiles, where the weight stream is the cost; 64 for tall ones (bench/results/moe_w4.md).
         base = cfg(max(16, next_pow2(m)), 128, 128, 4, 3) if m <= 64 else cfg(128, 128, 64, 8, 3)

@@ -227,14 +227,13 @@ def ragged_launch(
     layout = None if w4 else _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu,
                                              (strides_a, strides_b, strides_c))
     m = configs.m_bucket(rows_per_group if rows_per_group is not None else M)
-    hit = configs.m_bucket(min(M, G)) if w4 and ragged == "M" and m <= 16 else 0  # grouped/configs.py w4_split
     routing = Routing(a_rows, c_rows, weight)
     strides = (strides_a, strides_b, strides_c)
     own = lambda c: ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K)  # noqa: E731
     plan = RAGGED.plan_for(Request(
         RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
                           configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling,
-                          *(w4 or ("", 0)), w4_tma, hit),
+                          *(w4 or ("", 0)), w4_tma),
         dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
              PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
              SA_ROWS=1 if scaling is None else scaling.sa_rows, SB_COLS=1 if scaling is None else scaling.sb_cols,

@@ -296,7 +296,7 @@ def test_quantize_experts_int4(device):
         onegemm.quantize_experts(w13[:, :, :96], w2[:, :96], format="int4", group=64)
 
 
-# ---- split K at decode (grouped/configs.py w4_split): 4-bit K blocks dealt to splits
+# ---- split K (an autotuning candidate at decode): 4-bit K blocks dealt to splits
 
 def _experts_4bit(fmt, G, N, K, device):
     """Random experts [G, N, K] in ``fmt`` as grouped_matmul takes them (b, scale_b: the
@@ -328,23 +328,6 @@ def test_grouped_matmul_4bit_split_k(fmt, split, tma, device):
     assert_close(out, grouped_mm_ref(a.double(), b_ref, offs), TOL[torch.bfloat16])
     assert (out[sum(sizes):] == 0).all()
     assert torch.equal(onegemm.grouped_matmul(a, w4, offs, scale_b=s4, config=config, tma=tma), out)
-
-
-def test_w4_split_fills_the_sms_at_decode():
-    """The split rule on the H200's 132 SMs: Kimi-K2 EP8 at T = 1 (one expert hit, GEMM1's 32
-    column tiles, GEMM2's 56) splits 4 and 2 ways; gpt-oss-120b at T = 1 (four experts, 45 and
-    23 tiles each) does not; nor a call with more rows, one with short K or one without hit."""
-    from onegemm.grouped.configs import RaggedKey, ragged_heuristic, w4_split
-
-    def key(n, k, swiglu, hit):
-        return RaggedKey("bf16", "M", 1, n, k, True, True, 0, swiglu, swiglu, None, "mxfp4", 32, True, hit)
-
-    cases = [(key(4096, 7168, True, 1), 4), (key(7168, 2048, False, 1), 2), (key(4096, 7168, True, 2), 2),
-             (key(5760, 2880, True, 4), 1), (key(2880, 2880, False, 4), 1), (key(4096, 7168, True, 16), 1),
-             (key(4096, 768, True, 1), 1), (key(4096, 7168, True, 0), 1)]
-    for k, split in cases:
-        assert w4_split(k, 132) == split, k
-        assert ragged_heuristic(k, 132).kwargs.get("SPLIT_K", 1) == split, k
 
 
 # ---- linear_4bit: a dense Linear with a 4-bit weight (one group of the same GEMM)
