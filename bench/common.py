@@ -67,14 +67,17 @@ def geomean(xs) -> float:
 def header(title: str, gpu: str | None = None) -> str:
     """Markdown preamble: what ran, where, when, and the command that reproduces it. ``gpu``:
     where the figures came from, for a file rendered from stored rows (default this machine's)."""
+    versions = f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
     if gpu is None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
         gpu = f"{torch.cuda.get_device_name()} ({sms} SMs)" if torch.cuda.is_available() else "no GPU"
+    else:  # rendered: the versions that measured are the runs', which the file names
+        versions = f"rendered with {versions}; the runs' versions are in the text below"
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
     return (
         f"# {title}\n\n"
         f"- GPU: {gpu}\n"
-        f"- torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}\n"
+        f"- {versions}\n"
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
         f"- command: `python {cmd}`\n"
         f"- commit: {commit()}\n"
