@@ -51,8 +51,8 @@ def tflops(flop: float, ms: float) -> float:
 def copy_tb_s(device="cuda") -> float:
     """The copy speed that weight rates compare with, measured in the same run: a 1 GiB bf16
     copy_ into a tensor made beforehand, read + write bytes / time, the faster of a CUDA-graph
-    replay and eager calls (one kernel, so no host time in either). A graph-replayed clone
-    read 2.7 TB/s on an H200 where this copy reads 4.25 and the experts' reads reached 4.2."""
+    replay and eager calls (one kernel, so no host time in either). Not a graph-replayed
+    clone: it read well under what the experts' reads reached (bench/results/moe_fp8.md)."""
     src = torch.ones(1 << 29, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     ms = min(bench_ms(lambda: dst.copy_(src), graph=graph) for graph in (True, False))
@@ -142,16 +142,16 @@ def commit() -> str:
         return "unknown"
 
 
-def update_summary(entries: list[dict], stamp: dict | None = None) -> Path:
+def update_summary(entries: list[dict], overrides: dict | None = None) -> Path:
     """Put this run's headline figures into bench/results/summary.json, replacing entries of
     the same name: each {name, value (geomean of peer time / onegemm time), peer} gets the
-    command, commit, GPU and date of this run (``stamp`` overrides them: figures rendered
+    command, commit, GPU and date of this run (``overrides`` replaces them: figures rendered
     from stored rows carry the rows' commit, GPU and date)."""
     path = RESULTS / "summary.json"
     data = json.loads(path.read_text()) if path.exists() else []
     cmd = " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
     stamp = dict(command=cmd, commit=commit(), gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}") | (stamp or {})
+                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}") | (overrides or {})
     names = {e["name"] for e in entries}
     data = [e for e in data if e["name"] not in names] + [
         dict(name=e["name"], value=round(float(e["value"]), 4), peer=e["peer"], **stamp) for e in entries]
