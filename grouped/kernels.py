@@ -5,8 +5,8 @@ Two GEMM kernels; nothing here re-implements a K loop, an epilogue or a store.
 * ``ragged_kernel``: torch._grouped_mm's four modes and the two MoE expert GEMMs. One dimension
   (M, N or K) is cut into G groups by ``offs`` (int32 cumulative END offsets), or none is
   (3D x 3D). The offsets stay on the device: the host never learns the group sizes, so the grid
-  is an UPPER BOUND on the number of tiles (``sum_g cdiv(size_g, B) <= cdiv(total, B) + G + 1``)
-  and each program finds its group from ``offs`` itself (``locate_tile``). That keeps the call
+  is an UPPER BOUND on the number of tiles (``tile_bound``: every non-empty group adds at most
+  one partial tile, and at most min(G + 1, total) groups are non-empty) and each program finds its group from ``offs`` itself (``locate_tile``). That keeps the call
   free of host syncs and CUDA-graph capturable: the grid depends only on shapes.
 * ``list_kernel``: list mode, every pair its own (M, N, K), read from device arrays of
   pointers, sizes and strides; a persistent walk over all tiles of all groups.
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
-from ..core.fp8 import amax_input, fp8_grid, fp8_scale
+from ..core.fp8 import amax_input, fp8_cast, fp8_scale
 from ..core.scaling import SCALE_BLOCK
 from ..core.tiles import (
     NO_OPERAND,
@@ -130,6 +130,16 @@ def locate_tile(tile, offs, G, total, TILE: tl.constexpr, G_BLOCK: tl.constexpr)
 
 
 @triton.jit
+def tile_bound(total, BLOCK: tl.constexpr, G):
+    """An upper bound on the tiles of BLOCK that ``locate_tile`` numbers over ``total`` rows (or
+    columns) cut into G groups and the tail: each non-empty group, of at most min(G + 1, total),
+    adds at most one partial tile to cdiv(total, BLOCK). A decode step's few pairs over many
+    experts get a grid of the tiles they can have, not one row of programs per expert.
+    ``ops.tile_bound`` is the host's copy of the rule."""
+    return tl.cdiv(total, BLOCK) + tl.minimum(G + 1, tl.maximum(total, 1))
+
+
+@triton.jit
 def _ragged_tile(pid, offs, G, M, N, K, RAGGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_N_OUT: tl.constexpr, GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr):
     """Program ``pid``'s tile (ragged_kernel's grid): (group g, the group's first row / column /
@@ -142,10 +152,10 @@ def _ragged_tile(pid, offs, G, M, N, K, RAGGED: tl.constexpr, BLOCK_M: tl.conste
     N_g = N
     K_g = K
     if RAGGED == "M":
-        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M) + G + 1, tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
+        pid_m, pid_n = swizzle_tile(pid, tile_bound(M, BLOCK_M, G), tl.cdiv(N, BLOCK_N_OUT), GROUP_M)
         g, start, M_g, pid_m, valid, bad = locate_tile(pid_m, offs, G, M, BLOCK_M, G_BLOCK)
     elif RAGGED == "N":
-        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N) + G + 1, GROUP_M)
+        pid_m, pid_n = swizzle_tile(pid, tl.cdiv(M, BLOCK_M), tile_bound(N, BLOCK_N, G), GROUP_M)
         g, start, N_g, pid_n, valid, bad = locate_tile(pid_n, offs, G, N, BLOCK_N, G_BLOCK)
     else:
         tiles_per_group = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N_OUT)
@@ -247,8 +257,8 @@ def ragged_kernel(
         gather or SWIGLU), a ragged K's over A [M, end_g], B [end_g, N] (``_ragged_k``); a
         scattered C goes through pointers. W4_TMA: B (4-bit) alone.
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values (programs past
-      the real tile count return at once): "M": (cdiv(M, BLOCK_M) + G + 1) * cdiv(N, BLOCK_N_OUT) * SPLIT_K;
-      "N": cdiv(M, BLOCK_M) * (cdiv(N, BLOCK_N) + G + 1); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
+      the real tile count return at once; ``tile_bound``): "M": tile_bound(M, BLOCK_M, G) * cdiv(N, BLOCK_N_OUT) *
+      SPLIT_K; "N": cdiv(M, BLOCK_M) * tile_bound(N, BLOCK_N, G); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
     Rows (columns) past offs[-1] are written as zero; bad offs (decreasing, negative, past the total)
     write every element of C as NaN: never a silent wrong answer.
     """
@@ -550,8 +560,10 @@ def _quantize_rows(X, src, dst, live, Q, S, H, kb_lo, kb_hi, SWIGLU: tl.constexp
             tl.store(Q.ptr + dst[:, None] * Q.stride0 + cols[None, :] * Q.stride1, x.to(dtype), mask=mask)
         else:
             scale = fp8_scale(tl.max(amax_input(x), axis=1), dtype)
-            q = fp8_grid(x, scale[:, None], dtype)
-            tl.store(Q.ptr + dst[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q.to(dtype), mask=mask)
+            # fp8_cast, not fp8_grid: one reciprocal per row and the hardware's cast, where a
+            # division per element made a decode step's prep instruction-bound (the same bits)
+            q = fp8_cast(x, scale[:, None], dtype)
+            tl.store(Q.ptr + dst[:, None] * Q.stride0 + cols[None, :] * Q.stride1, q, mask=mask)
             tl.store(S.ptr + dst * S.stride0 + kb * S.stride1, scale, mask=live)
 
 

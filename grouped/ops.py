@@ -275,6 +275,12 @@ def ragged_args(a, b, c, bias, offs, strides, routing, scales, G, M, N, K) -> tu
             None if offs is None else Vector(offs, offs.stride(0)), routing, scales, G, M, N, K, None, None)
 
 
+def tile_bound(total: int, block: int, G: int) -> int:
+    """kernels.tile_bound on the host: at most this many tiles of ``block`` over ``total`` rows
+    (columns) in G groups and the tail, whatever the offs."""
+    return cdiv(total, block) + min(G + 1, max(total, 1))
+
+
 def _ragged_grid(plan, ragged, G, M, N, swiglu):
     """ragged_kernel's grid: an upper bound on the tiles that needs no offs values (times
     SPLIT_K)."""
@@ -282,9 +288,9 @@ def _ragged_grid(plan, ragged, G, M, N, swiglu):
     if swiglu:
         bn //= 2
     if ragged == "M":
-        return ((cdiv(M, bm) + G + 1) * cdiv(N, bn) * plan.meta.get("SPLIT_K", 1),)
+        return (tile_bound(M, bm, G) * cdiv(N, bn) * plan.meta.get("SPLIT_K", 1),)
     if ragged == "N":
-        return (cdiv(M, bm) * (cdiv(N, bn) + G + 1),)
+        return (cdiv(M, bm) * tile_bound(N, bn, G),)
     return (G * cdiv(M, bm) * cdiv(N, bn),)
 
 

@@ -12,7 +12,7 @@ from onegemm.grouped.configs import RAGGED_CONFIGS
 from onegemm.core.configs import cfg as _cfg
 from onegemm.core.configs import with_meta
 from onegemm.core.scaling import BLOCKS, ROW_BLOCKS, read_granularity
-from onegemm.grouped.ops import SCALES_A, SCALES_B
+from onegemm.grouped.ops import SCALES_A, SCALES_B, tile_bound
 
 GROUPED_CONFIGS = flavoured(RAGGED_CONFIGS, EITHER)  # every ragged config in both load flavours
 from onegemm.testing import TOL, assert_close, grouped_mm_ref, matmul_ref
@@ -37,6 +37,9 @@ ROW_CASES = [
     ([0, 127, 0], 0),
     ([300, 2], 1),
     ([5, 9, 0, 7, 3, 11, 2, 4], 3),
+    # more groups than rows (a decode step: the grid is bounded by the rows, not by G)
+    ([1] * 17 + [0] * 40, 0),
+    ([0, 33, 1, 0, 65, 1], 2),
 ]
 
 
@@ -52,6 +55,25 @@ def test_2d_3d_ragged_rows(sizes, tail, N, K, device):
     assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16])
     if tail:  # rows past offs[-1] are exactly zero, not just small
         assert (out[sum(sizes):] == 0).all()
+
+
+@pytest.mark.parametrize("block", [16, 32, 128])
+def test_tile_bound_covers_every_partition(block):
+    """The ragged grid's bound (ops.tile_bound) is at least the tiles ``locate_tile`` numbers
+    (each group's and the tail's cdiv) for partitions with every group non-empty, most empty,
+    and one row each: the cases where a bound of cdiv(total, block) + G would be needed or
+    too loose."""
+    gen = torch.Generator().manual_seed(block)
+    for _ in range(300):
+        G = int(torch.randint(1, 300, (1,), generator=gen))
+        sizes = torch.randint(0, 3 * block, (G,), generator=gen)
+        sizes *= torch.rand(G, generator=gen) < torch.rand(1, generator=gen)  # a random share empty
+        tail = int(torch.randint(0, 2 * block, (1,), generator=gen))
+        total = int(sizes.sum()) + tail
+        tiles = int(((sizes + block - 1) // block).sum()) + -(-tail // block)
+        assert tiles <= tile_bound(total, block, G), (G, sizes.tolist(), tail)
+    # every group and the tail one row: G + 1 partial tiles
+    assert tile_bound(9, block, 8) >= 9 and tile_bound(1, block, 1000) == 2
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
