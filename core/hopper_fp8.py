@@ -47,7 +47,7 @@ from . import checks, configs, hopper_configs
 from .dispatch import Launch
 from .launch import Launcher, Request
 from .runtime import INTERPRET, capability, cdiv, sm_count
-from .fp8 import amax_input, fp8_grid, fp8_scale
+from .fp8 import amax_input, fp8_cast, fp8_scale
 from .scaling import SCALE_BLOCK, Scaling
 from .tiles import NO_VECTOR, Operand, Scales, Vector, activate, epilogue, swizzle_tile
 from .tma import tma_layout
@@ -627,13 +627,13 @@ def _store_rows(C, acc, off_m, off_n, row_end, N, scatter):
 # layouts, and a row form shared with it changed the Triton body's SASS (tools/ptx_snapshot.py).
 @gluon.jit
 def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr):
-    """h [rows, 128] -> fp8 values on the grid (fp32) with one scale per row (core/fp8.py's
+    """h [rows, 128] -> its fp8 values (core/fp8.py ``fp8_cast``) with one scale per row (core/fp8.py's
     rule, quantize_fp8's 1x128 blocks), stored at S[out_rows, off_n / 128]. Columns past N are
     zeroed first: they must not set an amax."""
     h = gl.where(mask_n[None, :], h, 0.0)
     scale = fp8_scale(gl.max(amax_input(h), axis=1), dtype)
     gl.store(S.ptr + out_rows.to(gl.int64) * S.stride0 + (off_n // _SCALE_BLOCK) * S.stride1, scale, mask=mask_m)
-    return fp8_grid(h, scale[:, None], dtype)
+    return fp8_cast(h, scale[:, None], dtype)
 
 
 @gluon.jit

@@ -243,11 +243,12 @@ def prep_config(key: PrepKey, sms: int = 0) -> triton.Config:
     return triton.Config({"BLOCK_R": 32 if key.size >= 4096 else 16}, num_warps=4, num_stages=1)
 
 
-def gather_col_blocks(row_programs: int, col_blocks: int, sms: int) -> int:
+def gather_col_blocks(row_programs: int, col_blocks: int, sms: int, per_sm: int = 4) -> int:
     """128-column blocks per gather_quantize program: whole rows when the rows alone give each
-    SM a few programs, else the rows' blocks spread over more programs (a program's blocks
-    run one after another, so a decode step's few long rows in one program serialise)."""
-    return max(1, col_blocks // max(1, cdiv(4 * sms, max(row_programs, 1))))
+    SM ``per_sm`` programs, else the rows' blocks spread over more programs (a program's blocks
+    run one after another, so a decode step's few long rows in one program serialise). The
+    prep kernel asks for one program per SM: each of its programs also sorts all the pairs."""
+    return max(1, col_blocks // max(1, cdiv(per_sm * sms, max(row_programs, 1))))
 
 
 # ---------------------------------------------------------------------------- MoE routing

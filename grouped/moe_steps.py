@@ -39,7 +39,9 @@ def sort_by_expert(topk_ids, num_experts: int):
 # The MoE prep (moe_prep_kernel): up to SORT_MAX_PAIRS pairs, the sort with x's sorted rows
 # and the row-tile tables in one launch.
 PREP = Launcher(moe_prep_kernel, "sort")
-_PAIR_BLOCK = 64  # pairs per program
+# Pairs per program: up to 64, fewer for a decode step's few pairs (a program's [block, 128]
+# column blocks are quantised whole, padding rows too).
+_PAIR_BLOCK, _MIN_PAIR_BLOCK = 64, 16
 _SCAN_BLOCK = 1024  # pairs per step of the expert histograms: <= 4 steps up to SORT_MAX_PAIRS
 _CHUNK = 32  # row-tile table rows per table program
 
@@ -61,16 +63,17 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=
     P = T * k
     if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
         e_block = next_pow2(E + 1)
-        meta = dict(E_BLOCK=e_block, PAIR_BLOCK=_PAIR_BLOCK, SCAN_BLOCK=_SCAN_BLOCK, CHUNK=_CHUNK,
+        pair_block = max(_MIN_PAIR_BLOCK, min(_PAIR_BLOCK, next_pow2(P)))
+        meta = dict(E_BLOCK=e_block, PAIR_BLOCK=pair_block, SCAN_BLOCK=_SCAN_BLOCK, CHUNK=_CHUNK,
                     **{f"BLOCK_M{i + 1}": m for i, m in enumerate(block_ms)})
         if route is not None:
             step = ROUTED_PREP_STEP_ELEMENTS // (route.G_BLOCK * route.GROUP_BLOCK)
             meta.update(ROUTE=route, ROUTE_TOKENS=max(2, min(next_pow2(T), step)))
         plan = PREP.plan_for(Request(SortKey(e_block), meta, topk_ids.device))
-        programs = cdiv(P, _PAIR_BLOCK)
+        programs = cdiv(P, pair_block)
         table_programs = max([cdiv(cdiv(P, m) + E + 1, _CHUNK) for m in block_ms], default=1)
         kb = cdiv(x.shape[1], SCALE_BLOCK) if x is not None else 1
-        per = gather_col_blocks(programs, kb, 1 if INTERPRET else sm_count(plan.device_index))
+        per = gather_col_blocks(programs, kb, 1 if INTERPRET else sm_count(plan.device_index), per_sm=1)
 
         def build(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, tables=(), routes=NO_ROUTES):
             tiles = tuple(tables) + (NO_ROW_TILES,) * (2 - len(tables))

@@ -74,6 +74,7 @@ def test_sort_by_expert(T, E, k, device):
 # histogram steps and table programs, E = 15 whose out-of-range bin is the padding's bin
 PREP_CASES = [
     pytest.param(1, 1, 4, 128, "in-range", id="one-pair"),
+    pytest.param(3, 6, 40, 200, "other-ranks", id="18-pairs"),  # a 32-pair program, 14 rows of padding
     pytest.param(300, 8, 15, 136, "other-ranks", id="2400-pairs-E15"),
     pytest.param(17, 8, 16, 300, "in-range", id="136-pairs"),
     pytest.param(40, 4, 8, 256, "other-ranks", id="other-ranks"),
