@@ -76,6 +76,25 @@ def test_tile_bound_covers_every_partition(block):
     assert tile_bound(9, block, 8) >= 9 and tile_bound(1, block, 1000) == 2
 
 
+def test_decode_grid_follows_the_rows_not_the_experts(device):
+    """A decode-sized call (8 rows over 128 experts) launches the tiles its rows can have, as
+    ops.tile_bound counts them, not a row of programs per expert; its output is still whole."""
+    from onegemm.core import launch
+
+    sizes = [0] * 128
+    for g in (3, 17, 40, 41, 90, 100, 101, 127):
+        sizes[g] = 1
+    a = rand(8, 64, dtype=torch.float16, device=device)
+    b = expert_weights(128, 64, 96, torch.float16, device)
+    offs = offs_of(sizes, device)
+    with launch.recording() as seen:
+        out = onegemm.grouped_matmul(a, b, offs)
+    (run,) = seen
+    bm, bn = run.plan.meta["BLOCK_M"], run.plan.meta["BLOCK_N"]
+    assert run.grid[0] == tile_bound(8, bm, 128) * -(-96 // bn) <= (1 + 8) * -(-96 // bn)
+    assert_close(out, grouped_mm_ref(a, b, offs), TOL[torch.float16])
+
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
 
