@@ -627,9 +627,9 @@ def _store_rows(C, acc, off_m, off_n, row_end, N, scatter):
 # layouts, and a row form shared with it changed the Triton body's SASS (tools/ptx_snapshot.py).
 @gluon.jit
 def _quantize_rows(h, S, out_rows, off_n, N, mask_m, mask_n, dtype: gl.constexpr):
-    """h [rows, 128] -> its fp8 values (core/fp8.py ``fp8_cast``) with one scale per row (core/fp8.py's
-    rule, quantize_fp8's 1x128 blocks), stored at S[out_rows, off_n / 128]. Columns past N are
-    zeroed first: they must not set an amax."""
+    """h [rows, 128] -> its fp8 values (core/fp8.py ``fp8_cast``) with one scale per row
+    (core/fp8.py's rule, quantize_fp8's 1x128 blocks), stored at S[out_rows, off_n / 128].
+    Columns past N are zeroed first: they must not set an amax."""
     h = gl.where(mask_n[None, :], h, 0.0)
     scale = fp8_scale(gl.max(amax_input(h), axis=1), dtype)
     gl.store(S.ptr + out_rows.to(gl.int64) * S.stride0 + (off_n // _SCALE_BLOCK) * S.stride1, scale, mask=mask_m)

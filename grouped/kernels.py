@@ -6,8 +6,9 @@ Two GEMM kernels; nothing here re-implements a K loop, an epilogue or a store.
   (M, N or K) is cut into G groups by ``offs`` (int32 cumulative END offsets), or none is
   (3D x 3D). The offsets stay on the device: the host never learns the group sizes, so the grid
   is an UPPER BOUND on the number of tiles (``tile_bound``: every non-empty group adds at most
-  one partial tile, and at most min(G + 1, total) groups are non-empty) and each program finds its group from ``offs`` itself (``locate_tile``). That keeps the call
-  free of host syncs and CUDA-graph capturable: the grid depends only on shapes.
+  one partial tile, and at most min(G + 1, total) groups are non-empty) and each program finds
+  its group from ``offs`` itself (``locate_tile``). That keeps the call free of host syncs and
+  CUDA-graph capturable: the grid depends only on shapes.
 * ``list_kernel``: list mode, every pair its own (M, N, K), read from device arrays of
   pointers, sizes and strides; a persistent walk over all tiles of all groups.
 
