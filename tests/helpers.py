@@ -9,7 +9,9 @@ import torch
 
 import onegemm
 from onegemm.core.configs import MATMUL_INTERPRET, cfg, with_meta
-from onegemm.testing import TF32_TOL, TOL, dequantize_ref, quantize_experts_ref
+from onegemm.blockscaled.quantize import quantize_int4
+from onegemm.testing import (TF32_TOL, TOL, dequantize_ref, int4_dequantize_ref, mxfp4_dequantize_ref, mxfp4_quantize_ref,
+                             quantize_experts_ref)
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The input dtypes every dense-GEMM flavour runs.
@@ -128,3 +130,32 @@ def fp8_layer_diff_bound(y: torch.Tensor) -> float:
     y's values, so a single token's 128 of them spread wider (up to 3.5x the median over 300
     seeds): the bound grows as 1 / sqrt(y.numel()) below 1024."""
     return 5e-3 * max(1.0, (1024 / max(y.numel(), 1)) ** 0.5)
+
+
+# ---- 4-bit experts (tests/test_int4.py, test_mxfp4.py) ----
+
+
+def int4_experts(G, N, K, group, device, scale_dtype=torch.bfloat16):
+    """Random experts [G, N, K] quantised to INT4 as stored ([G, N, K/8] int32, scales
+    [G, N, K/group]), handed to grouped_matmul transposed; and their float64 decode [G, K, N].
+    scale_dtype "zero": asymmetric groups (bf16 scales with zero points, int32 words)."""
+    w = torch.randn(G, N, K, device=device) * K**-0.5
+    if scale_dtype == "zero":
+        q, s = quantize_int4(w + K**-0.5, group, torch.bfloat16, zero_point=True)  # off-centre: zero points vary
+    else:
+        q, s = quantize_int4(w, group, scale_dtype)
+    return q.transpose(1, 2), s.transpose(1, 2), int4_dequantize_ref(q, s).transpose(1, 2)
+
+
+def mxfp4_experts(G, N, K, device, layout="transposed"):
+    """Random experts [G, N, K] in MXFP4 as gpt-oss stores them, handed to grouped_matmul as
+    b [G, K / 2, N] and scale_b [G, K / 32, N]: the transpose(1, 2) of [G, N, K / 2] and
+    [G, N, K / 32] ("transposed"), or those made N-contiguous ("n_major"); and their float64
+    decode [G, K, N]."""
+    blocks, scales = mxfp4_quantize_ref(torch.randn(G, N, K, device=device))
+    w4 = blocks.flatten(-2).view(torch.float4_e2m1fn_x2).transpose(1, 2)
+    s8 = scales.view(torch.float8_e8m0fnu).transpose(1, 2)
+    if layout == "n_major":
+        w4 = w4.view(torch.uint8).contiguous().view(torch.float4_e2m1fn_x2)
+        s8 = s8.view(torch.uint8).contiguous().view(torch.float8_e8m0fnu)
+    return w4, s8, mxfp4_dequantize_ref(blocks, scales).transpose(1, 2)

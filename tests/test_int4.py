@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import onegemm
+from helpers import int4_experts, mxfp4_experts, offs_of
 from onegemm.blockscaled.quantize import dequantize_int4, quantize_int4, quantize_mxfp4
 from onegemm.testing import (TOL, assert_close, grouped_mm_ref, int4_dequantize_ref, assert_layer_close_to_twin, moe_ref,
                              mxfp4_dequantize_ref, mxfp4_quantize_ref)
@@ -105,18 +106,6 @@ def test_quantize_int4_refuses(device):
 
 # ---- grouped_matmul with INT4 experts
 
-def _int4_experts(G, N, K, group, device, scale_dtype=torch.bfloat16):
-    """Random experts [G, N, K] quantised to INT4 as stored ([G, N, K/8] int32, scales
-    [G, N, K/group]), handed to grouped_matmul transposed; and their float64 decode [G, K, N].
-    scale_dtype "zero": asymmetric groups (bf16 scales with zero points, int32 words)."""
-    w = torch.randn(G, N, K, device=device) * K**-0.5
-    if scale_dtype == "zero":
-        q, s = quantize_int4(w + K**-0.5, group, torch.bfloat16, zero_point=True)  # off-centre: zero points vary
-    else:
-        q, s = quantize_int4(w, group, scale_dtype)
-    return q.transpose(1, 2), s.transpose(1, 2), int4_dequantize_ref(q, s).transpose(1, 2)
-
-
 # (group sizes, N, K, group, a dtype, scale dtype, bias and activation): empty groups, 1, 17
 # and 127 rows; K not a multiple of the 64-wide K block; groups longer than the K block
 INT4_CASES = [
@@ -133,7 +122,7 @@ INT4_FLAVOURED = [pytest.param(*case.values, tma, id=f"{case.id}-{name}") for ca
 @pytest.mark.parametrize("sizes,N,K,group,dtype,scale_dtype,with_bias,tma", INT4_FLAVOURED)
 def test_grouped_matmul_int4_matches_reference(sizes, N, K, group, dtype, scale_dtype, with_bias, tma, device):
     G = len(sizes)
-    b, s, b_ref = _int4_experts(G, N, K, group, device, scale_dtype)
+    b, s, b_ref = int4_experts(G, N, K, group, device, scale_dtype)
     a = torch.randn(sum(sizes) + 3, K, device=device).to(dtype)  # 3 rows past offs[-1]
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
     bias = torch.randn(G, N, device=device).to(dtype) if with_bias else None
@@ -150,7 +139,7 @@ def test_grouped_matmul_int4_gradients(device):
     """The weights are frozen; a gets its gradient (dx through a 4-bit base) against float64
     autograd of the dequantised experts."""
     G, N, K, sizes = 3, 40, 128, [5, 0, 12]
-    b, s, b_ref = _int4_experts(G, N, K, 64, device)
+    b, s, b_ref = int4_experts(G, N, K, 64, device)
     a = torch.randn(sum(sizes), K, device=device).to(torch.bfloat16).requires_grad_()
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
     out = onegemm.grouped_matmul(a, b, offs, scale_b=s)
@@ -164,7 +153,7 @@ def test_grouped_matmul_int4_gradients(device):
 def test_grouped_matmul_int4_under_torch_compile(device):
     """The registered op's fake takes an INT4 b (int32) and its scales: a fullgraph compile
     gives the eager result bit for bit; so does linear_4bit's."""
-    b, s, _ = _int4_experts(2, 16, 128, 64, device)
+    b, s, _ = int4_experts(2, 16, 128, 64, device)
     a = torch.randn(8, 128, device=device, dtype=torch.bfloat16)
     offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
     compiled = torch.compile(lambda a: onegemm.grouped_matmul(a, b, offs, scale_b=s), fullgraph=True)
@@ -187,7 +176,7 @@ INT4_BAD = [
 
 @pytest.mark.parametrize("change,error,match", INT4_BAD, ids=[m[:30] for _, _, m in INT4_BAD])
 def test_grouped_matmul_int4_refuses(change, error, match, device):
-    b, s, _ = _int4_experts(2, 16, 128, 32, device)
+    b, s, _ = int4_experts(2, 16, 128, 32, device)
     a = torch.randn(8, 128, device=device, dtype=torch.bfloat16)
     args = dict(a=a, b=b, offs=torch.tensor([4, 8], device=device, dtype=torch.int32), scale_b=s)
     args.update(change(a, b, s))
@@ -298,18 +287,6 @@ def test_quantize_experts_int4(device):
 
 # ---- split K (an autotuning candidate at decode): 4-bit K blocks dealt to splits
 
-def _experts_4bit(fmt, G, N, K, device):
-    """Random experts [G, N, K] in ``fmt`` as grouped_matmul takes them (b, scale_b: the
-    stored layout transposed) and their float64 decode [G, K, N]."""
-    w = torch.randn(G, N, K, device=device) * K**-0.5
-    if fmt == "int4":
-        q, s = quantize_int4(w, 32)
-        return q.transpose(1, 2), s.transpose(1, 2), int4_dequantize_ref(q, s).transpose(1, 2)
-    blocks, scales = mxfp4_quantize_ref(w)
-    q, s = blocks.flatten(-2).view(torch.float4_e2m1fn_x2), scales.view(torch.float8_e8m0fnu)
-    return q.transpose(1, 2), s.transpose(1, 2), mxfp4_dequantize_ref(blocks, scales).transpose(1, 2)
-
-
 # (format, splits, b read through a descriptor): 2 and 3 splits of 5 K blocks, 8 (empty splits)
 W4_SPLITS = [(fmt, split, tma) for fmt in ("mxfp4", "int4") for split, tma in ((2, True), (3, False), (8, True))]
 
@@ -320,9 +297,10 @@ def test_grouped_matmul_4bit_split_k(fmt, split, tma, device):
     partials meet in split order (bitwise reruns); an empty group, 1 and 3 rows, rows past
     offs[-1] zero."""
     sizes, N, K = [1, 0, 3], 40, 320
-    w4, s4, b_ref = _experts_4bit(fmt, len(sizes), N, K, device)
+    G = len(sizes)
+    w4, s4, b_ref = int4_experts(G, N, K, 32, device) if fmt == "int4" else mxfp4_experts(G, N, K, device)
     a = torch.randn(sum(sizes) + 2, K, device=device).to(torch.bfloat16)
-    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    offs = offs_of(sizes, device)
     config = onegemm.core.configs.with_meta(onegemm.core.configs.cfg(16, 32, 64, 4, 1, group_m=1), SPLIT_K=split)
     out = onegemm.grouped_matmul(a, w4, offs, scale_b=s4, config=config, tma=tma)
     assert_close(out, grouped_mm_ref(a.double(), b_ref, offs), TOL[torch.bfloat16])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import onegemm
+from helpers import mxfp4_experts
 from onegemm.testing import (
     E2M1_MAGNITUDES,
     MXFP4_BLOCK,
@@ -141,19 +142,6 @@ def test_bad_arguments_are_refused():
 
 # ---- grouped_matmul with MXFP4 experts (weight-only: a bf16 / fp16, b dequantised in the K loop)
 
-def _mxfp4_experts(G, N, K, device, layout="transposed"):
-    """Random experts [G, N, K] in MXFP4 as gpt-oss stores them, handed to grouped_matmul as
-    b [G, K / 2, N] and scale_b [G, K / 32, N]: the transpose(1, 2) of [G, N, K / 2] and
-    [G, N, K / 32] ("transposed"), or those made N-contiguous ("n_major")."""
-    blocks, scales = mxfp4_quantize_ref(torch.randn(G, N, K, device=device))
-    w4 = blocks.flatten(-2).view(torch.float4_e2m1fn_x2).transpose(1, 2)
-    s8 = scales.view(torch.float8_e8m0fnu).transpose(1, 2)
-    if layout == "n_major":
-        w4 = w4.view(torch.uint8).contiguous().view(torch.float4_e2m1fn_x2)
-        s8 = s8.view(torch.uint8).contiguous().view(torch.float8_e8m0fnu)
-    return w4, s8, mxfp4_dequantize_ref(blocks, scales).transpose(1, 2)
-
-
 # (group sizes, N, K, a dtype, bias and activation, b's layout): empty groups, 1, 17 and 127
 # rows; K not a multiple of the 64-wide K block (its last block half full); N odd
 MXFP4_CASES = [
@@ -173,7 +161,7 @@ MXFP4_FLAVOURED = [pytest.param(*case.values, tma, id=f"{case.id}-{name}") for c
 @pytest.mark.parametrize("sizes,N,K,dtype,with_bias,layout,tma", MXFP4_FLAVOURED)
 def test_grouped_matmul_mxfp4_matches_reference(sizes, N, K, dtype, with_bias, layout, tma, device):
     G = len(sizes)
-    w4, s8, b_ref = _mxfp4_experts(G, N, K, device, layout)
+    w4, s8, b_ref = mxfp4_experts(G, N, K, device, layout)
     a = torch.randn(sum(sizes) + 3, K, device=device).to(dtype)  # 3 rows past offs[-1]
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
     bias = torch.randn(G, N, device=device).to(dtype) if with_bias else None
@@ -187,7 +175,7 @@ def test_grouped_matmul_mxfp4_matches_reference(sizes, N, K, dtype, with_bias, l
 
 def test_grouped_matmul_mxfp4_nan_scale(device):
     """e8m0's 255 is NaN: the columns of that expert's block come out NaN, others finite."""
-    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
+    w4, s8, _ = mxfp4_experts(2, 16, 64, device)
     s8 = s8.view(torch.uint8).clone()
     s8[1, 0, 3] = 255  # expert 1, K block 0, column 3
     a = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
@@ -211,7 +199,7 @@ MXFP4_BAD = [
 
 @pytest.mark.parametrize("change,error,match", MXFP4_BAD, ids=[m[:30] for _, _, m in MXFP4_BAD])
 def test_grouped_matmul_mxfp4_refuses(change, error, match, device):
-    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
+    w4, s8, _ = mxfp4_experts(2, 16, 64, device)
     a = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
     args = dict(a=a, b=w4, offs=torch.tensor([4, 8], device=device, dtype=torch.int32), scale_b=s8)
     args.update(change(a, w4, s8))
@@ -224,7 +212,7 @@ def test_grouped_matmul_mxfp4_gradients(device):
     base), through the activation, against float64 autograd of the dequantised experts; rows
     past offs[-1] get none."""
     G, N, K = 3, 40, 96
-    w4, s8, b_ref = _mxfp4_experts(G, N, K, device)
+    w4, s8, b_ref = mxfp4_experts(G, N, K, device)
     sizes = [5, 0, 12]
     a = torch.randn(sum(sizes) + 2, K, device=device).to(torch.bfloat16).requires_grad_()
     bias = (torch.randn(G, N, device=device) * 0.1).to(torch.bfloat16).requires_grad_()
@@ -244,7 +232,7 @@ def test_grouped_matmul_mxfp4_gradients(device):
 def test_grouped_matmul_mxfp4_under_torch_compile(device):
     """The registered op's fake takes MXFP4 b and scale_a None: a fullgraph compile gives the
     eager result bit for bit."""
-    w4, s8, _ = _mxfp4_experts(2, 16, 64, device)
+    w4, s8, _ = mxfp4_experts(2, 16, 64, device)
     a = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
     offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
     compiled = torch.compile(lambda a: onegemm.grouped_matmul(a, w4, offs, scale_b=s8), fullgraph=True)
