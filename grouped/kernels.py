@@ -442,9 +442,9 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, rout
         the expert counts. col_blocks: 128-column blocks of x per program.
     Grid: (cdiv(P, PAIR_BLOCK) + table programs, cdiv(ceil(H/128), col_blocks)): program
     (p, c), p < cdiv(P, PAIR_BLOCK), places pairs [p * PAIR_BLOCK, ...) (c = 0) and writes
-    column blocks c * col_blocks, ... of their rows (or tokens, SORTED_X False); table program (cdiv(P, PAIR_BLOCK) + q, 0) writes rows
-    [q * CHUNK, ...) of each table, and q = 0 offs (the tables' serial work spread, not on one
-    program's path). Every program zeroes a slice of ``zeros``.
+    column blocks c * col_blocks, ... of their rows (or tokens, SORTED_X False); table program
+    (cdiv(P, PAIR_BLOCK) + q, 0) rows [q * CHUNK, ...) of each table, q = 0 offs (the tables'
+    serial work spread). Every program zeroes a slice of ``zeros``.
     """
     pid, cid = tl.program_id(0), tl.program_id(1)
     pair_programs = tl.cdiv(P, PAIR_BLOCK)

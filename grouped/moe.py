@@ -323,8 +323,8 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     FP8 experts (the scales given): the prep quantises x's rows once per token (the Gluon
     pipeline, which cannot gather, once per pair); GEMM1 gathers them and writes
     silu(gate) * up as fp8 with its 1x128 scales, stored [ceil(I/128), P] (the outer-dim-major
-    layout quantize_fp8 gives, so GEMM2's K loop reads them coalesced). ``x_scale``: x is already quantised (fp8 rows with
-    their 1x128 scales); nothing is quantised again and the output is bfloat16.
+    layout quantize_fp8 gives, so GEMM2's K loop reads them coalesced). ``x_scale``: x is
+    already quantised (fp8 rows, 1x128 scales): nothing is quantised again; bfloat16 out.
 
     ``keep_pre`` (16/32-bit experts; moe_ffn's training forward): GEMM1 writes its
     pre-activation h_pre [P, 2I] (gate | up, sorted rows) in fp32 instead of fusing SwiGLU,
