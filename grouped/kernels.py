@@ -416,7 +416,7 @@ NO_ROUTES = Routes(None, 0, 0, None, None, 1.0)
 def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, routes, P, E, k, H, col_blocks, n_zero,
                     E_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr,
                     BLOCK_M1: tl.constexpr = 0, BLOCK_M2: tl.constexpr = 0, CHUNK: tl.constexpr = 32,
-                    ROUTE: tl.constexpr = None, ROUTE_TOKENS: tl.constexpr = 16):
+                    ROUTE: tl.constexpr = None, ROUTE_TOKENS: tl.constexpr = 16, SORTED_X: tl.constexpr = True):
     """The MoE step before the expert GEMMs, one launch: the (token, slot) pairs sorted by
     expert, x's rows in that order (quantised), the row-tile tables of the GEMMs' tile heights.
 
@@ -430,6 +430,7 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, rout
         [P, H], row r = x[token[r]], quantised to Q's fp8 dtype in 1x128 blocks with scales
         S (Operand over fp32 [P, ceil(H/128)]; NO_OPERAND: Q is 16/32-bit and gets the rows as
         they are). Rows of other ranks' pairs are not written (no GEMM tile reads them).
+        SORTED_X False: Q [T, H], S [T, ceil(H/128)], x's rows in token order (for a gather).
     zeros: int32 [n_zero] (out: zeros), or None: GEMM2's combine tickets (core/tiles.py Combine).
     tiles1, tiles2: RowTiles of BLOCK_M1 / BLOCK_M2 rows (0: none), as ``row_tiles_kernel``
         writes them without the tail group (the GEMMs' Groups.sched).
@@ -440,10 +441,10 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, rout
     E_BLOCK: a power of two > E. PAIR_BLOCK: pairs per program. SCAN_BLOCK: pairs per step of
         the expert counts. col_blocks: 128-column blocks of x per program.
     Grid: (cdiv(P, PAIR_BLOCK) + table programs, cdiv(ceil(H/128), col_blocks)): program
-    (p, c), p < cdiv(P, PAIR_BLOCK), places pairs [p * PAIR_BLOCK, ...) and writes their rows'
-    column blocks c * col_blocks, ...; table program (cdiv(P, PAIR_BLOCK) + q, 0) writes rows
-    [q * CHUNK, ...) of each table, and q = 0 offs (the tables' serial work spread, not on one
-    program's path). Every program zeroes a slice of ``zeros``.
+    (p, c), p < cdiv(P, PAIR_BLOCK), places pairs [p * PAIR_BLOCK, ...) (c = 0) and writes
+    column blocks c * col_blocks, ... of their rows (or tokens, SORTED_X False); table program
+    (cdiv(P, PAIR_BLOCK) + q, 0) rows [q * CHUNK, ...) of each table, q = 0 offs (the tables'
+    serial work spread). Every program zeroes a slice of ``zeros``.
     """
     pid, cid = tl.program_id(0), tl.program_id(1)
     pair_programs = tl.cdiv(P, PAIR_BLOCK)
@@ -460,15 +461,18 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, rout
     if is_pairs:
         i = pid * PAIR_BLOCK + tl.arange(0, PAIR_BLOCK)
         live = i < P
-        e = _expert_of(ids, i, live, E)
-        row = _sorted_rows(ids, i, e, live, pid * PAIR_BLOCK, P, E, E_BLOCK, SCAN_BLOCK)
-        if cid == 0:
-            tl.store(pair + row, i, mask=live)
-            tl.store(token + row, i // k, mask=live)
-        if X.ptr is not None:
-            kb_lo = cid * col_blocks
-            _quantize_rows(X, (i // k).to(tl.int64), row.to(tl.int64), live & (e < E), Q, S, H, kb_lo,
-                           tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK)), False, "")
+        kb_lo = cid * col_blocks
+        kb_hi = tl.minimum(kb_lo + col_blocks, tl.cdiv(H, _SCALE_BLOCK))
+        if SORTED_X:
+            e, row = _place_pairs(ids, pair, token, i, live, pid * PAIR_BLOCK, P, E, k, cid == 0, E_BLOCK, SCAN_BLOCK)
+            if X.ptr is not None:
+                _quantize_rows(X, (i // k).to(tl.int64), row.to(tl.int64), live & (e < E), Q, S, H, kb_lo, kb_hi,
+                               False, "")
+        else:  # one quantisation per token (tokens [p * PAIR_BLOCK, ...)), off the sort's path
+            if cid == 0:
+                _place_pairs(ids, pair, token, i, live, pid * PAIR_BLOCK, P, E, k, True, E_BLOCK, SCAN_BLOCK)
+            if X.ptr is not None:
+                _quantize_rows(X, i.to(tl.int64), i.to(tl.int64), i < P // k, Q, S, H, kb_lo, kb_hi, False, "")
     elif cid == 0:
         q = pid - pair_programs
         sizes, _ = _expert_counts(ids, P, E, 0, E_BLOCK, SCAN_BLOCK)
@@ -488,6 +492,18 @@ def moe_prep_kernel(ids, pair, token, offs, X, Q, S, zeros, tiles1, tiles2, rout
         for z in range(lo, hi, 1024):
             o = z + tl.arange(0, 1024)
             tl.store(zeros + o, 0, mask=o < hi)
+
+
+@triton.jit
+def _place_pairs(ids, pair, token, i, live, start, P, E, k, store, E_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr):
+    """(experts, sorted rows) of the live pairs i = start + arange (``_sorted_rows``); where
+    ``store``, pair[row] = i and token[row] = i // k."""
+    e = _expert_of(ids, i, live, E)
+    row = _sorted_rows(ids, i, e, live, start, P, E, E_BLOCK, SCAN_BLOCK)
+    if store:
+        tl.store(pair + row, i, mask=live)
+        tl.store(token + row, i // k, mask=live)
+    return e, row
 
 
 @triton.jit

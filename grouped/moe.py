@@ -184,8 +184,9 @@ def _moe_record(x, w_gate_up, w_down, topk_weights, topk_ids, route=None):
 
 class _Intermediates:
     """moe_ffn's intermediates for one call signature: where each lives in the call's one
-    workspace (core/dispatch.py Workspace: the sort's pair / token / offs, x's rows in sorted
-    order in fp8 ``xq`` and their 1x128 scales ``xs`` stored [kh, P], h and its scales ``hs``
+    workspace (core/dispatch.py Workspace: the sort's pair / token / offs, x's rows in fp8
+    ``xq`` and their 1x128 scales ``xs`` stored [kh, rows] (rows: P in sorted order with
+    ``sorted_x``, else T in token order, which GEMM1 gathers), h and its scales ``hs``
     stored [ki, P], ``y_pairs``; then what ``complete`` adds), and the tensors each step of the
     pipeline takes from it, in its launch builder's order (each step's ``.on``)."""
 
@@ -197,7 +198,8 @@ class _Intermediates:
         if route is not None:  # the prep routes: its weights and ids
             parts.update(weights=((T, k), torch.float32), ids=((T, k), torch.int32))
         if quantize_x or sorted_x:
-            parts.update(xq=((P, H), fp8_dtype), xs=((kh, P), torch.float32))
+            rows = P if sorted_x else T
+            parts.update(xq=((rows, H), fp8_dtype), xs=((kh, rows), torch.float32))
         parts["h"] = ((P, I), h_dtype)
         if fp8:
             parts["hs"] = ((ki, P), torch.float32)
@@ -233,7 +235,7 @@ class _Intermediates:
         return self.workspace.part(buffer, self._h)
 
     def prep_tensors(self, ids, x, buffer, weights):
-        """The prep's (moe_steps.prep_step): the sort's outputs, x's quantised sorted rows, the
+        """The prep's (moe_steps.prep_step): the sort's outputs, x's quantised rows, the
         tickets to zero, the row-tile tables; routed, the logits it routes and their bias (in
         the weights' and the ids' places: moe_routed's order) and the routing it writes."""
         v = self.views(buffer)
@@ -253,7 +255,7 @@ class _Intermediates:
         return tuple(RowTiles(v[f"sched{i}"], v[f"count{i}"]) for i in range(self.tables))
 
     def scales1(self, v, x_scale, w_gate_up_scale):
-        """GEMM1's tiles.Scales (FP8 experts): x's rows' (sorted, or gathered in the kernel), W13's, h's
+        """GEMM1's tiles.Scales (FP8 experts): x's rows' (gathered in the kernel, like the rows), W13's, h's
         (written); 4-bit experts: W13's scales (MXFP4's e8m0 as bytes)."""
         if self.w4:
             return grouped_scales(b=_w4_scale(w_gate_up_scale))
@@ -267,11 +269,11 @@ class _Intermediates:
         return grouped_scales(a=v["hs"], b=w_down_scale.transpose(1, 2)) if self.fp8 else NO_GROUPED_SCALES
 
     def gemm1_tensors(self, c, buffer, x, x_scale, w_gate_up, w_gate_up_scale):
-        """GEMM1's: h (or the pre-activation ``c``) of x's rows token[r] (gathered in the
-        kernel, or already in sorted order when the prep quantised them)."""
+        """GEMM1's: h (or the pre-activation ``c``) of x's rows token[r], gathered in the
+        kernel (from the prep's quantised rows when it quantised them)."""
         v = self.views(buffer)
-        return ((v["h"] if c is None else c), v["xq"] if self.quantize_x else x, w_gate_up, v["offs"],
-                None if self.quantize_x else v["token"], None, None, self.scales1(v, x_scale, w_gate_up_scale))
+        return ((v["h"] if c is None else c), v["xq"] if self.quantize_x else x, w_gate_up, v["offs"], v["token"], None,
+                None, self.scales1(v, x_scale, w_gate_up_scale))
 
     def fused_gemm1_tensors(self, buffer, *rest):
         return self.gemm1_tensors(None, buffer, *rest)
@@ -318,11 +320,11 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     so the result has the same bits on every run. Every intermediate lives in one workspace
     per call (core/dispatch.py Workspace), so a call allocates that and its output.
 
-    FP8 experts (the scales given): the prep writes x's rows quantised in sorted order (one
-    row per pair, as the Gluon body's pipeline reads them); GEMM1 writes silu(gate) * up as fp8 with its
-    1x128 scales, stored [ceil(I/128), P] (the outer-dim-major layout quantize_fp8 gives, so
-    GEMM2's K loop reads them coalesced). ``x_scale``: x is already quantised (fp8 rows with
-    their 1x128 scales); nothing is quantised again and the output is bfloat16.
+    FP8 experts (the scales given): the prep quantises x's rows once per token (the Gluon
+    pipeline, which cannot gather, once per pair); GEMM1 gathers them and writes
+    silu(gate) * up as fp8 with its 1x128 scales, stored [ceil(I/128), P] (the outer-dim-major
+    layout quantize_fp8 gives, so GEMM2's K loop reads them coalesced). ``x_scale``: x is
+    already quantised (fp8 rows, 1x128 scales): nothing is quantised again; bfloat16 out.
 
     ``keep_pre`` (16/32-bit experts; moe_ffn's training forward): GEMM1 writes its
     pre-activation h_pre [P, 2I] (gate | up, sorted rows) in fp32 instead of fusing SwiGLU,
@@ -347,12 +349,12 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, bool(w4), route=route)
     # a 4-bit GEMM's (format, values per scale along K): H / GEMM1's scale columns, I / GEMM2's
     w4_1, w4_2 = ((w4, H // w_gate_up_scale.shape[2]), (w4, I // w_down_scale.shape[2])) if w4 else (None, None)
-    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, route=route and route[0])
+    prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, route=route and route[0], sorted_x=False)
     prep = prep.on(inter.prep_tensors)
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
     fp32_weights = route is not None or topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
     v = inter.views(inter.workspace.new())
-    a1, a_rows = (v["xq"], None) if quantize_x else (x, v["token"])  # the prep's sorted rows, or x's gathered
+    a1, a_rows = (v["xq"] if quantize_x else x), v["token"]  # the prep's quantised rows, or x's, gathered
     weights = topk_weights.to(torch.float32).contiguous()
     if keep_pre:
         gemm1 = expert_launch(a1, w_gate_up, empty((P, 2 * I), dtype=torch.float32, device=device), v["offs"],

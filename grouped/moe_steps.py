@@ -46,10 +46,13 @@ _SCAN_BLOCK = 1024  # pairs per step of the expert histograms: <= 4 steps up to 
 _CHUNK = 32  # row-tile table rows per table program
 
 
-def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=None):
+def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=None, sorted_x: bool = True):
     """The step before the expert GEMMs for arguments of these signatures: the routing sort;
     with ``x`` [T, H] also its rows in sorted order, in ``dtype`` (fp8: quantised in 1x128
-    blocks with their scales; rows of experts on other ranks unwritten); the row-tile tables
+    blocks with their scales; rows of experts on other ranks unwritten), or with ``sorted_x``
+    False its T rows in token order, each quantised once, for a GEMM1 that gathers by token
+    (q [T, H], s [T, ceil(H/128)]: k times fewer rows to quantise, and no sort on the
+    quantising programs' path); the row-tile tables
     (ops.row_tiles without the tail group) of each tile height in ``block_ms``; and zeros
     (GEMM2's combine tickets). A Launch (``moe_prep_kernel``, one launch up to
     SORT_MAX_PAIRS contiguous pairs) or a Step (torch.sort, gather_quantize, row_tiles); its
@@ -64,7 +67,7 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=
     if P <= SORT_MAX_PAIRS and topk_ids.is_contiguous():
         e_block = next_pow2(E + 1)
         pair_block = max(_MIN_PAIR_BLOCK, min(_PAIR_BLOCK, next_pow2(P)))
-        meta = dict(E_BLOCK=e_block, PAIR_BLOCK=pair_block, SCAN_BLOCK=_SCAN_BLOCK, CHUNK=_CHUNK,
+        meta = dict(E_BLOCK=e_block, PAIR_BLOCK=pair_block, SCAN_BLOCK=_SCAN_BLOCK, CHUNK=_CHUNK, SORTED_X=sorted_x,
                     **{f"BLOCK_M{i + 1}": m for i, m in enumerate(block_ms)})
         if route is not None:
             step = ROUTED_PREP_STEP_ELEMENTS // (route.G_BLOCK * route.GROUP_BLOCK)
@@ -73,7 +76,10 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=
         programs = cdiv(P, pair_block)
         table_programs = max([cdiv(cdiv(P, m) + E + 1, _CHUNK) for m in block_ms], default=1)
         kb = cdiv(x.shape[1], SCALE_BLOCK) if x is not None else 1
-        per = gather_col_blocks(programs, kb, 1 if INTERPRET else sm_count(plan.device_index), per_sm=1)
+        # Sorted rows: each quantising program also sorts all the pairs, so one per SM; in token
+        # order they only quantise, as gather_quantize's programs.
+        per = gather_col_blocks(programs if sorted_x else cdiv(T, pair_block), kb,
+                                1 if INTERPRET else sm_count(plan.device_index), per_sm=1 if sorted_x else 4)
 
         def build(ids, pair, token, offs, x=None, q=None, s=None, zeros=None, tables=(), routes=NO_ROUTES):
             tiles = tuple(tables) + (NO_ROW_TILES,) * (2 - len(tables))
@@ -100,7 +106,7 @@ def prep_step(topk_ids, E: int, x=None, dtype=None, block_ms: tuple = (), route=
         # searchsorted, not bincount: CUDA bincount reads the max id back to the host (a sync).
         torch.searchsorted(sorted_ids, experts, right=True, out_int32=True, out=offs)
         if x is not None:
-            gather_quantize(x, token, q.dtype, offs, out=(q, s))
+            gather_quantize(x, token if sorted_x else None, q.dtype, offs if sorted_x else None, out=(q, s))
         for tiles, block_m in zip(tables, block_ms):
             row_tiles(offs, E, P, block_m, tail=False, out=tiles)
         if zeros is not None:

@@ -47,12 +47,12 @@ def row_tiles(offs, G: int, M: int, block_m: int, tail: bool = True, out=None):
 
 
 def gather_quantize(x, rows, dtype=torch.float8_e4m3fn, offs=None, out=None):
-    """(q [P, H] fp8, scales fp32 [P, ceil(H/128)]) of x[rows] in 1x128 blocks, rows int32 [P]:
-    quantize_fp8's values and scales of the gathered rows, in one pass. The scales are a
+    """(q [P, H] fp8, scales fp32 [P, ceil(H/128)]) of x[rows] in 1x128 blocks, rows int32 [P]
+    (None: x's own rows, P = T): quantize_fp8's values and scales of the gathered rows, in one pass. The scales are a
     transposed view of [ceil(H/128), P], so a GEMM reads a K block's scales of its rows in one
     coalesced line. ``offs`` (int32 [G] group end offsets): rows past offs[-1] are left unwritten.
     ``out``: (q, scales) to write."""
-    return _gather_quantize(x, rows, rows.shape[0], x.shape[1], dtype, offs, out=out)
+    return _gather_quantize(x, rows, x.shape[0] if rows is None else rows.shape[0], x.shape[1], dtype, offs, out=out)
 
 
 def swiglu_quantize(h_pre, dtype=torch.float8_e4m3fn):

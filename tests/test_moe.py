@@ -83,30 +83,34 @@ PREP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("sorted_x", [True, False], ids=["sorted-rows", "token-rows"])
 @pytest.mark.parametrize("T,k,E,H,ids_kind", PREP_CASES)
-def test_moe_prep(T, k, E, H, ids_kind, device):
+def test_moe_prep(T, k, E, H, ids_kind, sorted_x, device):
     """The step before the expert GEMMs (moe_steps.prep_step): the stable sort by expert, x's
     rows in that order quantised in 1x128 blocks (quantize_fp8 of each row), the rows of other
-    ranks' pairs left unwritten, the row-tile tables of two heights (row_tiles' tables
-    without the tail group), and zeros where asked (GEMM2's combine tickets)."""
+    ranks' pairs left unwritten (``sorted_x`` False: x's T rows in token order, each once, every
+    one written), the row-tile tables of two heights (row_tiles' tables without the tail
+    group), and zeros where asked (GEMM2's combine tickets)."""
     low, high = (-2, E + 3) if ids_kind == "other-ranks" else (0, E)
     ids = torch.randint(low, high, (T, k), device=device, dtype=torch.int64 if ids_kind == "int64" else torch.int32)
     x = torch.randn(T, H, device=device).to(torch.bfloat16) * 4
     P, kb = T * k, -(-H // 128)
+    rows = P if sorted_x else T
     poison = lambda *shape, dtype=torch.int32: torch.full(shape, -7, dtype=dtype, device=device)  # noqa: E731
     pair, token, offs = poison(P), poison(P), poison(E)
-    q, s = torch.full((P, H), float("nan"), device=device).to(E4M3), torch.full((kb, P), float("nan"), device=device).t()
+    q = torch.full((rows, H), float("nan"), device=device).to(E4M3)
+    s = torch.full((kb, rows), float("nan"), device=device).t()
     tables = [RowTiles(poison(-(-P // m) + E + 1, 4), poison(1)) for m in (16, 64)]
     zeros = poison(3000)  # GEMM2's combine tickets: more than one program's slice
-    prep_step(ids, E, x, E4M3, (16, 64))(ids, pair, token, offs, x, q, s, zeros, tables)
+    prep_step(ids, E, x, E4M3, (16, 64), sorted_x=sorted_x)(ids, pair, token, offs, x, q, s, zeros, tables)
 
     flat = ids.reshape(-1)
     expert = torch.where((flat >= 0) & (flat < E), flat, E)
     order = torch.sort(expert, stable=True).indices
     assert pair.tolist() == order.tolist() and token.tolist() == (order // k).tolist()
     assert offs.tolist() == torch.bincount(expert, minlength=E + 1)[:E].cumsum(0).tolist()
-    live = int(offs[-1])  # rows past it are other ranks' pairs
-    want_q, want_s = quantize_fp8_ref(x[order // k], (1, 128))
+    live = int(offs[-1]) if sorted_x else T  # sorted rows past offs[-1] are other ranks' pairs
+    want_q, want_s = quantize_fp8_ref(x[order // k] if sorted_x else x, (1, 128))
     assert torch.equal(q[:live].float(), want_q[:live].float()) and torch.equal(s[:live], want_s[:live])
     assert q[live:].float().isnan().all() and s[live:].isnan().all()
     assert not zeros.any()
