@@ -17,6 +17,7 @@ import torch
 
 from ..core import checks, configs, hopper_configs
 from ..core.dispatch import Cached, Op, Workspace, wants_grad
+from ..core.launch import autotune_enabled
 from ..blockscaled.quantize import quantize_fp8, quantize_int4, quantize_mxfp4
 from ..core.runtime import cdiv, empty, empty_strided
 from ..core.tiles import Combine
@@ -313,12 +314,10 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
 
     GEMM1: h[r] = silu(x[token[r]] @ W1_e^T) * (x[token[r]] @ W3_e^T), rows sorted by expert;
     B = w_gate_up[e].T, read in place (stride 1 along K: the K-major layout Hopper wants).
-    GEMM2 writes y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) in x's dtype: for 16-bit x
-    that halves the bytes GEMM2 writes and the combine reads, against an fp32 intermediate.
-    The combine (core/tiles.py combine_pairs, in GEMM2: the last of a token's k rows to be
-    stored sums them) adds each token's k rows in slot order in fp32, no atomics on values,
-    so the result has the same bits on every run. Every intermediate lives in one workspace
-    per call (core/dispatch.py Workspace), so a call allocates that and its output.
+    GEMM2 writes y_pairs[pair[r]] = w[pair[r]] * (h[r] @ W2_e^T) in x's dtype (16-bit x: half
+    an fp32 intermediate's bytes). The combine (core/tiles.py combine_pairs, in GEMM2: the
+    last of a token's k rows stored sums them) adds the k rows in slot order in fp32, no
+    atomics on values: the same bits on every run. One workspace per call holds the rest.
 
     FP8 experts (the scales given): the prep quantises x's rows once per token (the Gluon
     pipeline, which cannot gather, once per pair); GEMM1 gathers them and writes
@@ -353,7 +352,9 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     prep = prep.on(inter.prep_tensors)
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
     fp32_weights = route is not None or topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
-    v = inter.views(inter.workspace.new())
+    v = inter.views(buffer := inter.workspace.new())
+    if autotune_enabled():  # the GEMMs' trials gather and scatter by v's indices: this call's, not stale memory
+        prep(topk_ids, x, buffer, topk_weights)
     a1, a_rows = (v["xq"] if quantize_x else x), v["token"]  # the prep's quantised rows, or x's, gathered
     weights = topk_weights.to(torch.float32).contiguous()
     if keep_pre:

@@ -7,6 +7,7 @@ from safetensors.torch import load_file, save_file
 import onegemm
 from helpers import capture, fp8_layer_diff_bound, fp8_moe_inputs, moe_inputs
 from onegemm.grouped import STORED_FP8_LAYER, STORED_LAYER, sort_by_expert
+from onegemm.core.launch import reload_tables
 from onegemm.grouped import configs as grouped_configs
 from onegemm.grouped.kernels import RowTiles
 from onegemm.grouped.moe_steps import prep_step
@@ -686,6 +687,34 @@ def test_gpu_moe_ffn_fp8_real_sizes(T, H, I, E, k, device):
     assert_moe_fp8_close(y, x, w13, w2, weights, ids, **scales)
     assert calc_diff(y, moe_ref(x, w13_hp, w2_hp, weights, ids)) < fp8_layer_diff_bound(y)
     assert torch.equal(onegemm.moe_ffn(x, w13, w2, weights, ids, **scales), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_moe_ffn_autotunes_on_its_own_routing(fp8, tmp_path, monkeypatch, device):
+    """Autotuning at a decode size (no table: shipped tables off, an empty cache) times GEMM1
+    and GEMM2 on this call's routing: on a workspace of stale memory GEMM2's trials scattered
+    rows to garbage indices (an illegal address on the GPU). Freed int32 junk is the stale memory."""
+    monkeypatch.setenv("ONEGEMM_CACHE_DIR", str(tmp_path))
+    T, H, I, E, k = 1, 2048, 768, 128, 8
+    if fp8:
+        x, w13, w2, weights, ids, scales, _ = fp8_moe_inputs(T, H, I, E, k, torch.bfloat16, device)
+    else:
+        x, w13, w2, weights, ids = moe_inputs(T, H, I, E, k, torch.bfloat16, device)
+        scales = {}
+    junk = [torch.full((n,), 2**30, dtype=torch.int32, device=device) for n in (256, 4096, 65536, 1 << 20) for _ in range(8)]
+    del junk
+    reload_tables(shipped=False)
+    try:
+        with onegemm.autotune():
+            y = onegemm.moe_ffn(x, w13, w2, weights, ids, **scales)
+        torch.cuda.synchronize()
+    finally:
+        reload_tables()
+    if fp8:
+        assert_moe_fp8_close(y, x, w13, w2, weights, ids, **scales)
+    else:
+        assert_close(y, moe_ref(x, w13, w2, weights, ids), TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
