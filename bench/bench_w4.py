@@ -31,7 +31,7 @@ MODELS = [("gpt-oss-120b", 128, 128, 2880, 2880, 4), ("Kimi-K2 EP8", 48, 384, 71
 QUICK_MODELS = [("tiny", 4, 6, 64, 96, 2)]
 TOKENS = [1, 16, 64, 256, 4096]
 DECODE_MAX = 64  # T of the decode figure
-FORMATS = ("mxfp4", "int4", "int4-zp")
+FORMATS = ("mxfp4", "mxfp4-prepacked", "int4", "int4-zp")
 SUMMARY_FORMATS = ("mxfp4", "int4")  # the summary figures' (the issue's): zero points reported beside them
 INT4_GROUP = 32  # Kimi-K2-Thinking's
 INT4_ZP_GROUP = 128  # GPTQ's and AWQ's usual
@@ -67,19 +67,25 @@ def measure(model, T, fmt, device, quick):
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
     weights, ids = onegemm.route(torch.randn(T, E_routed, device=device), k)
     def make(E, rows, K, device):
-        if fmt == "mxfp4":
+        if fmt.startswith("mxfp4"):
             return random_mxfp4(E, rows, K, device)
         return random_int4(E, rows, K, device, zero_points=fmt == "int4-zp")
 
     q13, s13, w13 = make(E, 2 * I, H, device)
     q2, s2, w2 = make(E, H, I, device)
-    w4 = lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)  # noqa: E731
+    if fmt == "mxfp4-prepacked":  # once, as MoEFFN does on construction
+        p13, p2 = onegemm.prepack_mxfp4(q13, s13, gate_up=True), onegemm.prepack_mxfp4(q2, s2)
+        w4 = lambda: onegemm.moe_ffn(x, p13, p2, weights, ids)  # noqa: E731
+    else:
+        w4 = lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)  # noqa: E731
     bf16 = lambda: onegemm.moe_ffn(x, w13, w2, weights, ids)  # noqa: E731
     start = time.perf_counter()
     y4 = w4()
     if device == "cuda":
         torch.cuda.synchronize()
     row = dict(model=name, format=fmt, T=T, first_call_ms=(time.perf_counter() - start) * 1e3, calc_diff_vs_bf16=calc_diff(y4, bf16()))
+    if row["calc_diff_vs_bf16"] > 1e-3:  # h's rounding alone is ~1e-8: a timing of wrong values is no figure
+        raise AssertionError(f"{name} {fmt} T={T}: calc_diff {row['calc_diff_vs_bf16']:.3g} against the bf16 layer")
     if quick:
         assert_close(y4, moe_ref(x, w13.double(), w2.double(), weights, ids), 2 * TOL[torch.bfloat16], f"{name} {fmt}")
         return row
@@ -98,6 +104,7 @@ def measure(model, T, fmt, device, quick):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU interpreter: a tiny layer once, checked, no files")
+    parser.add_argument("--formats", help="comma-separated formats to time, printed only (default: all, and the files)")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
     if args.quick:
@@ -107,6 +114,12 @@ def main():
         print("quick: the MXFP4 and INT4 moe_ffn ran and matched the reference; no files written")
         return
     copy = copy_tb_s(device)
+    if args.formats:
+        for m in MODELS:
+            for T in TOKENS:
+                for fmt in args.formats.split(","):
+                    measure(m, T, fmt, device, False)
+        return
     rows = [measure(m, T, fmt, device, False) for m in MODELS for fmt in FORMATS for T in TOKENS]
     summed = [r for r in rows if r["format"] in SUMMARY_FORMATS]
     decode = [r["w4_vs_bf16"] for r in summed if r["T"] <= DECODE_MAX]

@@ -25,6 +25,8 @@ SCALE_BLOCK = 128
 MXFP4 = torch.float4_e2m1fn_x2
 MXFP4_SCALE = torch.float8_e8m0fnu
 MXFP4_BLOCK = 32
+# MXFP4 in fragment order (grouped/prepack.py): its codes as bytes, read only as prepack_mxfp4 made them.
+MXFP4_PREPACKED = torch.uint8
 # INT4 weights (W4A16, compressed-tensors' symmetric "pack-quantized" format): eight values per
 # int32 along K, the first in the lowest 4 bits, each stored as value + 8 (0..15 for -8..7), so
 # the int32's bytes hold two values each, the first in the lower nibble, as MXFP4's do. One
@@ -40,8 +42,9 @@ INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, INT4_ZERO)  #
 
 
 def weight_4bit(w: torch.Tensor) -> str:
-    """The 4-bit weight format a packed tensor's dtype names: "mxfp4", "int4", or ""."""
-    return "mxfp4" if w.dtype == MXFP4 else "int4" if w.dtype == INT4 else ""
+    """The 4-bit weight format a packed tensor's dtype names: "mxfp4" (also prepacked, uint8),
+    "int4", or ""."""
+    return "mxfp4" if w.dtype in (MXFP4, MXFP4_PREPACKED) else "int4" if w.dtype == INT4 else ""
 
 
 class Granularity(NamedTuple):

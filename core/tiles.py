@@ -203,6 +203,9 @@ class TileSpec(NamedTuple):
     W4_TMA: with B_W4 and pointer loads for A and C, B's packed bytes come through a tensor
         descriptor (``make_operands``): the copy engine fills shared memory with no address or
         mask arithmetic, which otherwise costs as much as the decode.
+    W4_FRAG: with B_W4 "mxfp4", B is in fragment order (grouped/prepack.py, BLOCK_K = 128) and
+        the tile is computed transposed, acc^T = W X^T, so that the decoded weight is wgmma's
+        register operand as it leaves the decode (``_w4_frag_k_block``).
     """
 
     BLOCK_M: Any
@@ -222,6 +225,7 @@ class TileSpec(NamedTuple):
     B_W4: Any = None
     W4_GROUP: Any = 32
     W4_TMA: Any = False
+    W4_FRAG: Any = False
 
 
 @triton.jit
@@ -291,12 +295,17 @@ def make_operands(A, B, C, M, N, K, spec):
     W4_TMA (A and C stay pointers): B's ptr becomes a descriptor over the packed weights as
     stored, W [N, K/2] uint8 (B = W.t() viewed as [K/2, N], stride0 == 1), with
     [BLOCK_N, BLOCK_K/2] boxes; with SWIGLU over [2, N, K/2] (gate rows, then up rows) with
-    [1, BLOCK_N/2, BLOCK_K/2] boxes. The host (core/tma.py) has checked the unit strides and the
+    [1, BLOCK_N/2, BLOCK_K/2] boxes; W4_FRAG: over the [rows, ceil(K/128) * 64] fragment-order
+    rows (2N with SWIGLU) with [BLOCK_N, 64] boxes. The host (core/tma.py) has checked the unit strides and the
     16-byte alignment TMA needs.
     """
     if spec.W4_TMA:
         HALF: tl.constexpr = spec.BLOCK_K // 2
-        if spec.SWIGLU:
+        if spec.W4_FRAG:  # rows as stored (SwiGLU's gate and up already interleaved), K padded
+            rows = 2 * N if spec.SWIGLU else N
+            b = tl.make_tensor_descriptor(B.ptr, [rows, tl.cdiv(K, spec.BLOCK_K) * HALF], [B.stride1, 1],
+                                          [spec.BLOCK_N, HALF])
+        elif spec.SWIGLU:
             b = tl.make_tensor_descriptor(B.ptr, [2, N, K // 2], [N * B.stride1, B.stride1, 1],
                                           [1, spec.BLOCK_N // 2, HALF])
         else:
@@ -398,16 +407,21 @@ def _pointer_k_block(a_ptrs, b_ptrs, offs_k, k_remaining, kb, cols, off_n, scale
     a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
     if spec.B_W4 is not None:
         HALF: tl.constexpr = spec.BLOCK_K // 2
-        if spec.W4_TMA and spec.SWIGLU:
+        if spec.W4_TMA and spec.SWIGLU and not spec.W4_FRAG:
             # gate and up rows interleaved, as the tile's columns are (``_gate_up``)
             gate = tl.reshape(b_ptrs.load([0, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
             up = tl.reshape(b_ptrs.load([1, off_n // 2, kb * HALF]), (spec.BLOCK_N // 2, HALF))
             packed = tl.reshape(tl.permute(tl.join(gate, up), (0, 2, 1)), (spec.BLOCK_N, HALF))
         elif spec.W4_TMA:
             packed = b_ptrs.load([off_n, kb * HALF])
+        elif spec.W4_FRAG:  # K is padded to the block: a byte's place is not its K
+            packed = tl.trans(tl.load(b_ptrs))
         else:
             packed = tl.trans(tl.load(b_ptrs, mask=(2 * tl.arange(0, HALF))[:, None] < k_remaining, other=0))
-        b = _w4_k_block(packed, scales.b, kb, cols, k_remaining, a.dtype, spec.B_W4, spec.W4_GROUP)
+        if spec.W4_FRAG:
+            b = _w4_frag_k_block(packed, scales.b, kb, cols, k_remaining, a.dtype, spec.W4_GROUP)
+        else:
+            b = _w4_k_block(packed, scales.b, kb, cols, k_remaining, a.dtype, spec.B_W4, spec.W4_GROUP)
     else:
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
     return a, b
@@ -507,6 +521,103 @@ def _e8m0_bf16(s):
 
 
 @triton.jit
+def _w4_scales(sb, kb, cols, k_remaining, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, FORMAT: tl.constexpr):
+    """The scales of K block kb's groups for ``cols``: [len(cols), BLOCK_K / SUB] of ``sb``
+    (an Operand over [K / GROUP, N]), SUB = min(GROUP, BLOCK_K): a group longer than the block
+    gives it one. Past K: MXFP4's 1.0 (127), INT4's 0."""
+    SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
+    sk = tl.arange(0, BLOCK_K // SUB)
+    first = kb * BLOCK_K + sk * SUB
+    return tl.load(sb.ptr + cols.to(tl.int64)[:, None] * sb.stride1 + (first // GROUP).to(tl.int64)[None, :] * sb.stride0,
+                   mask=(sk * SUB < k_remaining)[None, :], other=127 if FORMAT == "mxfp4" else 0)
+
+
+# Fragment order (grouped/prepack.py): each 32-bit word holds the 8 e2m1 values of one thread's
+# wgmma A registers for a 16-wide K chunk, coded so that each bf16 pair comes out in place:
+# $0 = w & 0x81C081C0 (sign to bit 15 / 31, magnitude to bits 8-6 / 24-22, as _E2M1_PTX), $1 the
+# same of w << 3, $2 of w << 6, $3 gathered from bits 14, 13, 11-10 (and 30, 29, 27-26); each
+# then times 2^126. $0, $1: rows g, g + 8 at K 2c, 2c + 1; $2, $3: the same at K + 8.
+_FRAG_PTX = tl.constexpr("""
+{
+.reg .b32 c, t, u;
+mov.b32 c, 0x7E807E80;
+and.b32 t, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, t, c;
+shl.b32 t, $4, 3;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, c;
+shl.b32 t, $4, 6;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, c;
+shl.b32 t, $4, 1;
+and.b32 t, t, 0x80008000;
+shr.b32 u, $4, 4;
+and.b32 u, u, 0x00C000C0;
+or.b32 t, t, u;
+shr.b32 u, $4, 5;
+and.b32 u, u, 0x01000100;
+or.b32 t, t, u;
+mul.rn.bf16x2 $3, t, c;
+}
+""")
+# Where _FRAG_PTX takes each value's (sign, e1, e0, m) bits: the slots of its outputs in order
+# (x0, x1, x2, x3, y0, y1, y2, y3), x the first output's 4 values, y the second's.
+FRAG_BITS = ((15, 8, 7, 6), (31, 24, 23, 22), (12, 5, 4, 3), (28, 21, 20, 19),
+             (9, 2, 1, 0), (25, 18, 17, 16), (14, 13, 11, 10), (30, 29, 27, 26))
+_FRAG_BITS = tl.constexpr(FRAG_BITS)
+
+
+@triton.jit
+def _frag_code(w, SLOT: tl.constexpr):
+    """Interpreter: the e2m1 code in slot SLOT (FRAG_BITS) of int32 words ``w``."""
+    bits: tl.constexpr = _FRAG_BITS[SLOT]
+    return (((w >> bits[0]) & 1) << 3) | (((w >> bits[1]) & 1) << 2) | (((w >> bits[2]) & 1) << 1) | ((w >> bits[3]) & 1)
+
+
+@triton.jit
+def _frag_pairs(packed):
+    """bf16 (x, y) of fragment-order bytes ``packed`` [R, C] (C a multiple of 4): as
+    _FRAG_PTX, byte i of each 4-byte word gives x's and y's value i. On the GPU the words are
+    the registers the compiled layout holds (4 consecutive bytes of a row); the interpreter
+    forms them from the same 4 bytes and decodes arithmetically."""
+    if _INTERPRET:
+        R: tl.constexpr = packed.shape[0]
+        C: tl.constexpr = packed.shape[1]
+        b0, b1 = tl.split(tl.reshape(packed.to(tl.int32), (R, C // 4, 2, 2)))  # bytes (0, 2), (1, 3)
+        lo, hi = tl.split(b0 | (b1 << 8))  # bytes 0-1 and 2-3 as 16-bit halves
+        w = lo | (hi << 16)
+        x = tl.join(tl.join(_frag_code(w, 0), _frag_code(w, 1)), tl.join(_frag_code(w, 2), _frag_code(w, 3)))
+        y = tl.join(tl.join(_frag_code(w, 4), _frag_code(w, 5)), tl.join(_frag_code(w, 6), _frag_code(w, 7)))
+        # join(join(v0, v1), join(v2, v3)) is [..., 2, 2] with v1 at [1, 0]: value i at [i % 2, i // 2]
+        x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), (R, C))
+        y = tl.reshape(tl.permute(y, (0, 1, 3, 2)), (R, C))
+        return _e2m1(x).to(tl.bfloat16), _e2m1(y).to(tl.bfloat16)
+    return tl.inline_asm_elementwise(_FRAG_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _w4_frag_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, GROUP: tl.constexpr):
+    """W4_FRAG: the MXFP4 weight's K block kb as [BLOCK_N, 128] values of ``dtype``, rows
+    ``cols`` in order, from ``packed`` [BLOCK_N, 64] fragment-order bytes (grouped/prepack.py:
+    per 16 rows, stored row 2g + ch holds, for the quad lanes c = 2ch and 2ch + 1, 32 bytes
+    each: per 16-wide K chunk q one word whose byte i = 2h + j holds row g + 8h at K
+    16q + 2c + j (x) and + 8 (y)). The reshapes only rename registers: the layout the MMA wants
+    for its register operand propagates back to the load. ``sb``, cols, k_remaining: as
+    ``_w4_k_block``'s."""
+    BLOCK_N: tl.constexpr = packed.shape[0]
+    x, y = _frag_pairs(packed)
+    v = tl.reshape(tl.join(x, y), (BLOCK_N // 16, 8, 2, 2, 8, 2, 2, 2))  # (group, g, ch, cl, q, h, j, x|y)
+    v = tl.reshape(tl.permute(v, (0, 5, 1, 4, 7, 2, 3, 6)), (BLOCK_N, 128))  # (group, h, g | q, x|y, ch, cl, j)
+    s = _e8m0_bf16(_w4_scales(sb, kb, cols, k_remaining, 128, GROUP, "mxfp4"))
+    GROUPS: tl.constexpr = s.shape[1]
+    scale = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, 128 // GROUPS)), (BLOCK_N, 128))
+    if _INTERPRET:  # the interpreter's bf16 products are garbage (docs/interpreter.md)
+        return (v.to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16).to(dtype)
+    return (v * scale).to(dtype)  # exact in bf16; fp16 rounds once, as a conversion would
+
+
+@triton.jit
 def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: tl.constexpr, GROUP: tl.constexpr):
     """4-bit B's K block kb as [BLOCK_K, BLOCK_N] values of ``dtype`` from ``packed``
     [BLOCK_N, BLOCK_K/2] uint8 (byte j of a column holds K 2j in its low nibble and 2j + 1 in
@@ -517,13 +628,9 @@ def _w4_k_block(packed, sb, kb, cols, k_remaining, dtype: tl.constexpr, FORMAT: 
     (core/scaling.py INT4_ZERO): (nibble - zero) times the scale, rounded once."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     BLOCK_K: tl.constexpr = 2 * packed.shape[1]
-    # the K block's scale groups; a group longer than the block gives one sub-block
-    SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
-    GROUPS: tl.constexpr = BLOCK_K // SUB
-    sk = tl.arange(0, GROUPS)
-    first = kb * BLOCK_K + sk * SUB
-    s = tl.load(sb.ptr + cols.to(tl.int64)[:, None] * sb.stride1 + (first // GROUP).to(tl.int64)[None, :] * sb.stride0,
-                mask=(sk * SUB < k_remaining)[None, :], other=127 if FORMAT == "mxfp4" else 0)
+    s = _w4_scales(sb, kb, cols, k_remaining, BLOCK_K, GROUP, FORMAT)
+    SUB: tl.constexpr = BLOCK_K // s.shape[1]
+    GROUPS: tl.constexpr = s.shape[1]
     if FORMAT == "mxfp4":
         lo, hi = _e2m1_pairs(packed)
         values = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUPS, SUB))
@@ -585,7 +692,8 @@ def _tma_k_block(A, B, k0, off_m, off_n, spec):
 @triton.jit
 def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None,
                group_k=None):
-    """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32.
+    """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32 (W4_FRAG: its transpose,
+    acc [BLOCK_N, BLOCK_M]).
 
     A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
         likewise; W.t() of an nn.Linear weight has B.stride0 == 1, the K-major layout Hopper's
@@ -640,7 +748,9 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         if spec.UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if not SCALED:
+        if spec.W4_FRAG:
+            acc = tl.dot(b, tl.trans(a), acc, input_precision=spec.PRECISION)  # acc^T += W X^T
+        elif not SCALED:
             if a.dtype.is_fp8():
                 # Promote fp8 partial sums to fp32 once per K block rather than accumulating
                 # the whole K loop inside the tensor core (about 14 bits there on Hopper).
@@ -964,7 +1074,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         # the up columns' scale blocks follow all of the gate's: ceil(N / SB_COLS) of them.
         if scales.b.ptr is not None:
             scale_cols = _gate_up(cols // spec.SB_COLS, tl.cdiv(N, spec.SB_COLS), BLOCK_N)
-        cols = _gate_up(cols, N, BLOCK_N)
+        # (a fragment-order B is stored with gate and up rows interleaved)
+        cols = _gate_up(2 * cols, 1, BLOCK_N) if spec.W4_FRAG else _gate_up(cols, N, BLOCK_N)
     kb_lo, kb_hi = 0, None
     if spec.SPLIT_K > 1:
         kb_lo, kb_hi = split_k_range(split.index, K, spec.BLOCK_K, spec.SPLIT_K)
@@ -981,9 +1092,14 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
         finish = split.index == 0 if spec.SPLIT_K > 1 else True  # one split stores a filled tile
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if spec.W4_FRAG:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi, scale_cols,
                          group_k)
+        if spec.W4_FRAG:
+            acc = tl.trans(acc)
         if spec.SPLIT_K > 1:  # the splits' sums meet before SwiGLU, which is not linear
             acc, finish = _combine_splits(acc, split, pid_m * tl.cdiv(N, BLOCK_N) + pid_n, M, N, offs_m, offs_n, mask_m,
                                           mask_n, spec.SPLIT_K)

@@ -39,12 +39,14 @@ class RaggedKey(NamedTuple):
     w4: str = ""    # b holds 4-bit weights ("mxfp4", "int4"), dequantised in the K loop (a 16-bit a)
     w4_group: int = 0  # a 4-bit b's values along K per scale
     w4_tma: bool = False  # a 4-bit b's bytes through a descriptor (tiles.TileSpec.W4_TMA)
+    w4_frag: bool = False  # an MXFP4 b in fragment order (grouped/prepack.py; tiles.TileSpec.W4_FRAG)
 
     def __str__(self):
         return (f"{self.dtype} ragged={self.ragged or '-'} m={self.m} n={self.n} k={self.k} a_k={int(self.a_k)} "
                 f"b_k={int(self.b_k)} tma={self.tma} swiglu={int(self.swiglu)} gather={int(self.gather)}"
                 + (f" scaling={self.scaling}" if self.scaling is not None else "")
-                + (f" w4={self.w4}/{self.w4_group}{' tma' if self.w4_tma else ''}" if self.w4 else ""))
+                + (f" w4={self.w4}/{self.w4_group}{' tma' if self.w4_tma else ''}"
+                   f"{' frag' if self.w4_frag else ''}" if self.w4 else ""))
 
 
 # Core's Hopper tiles plus thin-M ones: MoE decode gives each expert a handful of rows, and a
@@ -81,6 +83,10 @@ RAGGED_FP8_OUT = [cfg(bm, bn, SCALE_BLOCK, w, 3) for bm in (16, 32, 64) for bn i
 RAGGED_FP8_OUT += [cfg(16, bn, SCALE_BLOCK, 4, s) for bn in (128, 256) for s in (4, 5)]
 RAGGED_FP8_SMALL_M = [cfg(16, 64, 128, 4, 8), cfg(16, 128, 128, 4, 6), cfg(32, 128, 128, 4, 5)]
 RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, SCALE_BLOCK, 1, 1, group_m=4)
+# Fragment-order MXFP4 (tiles.TileSpec.W4_FRAG): 128-wide K blocks (the layout's unit); BLOCK_N
+# is the weight rows, wgmma's M (64 per warpgroup), BLOCK_M the tokens, its N.
+RAGGED_W4_FRAG = [cfg(bm, bn, 128, bn // 32, s) for bm in (16, 32, 64, 128) for bn in (64, 128) for s in (3, 4)]
+RAGGED_W4_FRAG_INTERPRET = cfg(32, 64, 128, 1, 1, group_m=4)
 
 
 def fp8_out(key: RaggedKey) -> bool:
@@ -94,6 +100,8 @@ def fp8_out_width(key: RaggedKey) -> int:
 
 
 def ragged_interpret(key: RaggedKey) -> triton.Config:
+    if key.w4_frag:
+        return RAGGED_W4_FRAG_INTERPRET
     if fp8_out(key):
         return with_meta(RAGGED_FP8_OUT_INTERPRET, BLOCK_N=fp8_out_width(key))
     return RAGGED_SCALED_INTERPRET if key.scaling is not None else RAGGED_INTERPRET
@@ -104,6 +112,11 @@ _BLOCK_M_BANDS = [(16, (16,)), (64, (32, 64)), (255, (64, 128)), (1 << 62, (128,
 
 
 def ragged_candidates(key: RaggedKey, sms: int) -> list[triton.Config]:
+    if key.w4_frag:
+        heights = next(h for limit, h in _BLOCK_M_BANDS if key.m <= limit)
+        kept = [c for c in RAGGED_W4_FRAG if c.kwargs["BLOCK_M"] in heights
+                and (c.kwargs["BLOCK_N"] == 128 or not key.swiglu)]
+        return with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
     if fp8_out(key):
         kept = [c for c in RAGGED_FP8_OUT if c.kwargs["BLOCK_N"] == fp8_out_width(key)]
         return with_pick(flavoured(kept, key.tma), ragged_heuristic(key, sms))
@@ -136,6 +149,8 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         bm = min(64, max(16, next_pow2(m)))
         return with_meta(cfg(bm, fp8_out_width(key), SCALE_BLOCK, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
                          USE_TMA=key.tma == TMA_ONLY)
+    if key.w4_frag:
+        return with_meta(cfg(max(16, min(128, next_pow2(m))), 128, 128, 4, 3), USE_TMA=False)
     if key.w4_tma:
         # The decode, not the MMA, bounds a 4-bit tile: 128-wide K blocks (64-byte boxes) for the
         # thin tiles, where the weight stream is the cost; 64 for tall ones (bench/results/moe_w4.md).

@@ -232,7 +232,7 @@ def ragged_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr,
     USE_TMA: tl.constexpr = False, A_K_CONTIG: tl.constexpr = True, B_K_CONTIG: tl.constexpr = True,
     SA_ROWS: tl.constexpr = 1, SB_COLS: tl.constexpr = 1, B_W4: tl.constexpr = None, W4_GROUP: tl.constexpr = 32,
-    W4_TMA: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
+    W4_TMA: tl.constexpr = False, W4_FRAG: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
     """C_g = act(A_g @ B_g + bias_g) for G groups; the groups cut ONE dimension (RAGGED).
 
     A, B, C: Stacked (a 2-D operand has stride_g = 0 and is cut by offs instead). By RAGGED:
@@ -256,7 +256,9 @@ def ragged_kernel(
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, descriptors over each group's A [M_g, K_g],
         B and C [M_g, N_g] (zero-filled and clipped at the group's edges, as masks do; not with a
         gather or SWIGLU), a ragged K's over A [M, end_g], B [end_g, N] (``_ragged_k``); a
-        scattered C goes through pointers. W4_TMA: B (4-bit) alone.
+        scattered C goes through pointers. W4_TMA: B (4-bit) alone. W4_FRAG: B is MXFP4 in
+        fragment order (grouped/prepack.py), uint8 [G, ceil(K/128) * 64, N] (the transpose of
+        [G, N, ...] stored rows, SWIGLU's gate and up rows interleaved; BLOCK_K = 128).
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values (programs past
       the real tile count return at once; ``tile_bound``): "M": tile_bound(M, BLOCK_M, G) * cdiv(N, BLOCK_N_OUT) *
       SPLIT_K; "N": cdiv(M, BLOCK_M) * tile_bound(N, BLOCK_N, G); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).
@@ -265,7 +267,7 @@ def ragged_kernel(
     """
     spec: tl.constexpr = TileSpec(BLOCK_M, BLOCK_N, BLOCK_K, ACTIVATION, UPCAST, PRECISION, USE_TMA, A_K_CONTIG, B_K_CONTIG,
                                   SPLIT_K=SPLIT_K, SA_ROWS=SA_ROWS, SB_COLS=SB_COLS, SWIGLU=SWIGLU, B_W4=B_W4,
-                                  W4_GROUP=W4_GROUP, W4_TMA=W4_TMA)
+                                  W4_GROUP=W4_GROUP, W4_TMA=W4_TMA, W4_FRAG=W4_FRAG)
     BLOCK_N_OUT: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     split = _split_of(split_ws, split_locks, RAGGED, SPLIT_K) if SPLIT_K > 1 else None
     g, start, pid_m, pid_n, valid, bad, M_g, N_g, K_g = _ragged_tile(

@@ -21,12 +21,13 @@ from ..core.launch import autotune_enabled
 from ..blockscaled.quantize import quantize_fp8, quantize_int4, quantize_mxfp4
 from ..core.runtime import cdiv, empty, empty_strided
 from ..core.tiles import Combine
-from ..core.scaling import BLOCKWISE, MXFP4_BLOCK, SCALE_BLOCK, weight_4bit
+from ..core.scaling import BLOCKWISE, MXFP4_BLOCK, MXFP4_PREPACKED, SCALE_BLOCK, weight_4bit
 from .kernels import NO_GROUPED_SCALES, NO_ROUTES, Routes, RowTiles, grouped_scales
 from .moe_steps import (check_expert_scales, check_expert_weights, check_moe, check_routing, check_w4_experts,
                         expert_gemm, expert_launch, expert_weight_grads, moe_sizes, prep_step, routes_in_prep,
                         sort_by_expert, sort_parts)
 from .moe_train import MOE_FP8_TRAIN
+from .prepack import moe_experts, prepacked
 from .ops import combine, combine_launch, grouped_matmul, row_tiles, swiglu_backward, swiglu_forward
 from .routing import route, route_spec
 from .wgmma import gluon_grouped_mode, wgmma_grouped_launch
@@ -62,6 +63,9 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     values along the reduction dimension, each stored as value + 8, the first lowest) with
     16-bit / fp32 group scales [E, 2I, H/g1] and [E, H, I/g2] (groups powers of two >= 32).
     x stays bf16 / fp16; both GEMMs dequantise the weights in core's K loop. Not differentiable.
+    MXFP4 experts prepacked once (``onegemm.prepack_mxfp4``: w_gate_up with gate_up=True, its
+    rows gate then up as above; w_down without) come as w_gate_up and w_down alone, no scales:
+    the same values in the order the fast 4-bit K loop reads.
 
     ``fp8_training=True`` (high-precision experts; 2I and H multiples of 128): the expert GEMMs
     of the forward and of the input gradient run in FP8 with DeepSeek-V3's block scales (the
@@ -69,6 +73,9 @@ def moe_ffn(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale=Non
     weight gradients and everything outside the expert GEMMs in x's dtype (grouped/moe_train.py).
     Differentiable as above, first order only.
     """
+    if prepacked(w_gate_up, w_down):
+        w_gate_up, w_down, w_gate_up_scale, w_down_scale = moe_experts(x, w_gate_up, w_down, w_gate_up_scale,
+                                                                       w_down_scale)
     checks.check_optional_tensors(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids,
                                   w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, x_scale=x_scale)
     fp8_weights = w_gate_up is not None and (w_gate_up.dtype in checks.FP8_DTYPES or bool(weight_4bit(w_gate_up)))
@@ -92,6 +99,9 @@ def moe_routed(x, logits, w_gate_up, w_down, correction_bias=None, w_gate_up_sca
     (MoEFFN's inference forward): up to configs.ROUTED_PREP_MAX_ELEMENTS logits the prep
     launch routes the tokens itself (moe_steps.routes_in_prep), so a decode call is the
     prep and the two GEMMs. The arguments are route's and moe_ffn's."""
+    if prepacked(w_gate_up, w_down):
+        w_gate_up, w_down, w_gate_up_scale, w_down_scale = moe_experts(x, w_gate_up, w_down, w_gate_up_scale,
+                                                                       w_down_scale)
     return MOE_ROUTED(x, logits, w_gate_up, w_down, correction_bias, w_gate_up_scale, w_down_scale, top_k, renormalize,
                       scoring, n_group, topk_group, routed_scaling_factor)
 
@@ -347,7 +357,10 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     h_dtype = w_gate_up.dtype if fp8 else dtype
     inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, bool(w4), route=route)
     # a 4-bit GEMM's (format, values per scale along K): H / GEMM1's scale columns, I / GEMM2's
-    w4_1, w4_2 = ((w4, H // w_gate_up_scale.shape[2]), (w4, I // w_down_scale.shape[2])) if w4 else (None, None)
+    frag = w_gate_up.dtype == MXFP4_PREPACKED  # (fragment order: K padded to the block; MXFP4's group)
+    w4_1, w4_2 = (((w4, MXFP4_BLOCK, True), (w4, MXFP4_BLOCK, True)) if frag else
+                  ((w4, H // w_gate_up_scale.shape[2], False), (w4, I // w_down_scale.shape[2], False)) if w4 else
+                  (None, None))
     prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, route=route and route[0], sorted_x=False)
     prep = prep.on(inter.prep_tensors)
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)

@@ -14,7 +14,8 @@ from ..core import checks
 from ..core.dispatch import Launch, Step, Workspace
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, interpretable, next_pow2, sm_count
-from ..core.scaling import INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4_BLOCK, MXFP4_SCALE, SCALE_BLOCK, weight_4bit
+from ..core.scaling import (INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4_BLOCK, MXFP4_PREPACKED, MXFP4_SCALE, SCALE_BLOCK,
+                            weight_4bit)
 from ..core.tiles import NO_OPERAND, Combine, Operand, Routing
 from .configs import ROUTED_PREP_MAX_ELEMENTS, ROUTED_PREP_STEP_ELEMENTS, SORT_MAX_PAIRS, SortKey, gather_col_blocks
 from .kernels import NO_GROUPED_SCALES, NO_ROUTES, NO_ROW_TILES, moe_prep_kernel
@@ -162,19 +163,21 @@ def check_w4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H: int) -
         checks.check_tensor(arg, w, ndim=3, dtypes=(dtype,))
     per = 2 if fmt == "mxfp4" else 8
     align = MXFP4_BLOCK if fmt == "mxfp4" else per  # (INT4: its groups' own check below)
+    frag = dtype == MXFP4_PREPACKED  # (moe_experts unwrapped PrepackedMxfp4s: K padded to 128)
+    packed = (lambda k: cdiv(k, 128) * 64) if frag else (lambda k: k // per)
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
     if H % align or E == 0 or two_i % 2 or I % align:
         raise checks.bad_shape("w_gate_up", f"{name} [E, 2I, H/{per}] with E >= 1 and H ({H}) and I multiples of "
                                f"{align}", w_gate_up.shape)
-    checks.check_shape("w_gate_up", w_gate_up, (E, two_i, H // per),
-                       f"{name} [E, 2I, H/{per}] = {[E, two_i, H // per]}")
-    checks.check_shape("w_down", w_down, (E, H, I // per), f"{name} [E, H, I/{per}] = {[E, H, I // per]}")
+    checks.check_shape("w_gate_up", w_gate_up, (E, two_i, packed(H)),
+                       f"{name} [E, 2I, H/{per}] = {[E, two_i, packed(H)]}")
+    checks.check_shape("w_down", w_down, (E, H, packed(I)), f"{name} [E, H, I/{per}] = {[E, H, packed(I)]}")
     groups = []
     for arg, t, w, wt, rows, K in (("w_gate_up_scale", w_gate_up_scale, "w_gate_up", w_gate_up, two_i, H),
                                    ("w_down_scale", w_down_scale, "w_down", w_down, H, I)):
         if fmt == "mxfp4":
-            shape = (E, rows, K // MXFP4_BLOCK)
+            shape = (E, rows, packed(K) // 16 if frag else K // MXFP4_BLOCK)
             if t is None:
                 raise checks.bad_value(arg, f"the e8m0 block scales {list(shape)} of the MXFP4 experts", None)
             checks.check_tensor(arg, t, ndim=3, dtypes=(MXFP4_SCALE,))

@@ -10,7 +10,8 @@ from ..core import checks, configs, hopper_configs, splitk
 from ..core.dispatch import Launch, Op, Record, apply_activation, begin, wants_grad
 from ..core.launch import Launcher, Request
 from ..core.runtime import INTERPRET, cdiv, default_programs, empty, interpretable, next_pow2, product_like, sm_count
-from ..core.scaling import BLOCKS, COL, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling, read_granularity, weight_4bit
+from ..core.scaling import (BLOCKS, COL, MXFP4_PREPACKED, ROW, ROW_BLOCKS, SCALE_BLOCK, Scaling, read_granularity,
+                            weight_4bit)
 from ..core.tiles import NO_OPERAND, Operand, Routing, Vector
 
 NO_ROUTING = Routing()
@@ -18,6 +19,7 @@ from ..core.tma import choose_tma, forced_flavour, layout_meta, no_tma
 from .configs import ListKey, RaggedKey, gather_col_blocks
 from .kernels import (NO_GROUPED_SCALES, RowTiles, Stacked, combine_kernel, gather_quantize_kernel, grouped_scales, list_kernel,
                       ragged_kernel, row_tiles_kernel, swiglu_backward_kernel)
+from .prepack import PrepackedMxfp4, unwrap_prepacked
 from .w4 import check_w4_operands, dequantize_w4, w4_bytes, w4_flavour, w4_scales
 from .wgmma import gluon_grouped_mode, run_wgmma_grouped
 
@@ -212,8 +214,9 @@ def ragged_launch(
     scales, scaling: an FP8 grouped GEMM's tiles.Scales (kernels.grouped_scales) and its
     core/scaling.py Scaling (scale_a 1x128 or row, scale_b 128x128 or col; ``fp8_out`` when
     C is fp8 and the tiles write its 1x128 scales, ``scales.out``); None without scales.
-    w4: (format, group) of a 4-bit b (grouped/w4.py; b its bytes ``w4_bytes``, ``scales.b`` its
-    scales), dequantised in the K loop; a and c through pointers, b as ``w4_flavour`` says.
+    w4: (format, group, frag) of a 4-bit b (grouped/w4.py; b its bytes ``w4_bytes``, ``scales.b``
+    its scales), dequantised in the K loop; a and c through pointers, b as ``w4_flavour`` says;
+    frag: b in fragment order (grouped/prepack.py).
     rows_per_group: what the config is chosen for (default M). tma: None (TMA on Hopper where
     every group's operands allow it and the config takes it; pointers otherwise), False
     (pointers), True (TMA or ValueError).
@@ -223,6 +226,9 @@ def ragged_launch(
     if scaling is not None and config is not None and config.kwargs.get("BLOCK_K") != SCALE_BLOCK:
         raise checks.bad_value("config", f"a config with BLOCK_K = {SCALE_BLOCK} (the scale block) for an FP8 grouped GEMM",
                                f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
+    if w4 and w4[2] and config is not None and config.kwargs.get("BLOCK_K") != 128:
+        raise checks.bad_value("config", "a config with BLOCK_K = 128 (the fragment-order layout's block) for a "
+                               "prepacked MXFP4 b", f"BLOCK_K = {config.kwargs.get('BLOCK_K')}")
     w4_tma = w4 is not None and w4_flavour(tma, b, strides_b) == "tma"
     layout = None if w4 else _tma_flavour(tma, a, b, c, ragged, a_rows is not None, swiglu,
                                              (strides_a, strides_b, strides_c))
@@ -233,11 +239,12 @@ def ragged_launch(
     plan = RAGGED.plan_for(Request(
         RaggedKey(configs.dtype_name(a.dtype), ragged, m, N, K, strides_a[2] == 1, strides_b[1] == 1,
                           configs.flavour_mode(tma, layout is not None), swiglu, a_rows is not None, scaling,
-                          *(w4 or ("", 0)), w4_tma),
+                          *(w4[:2] if w4 else ("", 0)), w4_tma, bool(w4 and w4[2])),
         dict(RAGGED=ragged, SWIGLU=swiglu, ACTIVATION=activation, UPCAST=checks.upcast_flag(a.dtype),
              PRECISION=checks.dot_precision(a.dtype), G_BLOCK=next_pow2(G + 1),
              SA_ROWS=1 if scaling is None else scaling.sa_rows, SB_COLS=1 if scaling is None else scaling.sb_cols,
-             B_W4=w4 and w4[0], W4_GROUP=w4[1] if w4 else 32, W4_TMA=w4_tma, **layout_meta(layout)),
+             B_W4=w4 and w4[0], W4_GROUP=w4[1] if w4 else 32, W4_TMA=w4_tma, W4_FRAG=bool(w4 and w4[2]),
+             **layout_meta(layout)),
         a.device, forced_flavour(config, layout),
         lambda plan: _ragged_launch_of(plan, ragged, G, M, N, swiglu, a.device, own).run(c),
     ))
@@ -323,6 +330,10 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     checkpoint's [G, ceil(N/128), ceil(K/128)] weight_scale_inv) or [G, 1, N] (per output
     channel). Output bf16 by default; bias and activation as above. Not differentiable.
 
+    MXFP4 experts prepacked once (``onegemm.prepack_mxfp4``, grouped/prepack.py) come as
+    ``b`` alone, a PrepackedMxfp4 of [G, N, K] weights (no scale_b): the same values in the
+    order the fast 4-bit K loop reads.
+
     4-bit weights (2D x 3D, weight-only; grouped/w4.py): a bf16 / fp16 ``a [sum_M, K]`` and
     MXFP4 ``b [G, K / 2, N]`` of dtype torch.float4_e2m1fn_x2 (two e2m1 values per element
     along K, the first in the lower nibble) with ``scale_b [G, K / 32, N]`` of dtype
@@ -339,6 +350,8 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     (docs/autograd.md); list mode in every a_i and b_i (each pair's backward is two list-mode
     calls). Traceable by torch.compile, list mode excepted (eager only).
     """
+    if isinstance(b, PrepackedMxfp4) or (isinstance(b, torch.Tensor) and b.dtype == MXFP4_PREPACKED):
+        b, scale_b = unwrap_prepacked(a, b, scale_b)
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         checks.check_config(config)
         for name, value in (("offs", offs), ("bias", bias), ("tma", tma or None), ("scale_a", scale_a), ("scale_b", scale_b)):
@@ -429,8 +442,9 @@ def _grouped_shapes(a, b, offs, bias, activation, out_dtype, check_offs, scale_a
     args = dict(ragged=ragged, G=G, M=M, N=N, K=K, rows_per_group=rows_per_group)
     scales = None
     if w4:
-        scales, group = w4_scales(w4, scale_b, G, N, K)
-        args["w4"] = (w4, group)
+        frag = b.dtype == MXFP4_PREPACKED
+        scales, group = w4_scales(w4, scale_b, G, N, K, frag)
+        args["w4"] = (w4, group, frag)
     elif scale_a is not None or scale_b is not None:
         scales, args["scaling"] = _fp8_scales(a, b, scale_a, scale_b, mode, G, M, N, K)
     return shape, out_dtype, args, scales, bound
@@ -617,17 +631,17 @@ def _grouped_w4_impl(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tens
 def _grouped_w4_setup(ctx, inputs, output):
     a, b, offs, _, scale_b, bias = inputs[:6]
     ctx.save_for_backward(b, offs, scale_b)
-    ctx.dtypes = (a.dtype, None if bias is None else bias.dtype)
+    ctx.dtypes = (a.dtype, None if bias is None else bias.dtype, a.shape[1])
 
 
 def _grouped_w4_backward(ctx, grad):
     """The weights are frozen (4-bit): da = grad @ W_g per group, W dequantised to a's dtype
     for it (dx for adapters trained on a 4-bit base), and the bias's group sums."""
     b, offs, scale_b = ctx.saved_tensors
-    a_dtype, bias_dtype = ctx.dtypes
+    a_dtype, bias_dtype, K = ctx.dtypes
     da = dbias = None
     if ctx.needs_input_grad[0]:
-        w = dequantize_w4(b, scale_b, a_dtype)  # [G, N, K]
+        w = dequantize_w4(b, scale_b, a_dtype)[:, :, :K]  # [G, N, K] (prepacked: padded K)
         da = grouped_matmul(grad.to(a_dtype), w, offs, out_dtype=a_dtype)
     if ctx.needs_input_grad[5]:
         ones = torch.ones(1, grad.shape[0], device=grad.device, dtype=torch.float32)

@@ -14,7 +14,9 @@ import torch
 from ..blockscaled.quantize import dequantize_int4, dequantize_mxfp4
 from ..core import checks
 from ..core.runtime import INTERPRET
-from ..core.scaling import INT4, INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4, MXFP4_BLOCK, MXFP4_SCALE, weight_4bit
+from ..core.runtime import cdiv
+from ..core.scaling import (INT4, INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4, MXFP4_BLOCK, MXFP4_PREPACKED, MXFP4_SCALE,
+                            weight_4bit)
 from ..core.tma import no_tma, tma_hardware
 from .kernels import grouped_scales
 
@@ -58,19 +60,25 @@ def check_w4_operands(a, b, scale_a, scale_b) -> str:
             raise checks.bad_value("b", "an INT4 b [G, K / 8, N] with unit stride along K / 8 (the transpose(1, 2) "
                                    "of the weights as stored, [G, N, K / 8])", f"strides {tuple(b.stride())}")
     checks.check_same_device(a=a, b=b, scale_b=scale_b)
-    if a.shape[1] != b.shape[1] * PER_ELEMENT[fmt]:
+    if b.dtype == MXFP4_PREPACKED:  # (grouped_matmul unwrapped a PrepackedMxfp4 and checked its k)
+        if b.shape[1] != cdiv(a.shape[1], 128) * 64 or b.stride(1) != 1:
+            raise checks.bad_shape("b", f"fragment-order MXFP4 [G, ceil(K / 128) * 64, N] for K = {a.shape[1]}", b.shape)
+    elif a.shape[1] != b.shape[1] * PER_ELEMENT[fmt]:
         raise checks.bad_shape("b", f"{_WHAT[fmt]} with K = {a.shape[1]} (a is [sum_M, K] = {tuple(a.shape)}; "
                                f"{_ELEMENT[fmt]})", b.shape)
     return fmt
 
 
-def w4_scales(fmt: str, scale_b: torch.Tensor, G: int, N: int, K: int):
+def w4_scales(fmt: str, scale_b: torch.Tensor, G: int, N: int, K: int, frag: bool = False):
     """A 4-bit b's scales as ragged_kernel takes them: (``scales(scale_a, scale_b)``, the
     group, values along K per scale). MXFP4: [G, K / 32, N] e8m0 (gpt-oss's ``*_scales``
-    transposed). INT4: [G, K / group, N], the group a power of two from 32 dividing K."""
+    transposed; ``frag``, prepacked: [G, ceil(K / 128) * 4, N]). INT4: [G, K / group, N], the group a power of two from 32 dividing K."""
     if fmt == "mxfp4":
         if K % MXFP4_BLOCK:
             raise checks.bad_shape("a", f"[sum_M, K] with K a multiple of {MXFP4_BLOCK} (MXFP4's block)", (K,))
+        if frag:  # padded to the 128 block
+            checks.check_shape("scale_b", scale_b, (G, cdiv(K, 128) * 4, N), "[G, ceil(K / 128) * 4, N] (prepacked)")
+            return (lambda sa, sb: grouped_scales(b=sb.view(torch.uint8))), MXFP4_BLOCK
         checks.check_shape("scale_b", scale_b, (G, K // MXFP4_BLOCK, N),
                            f"[G, K / {MXFP4_BLOCK}, N] = [{G}, {K // MXFP4_BLOCK}, {N}] (one e8m0 scale per "
                            f"{MXFP4_BLOCK} values along K)")
@@ -107,7 +115,13 @@ def w4_flavour(tma, b, strides_b) -> str:
 
 
 def dequantize_w4(b: torch.Tensor, scale_b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grouped_matmul's 4-bit b and scale_b -> the experts [G, N, K] in ``dtype`` (torch)."""
+    """grouped_matmul's 4-bit b and scale_b -> the experts [G, N, K] in ``dtype`` (torch;
+    prepacked: K padded to the 128 block)."""
+    if b.dtype == MXFP4_PREPACKED:
+        from .prepack import PrepackedMxfp4  # (prepack imports core's tiles; w4 stays light)
+
+        b, scale_b = PrepackedMxfp4(b.transpose(1, 2), scale_b.transpose(1, 2), 2 * b.shape[1]).unpack()
+        return dequantize_mxfp4(b, scale_b, dtype)
     if b.dtype == MXFP4:
         return dequantize_mxfp4(b.transpose(1, 2), scale_b.transpose(1, 2), dtype)
     return dequantize_int4(b.transpose(1, 2), scale_b.transpose(1, 2), dtype)
