@@ -690,10 +690,21 @@ def _tma_k_block(A, B, k0, off_m, off_n, spec):
 
 
 @triton.jit
+def _unscaled_dot(acc, a, b, spec):
+    """acc + a @ b for one K block without block scales (W4_FRAG: acc^T + W X^T, b the weight)."""
+    if spec.W4_FRAG:
+        return tl.dot(b, tl.trans(a), acc, input_precision=spec.PRECISION)
+    if a.dtype.is_fp8():
+        # Promote fp8 partial sums to fp32 once per K block rather than accumulating the
+        # whole K loop inside the tensor core (about 14 bits there on Hopper).
+        return tl.dot(a, b, acc, max_num_imprecise_acc=spec.BLOCK_K)
+    return tl.dot(a, b, acc, input_precision=spec.PRECISION)
+
+
+@triton.jit
 def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0, kb_hi=None, scale_cols=None,
                group_k=None):
-    """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32 (W4_FRAG: its transpose,
-    acc [BLOCK_N, BLOCK_M]).
+    """acc[BLOCK_M, BLOCK_N] += A[rows, 0:K] @ B[0:K, cols], in fp32 (W4_FRAG: summed transposed).
 
     A, B: Operands (pointer flavour: A[r, k] at A.ptr + r*A.stride0 + k*A.stride1; B[k, c]
         likewise; W.t() of an nn.Linear weight has B.stride0 == 1, the K-major layout Hopper's
@@ -729,6 +740,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
     SB_UNIFORM: tl.constexpr = spec.SB_COLS % spec.BLOCK_N == 0 and not spec.SWIGLU
     sa_idx, sb_idx = _scale_indices(rows, cols, spec, off_m, off_n, scale_cols, SA_UNIFORM, SB_UNIFORM)
     offs_k = tl.arange(0, BLOCK_K)
+    if spec.W4_FRAG:
+        acc = tl.trans(acc)  # [BLOCK_N, BLOCK_M]: the weight is the MMA's first operand
     acc, off_k = _group_k_head(acc, group_k, rows, cols, spec)  # (acc, 0) without a group
     if not spec.USE_TMA:
         a_ptrs, b_ptrs = _k_block_pointers(A, B, rows, cols, offs_k, kb_lo, kb_hi is not None, W4, spec.W4_TMA)
@@ -748,15 +761,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
         if spec.UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if spec.W4_FRAG:
-            acc = tl.dot(b, tl.trans(a), acc, input_precision=spec.PRECISION)  # acc^T += W X^T
-        elif not SCALED:
-            if a.dtype.is_fp8():
-                # Promote fp8 partial sums to fp32 once per K block rather than accumulating
-                # the whole K loop inside the tensor core (about 14 bits there on Hopper).
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                acc = tl.dot(a, b, acc, input_precision=spec.PRECISION)
+        if not SCALED:
+            acc = _unscaled_dot(acc, a, b, spec)
         else:
             # The next block's scales are loaded before this block's MMA, so their global
             # load latency hides behind it (the promotion must wait for the MMA anyway).
@@ -771,6 +777,8 @@ def mma_k_loop(acc, A, B, rows, cols, K, spec, scales, off_m=0, off_n=0, kb_lo=0
             a_ptrs += BLOCK_K * A.stride1
             if not spec.W4_TMA:
                 b_ptrs += (BLOCK_K // 2 if W4 else BLOCK_K) * B.stride0
+    if spec.W4_FRAG:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -1048,8 +1056,8 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
     split: SplitK when spec.SPLIT_K > 1: this program sums split ``split.index`` of the tile's
         K blocks (``split_k_range``); the last split to finish sums the partials and alone runs
         the epilogue and the store (``_combine_splits``; core/splitk.py is the host side).
-    spec.SWIGLU: B has 2N columns, gate then up, interleaved in the tile (``_gate_up``) so ONE
-        dot computes both; the tile writes silu(gate) * up, BLOCK_N/2 columns of C.
+    spec.SWIGLU: B has 2N columns, gate then up, interleaved in the tile (``_gate_up``; W4_FRAG:
+        stored interleaved) so ONE dot computes both; the tile writes silu(gate) * up, BLOCK_N/2 columns of C.
     fill: a Fill; when ``fill.on`` the tile stores ``fill.value`` instead of a product.
     segment: a stream-K Segment (``stream_k``): only its K blocks; the tile's last part stores.
     scales.out: C is fp8 and the tile is quantised before its store (``quantize_tile``).
@@ -1074,7 +1082,6 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         # the up columns' scale blocks follow all of the gate's: ceil(N / SB_COLS) of them.
         if scales.b.ptr is not None:
             scale_cols = _gate_up(cols // spec.SB_COLS, tl.cdiv(N, spec.SB_COLS), BLOCK_N)
-        # (a fragment-order B is stored with gate and up rows interleaved)
         cols = _gate_up(2 * cols, 1, BLOCK_N) if spec.W4_FRAG else _gate_up(cols, N, BLOCK_N)
     kb_lo, kb_hi = 0, None
     if spec.SPLIT_K > 1:
@@ -1092,14 +1099,9 @@ def gemm_tile(pid_m, pid_n, A, B, C, M, N, K, spec, scales, routing, bias, split
         acc = tl.zeros((BLOCK_M, BLOCK_N_OUT), tl.float32) + fill_value
         finish = split.index == 0 if spec.SPLIT_K > 1 else True  # one split stores a filled tile
     else:
-        if spec.W4_FRAG:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = mma_k_loop(acc, A, B, rows, cols, K, spec, scales, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi, scale_cols,
                          group_k)
-        if spec.W4_FRAG:
-            acc = tl.trans(acc)
         if spec.SPLIT_K > 1:  # the splits' sums meet before SwiGLU, which is not linear
             acc, finish = _combine_splits(acc, split, pid_m * tl.cdiv(N, BLOCK_N) + pid_n, M, N, offs_m, offs_n, mask_m,
                                           mask_n, spec.SPLIT_K)

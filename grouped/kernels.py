@@ -249,16 +249,14 @@ def ragged_kernel(
         indexed by token row, like A), ``m`` a Vector over A's row scales [M] (not with a
         gather); ``b`` a Stacked over [G, ceil(K/128), ceil(N/128)] (128x128, SB_COLS = 128;
         with SWIGLU 2 * ceil(N/128) columns, the gate's blocks then the up's; B_W4: B 4-bit, uint8
-        [G, K/2, N], ``b`` its scales [G, K/W4_GROUP, N]), ``n`` an Operand over [G, N] (per
-        column); ``out`` over C's own scales [M, ceil(N/128)] when C is fp8 (written, by C's rows).
+        [G, K/2, N] (W4_FRAG: in prepack.py's order), ``b`` its scales [G, K/W4_GROUP, N]), ``n`` an
+        Operand over [G, N] (per column); ``out`` over C's own scales [M, ceil(N/128)] when C is fp8.
     G_BLOCK: next power of two >= G + 1 (the groups plus the tail group).
     SPLIT_K ("M"): split_ws fp32 [tiles, SPLIT_K, BLOCK_M * BLOCK_N], split_locks int32 [tiles] (``_split_of``).
     USE_TMA, A_K_CONTIG, B_K_CONTIG: core's TMA flavour, descriptors over each group's A [M_g, K_g],
         B and C [M_g, N_g] (zero-filled and clipped at the group's edges, as masks do; not with a
         gather or SWIGLU), a ragged K's over A [M, end_g], B [end_g, N] (``_ragged_k``); a
-        scattered C goes through pointers. W4_TMA: B (4-bit) alone. W4_FRAG: B is MXFP4 in
-        fragment order (grouped/prepack.py), uint8 [G, ceil(K/128) * 64, N] (the transpose of
-        [G, N, ...] stored rows, SWIGLU's gate and up rows interleaved; BLOCK_K = 128).
+        scattered C goes through pointers. W4_TMA: B (4-bit) alone (W4_FRAG: see B_W4).
     Grid (1-D, tiles in GROUP_M order), an upper bound that needs no offs values (programs past
       the real tile count return at once; ``tile_bound``): "M": tile_bound(M, BLOCK_M, G) * cdiv(N, BLOCK_N_OUT) *
       SPLIT_K; "N": cdiv(M, BLOCK_M) * tile_bound(N, BLOCK_N, G); "K" and "": G * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N).

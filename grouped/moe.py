@@ -357,10 +357,7 @@ def _moe_pipeline(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=
     h_dtype = w_gate_up.dtype if fp8 else dtype
     inter = _Intermediates(sizes, device, dtype, h_dtype, w_gate_up.dtype, fp8, quantize_x, bool(w4), route=route)
     # a 4-bit GEMM's (format, values per scale along K): H / GEMM1's scale columns, I / GEMM2's
-    frag = w_gate_up.dtype == MXFP4_PREPACKED  # (fragment order: K padded to the block; MXFP4's group)
-    w4_1, w4_2 = (((w4, MXFP4_BLOCK, True), (w4, MXFP4_BLOCK, True)) if frag else
-                  ((w4, H // w_gate_up_scale.shape[2], False), (w4, I // w_down_scale.shape[2], False)) if w4 else
-                  (None, None))
+    w4_1, w4_2 = _w4_gemms(w4, w_gate_up, w_gate_up_scale, w_down_scale, H, I)
     prep = prep_step(topk_ids, E, x if quantize_x else None, w_gate_up.dtype, route=route and route[0], sorted_x=False)
     prep = prep.on(inter.prep_tensors)
     # the routing weights as GEMM2 reads them: fp32, one per pair (a view when they are already)
@@ -424,6 +421,16 @@ def _check_moe_w4(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale,
     check_w4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, x.shape[1])
     check_routing(x, topk_weights, topk_ids)
     checks.check_same_device(x=x, w_gate_up=w_gate_up)
+
+
+def _w4_gemms(w4, w_gate_up, w_gate_up_scale, w_down_scale, H, I):
+    """The two GEMMs' ``w4`` (ragged_launch's): (format, values per scale along K, fragment
+    order), (None, None) for other experts. Prepacked experts pad K: their group is MXFP4's."""
+    if not w4:
+        return None, None
+    if w_gate_up.dtype == MXFP4_PREPACKED:
+        return (w4, MXFP4_BLOCK, True), (w4, MXFP4_BLOCK, True)
+    return (w4, H // w_gate_up_scale.shape[2], False), (w4, I // w_down_scale.shape[2], False)
 
 
 def _w4_scale(scale):

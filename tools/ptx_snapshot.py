@@ -66,6 +66,9 @@ def _fake_sm90_driver():
 
     checks.check_device = lambda name, t: None  # CPU tensors stand in for CUDA ones
     tma.tma_hardware = lambda device: True  # as on the H200: the TMA flavour is available
+    from onegemm.grouped import w4
+
+    w4.tma_hardware = tma.tma_hardware  # (w4 holds its own name for it)
 
 
 BIN = None
@@ -183,6 +186,25 @@ def cases():
                 kw = {**common, "tma": False, "config": configs.with_meta(config, USE_TMA=False)}
                 yield f"ragged+scatter {key}", lambda a=a, b=b, c=c, idx=idx, w=w, kw=kw: launch_ragged(
                     a, b, c, offs, strides_a=(0, *a.stride()), c_rows=idx, weight=w, **kw)
+
+    # 4-bit experts (gpt-oss-shaped, 4 experts): MXFP4 as stored and prepacked, INT4, at a
+    # decode and a prefill row count, each flavour of the packed bytes (pointers, descriptor)
+    E, N, K = 4, 2880, 2880
+    kp = -(-K // 128) * 128
+    mxfp4 = torch.empty(E, N, K // 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    e8m0 = torch.empty(E, N, K // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    int4, int4_scale = torch.empty(E, N, K // 8, dtype=torch.int32), torch.empty(E, N, K // 32, dtype=torch.bfloat16)
+    prepacked = onegemm.grouped.PrepackedMxfp4(torch.empty(E, N, kp // 2, dtype=torch.uint8),
+                                                torch.empty(E, N, kp // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), K)
+    weights = {"mxfp4": (mxfp4.transpose(1, 2), e8m0.transpose(1, 2)), "int4": (int4.transpose(1, 2), int4_scale.transpose(1, 2)),
+               "mxfp4-prepacked": (prepacked, None)}
+    for rows in (1, 256):
+        a = torch.empty(E * rows, K, dtype=torch.bfloat16)
+        offs = torch.arange(1, E + 1, dtype=torch.int32) * rows
+        for fmt, (b, sb) in weights.items():
+            for tma in (None, False):
+                yield f"w4 {fmt} rows={rows} tma={tma}", lambda a=a, b=b, sb=sb, offs=offs, t=tma: onegemm.grouped_matmul(
+                    a, b, offs, scale_b=sb, tma=t)
 
     for dt in ("bf16", "fp32"):
         dtype = dtypes[dt]
