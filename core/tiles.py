@@ -692,13 +692,15 @@ def _tma_k_block(A, B, k0, off_m, off_n, spec):
 @triton.jit
 def _unscaled_dot(acc, a, b, spec):
     """acc + a @ b for one K block without block scales (W4_FRAG: acc^T + W X^T, b the weight)."""
-    if spec.W4_FRAG:
-        return tl.dot(b, tl.trans(a), acc, input_precision=spec.PRECISION)
-    if a.dtype.is_fp8():
+    if spec.W4_FRAG:  # (Triton compiles what follows a return in a constexpr if: no early returns)
+        acc = tl.dot(b, tl.trans(a), acc, input_precision=spec.PRECISION)
+    elif a.dtype.is_fp8():
         # Promote fp8 partial sums to fp32 once per K block rather than accumulating the
         # whole K loop inside the tensor core (about 14 bits there on Hopper).
-        return tl.dot(a, b, acc, max_num_imprecise_acc=spec.BLOCK_K)
-    return tl.dot(a, b, acc, input_precision=spec.PRECISION)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=spec.BLOCK_K)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=spec.PRECISION)
+    return acc
 
 
 @triton.jit

@@ -85,7 +85,9 @@ RAGGED_FP8_SMALL_M = [cfg(16, 64, 128, 4, 8), cfg(16, 128, 128, 4, 6), cfg(32, 1
 RAGGED_FP8_OUT_INTERPRET = cfg(16, 128, SCALE_BLOCK, 1, 1, group_m=4)
 # Fragment-order MXFP4 (tiles.TileSpec.W4_FRAG): 128-wide K blocks (the layout's unit); BLOCK_N
 # is the weight rows, wgmma's M (64 per warpgroup), BLOCK_M the tokens, its N.
-RAGGED_W4_FRAG = [cfg(bm, bn, 128, bn // 32, s) for bm in (16, 32, 64, 128) for bn in (64, 128) for s in (3, 4)]
+# 4 warps are one warpgroup, 64 weight rows per wgmma; a 128 x 128 tile needs two (or it spills).
+RAGGED_W4_FRAG = [cfg(bm, bn, 128, w, s) for bm in (16, 32, 64, 128) for bn in (64, 128) for w in (4, 8)
+                  for s in (3, 4) if w == 4 or (bn == 128 and bm >= 64)]
 RAGGED_W4_FRAG_INTERPRET = cfg(32, 64, 128, 1, 1, group_m=4)
 
 
@@ -150,7 +152,8 @@ def ragged_heuristic(key: RaggedKey, sms: int) -> triton.Config:
         return with_meta(cfg(bm, fp8_out_width(key), SCALE_BLOCK, 8 if bm * fp8_out_width(key) > 64 * 128 else 4, 3),
                          USE_TMA=key.tma == TMA_ONLY)
     if key.w4_frag:
-        return with_meta(cfg(max(16, min(128, next_pow2(m))), 128, 128, 4, 3), USE_TMA=False)
+        bm = max(16, min(128, next_pow2(m)))
+        return with_meta(cfg(bm, 128, 128, 8 if bm == 128 else 4, 3), USE_TMA=False)
     if key.w4_tma:
         # The decode, not the MMA, bounds a 4-bit tile: 128-wide K blocks (64-byte boxes) for the
         # thin tiles, where the weight stream is the cost; 64 for tall ones (bench/results/moe_w4.md).
