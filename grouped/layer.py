@@ -23,6 +23,7 @@ from .moe_steps import (check_expert_scales, check_expert_weights, check_layer_t
                         sort_by_expert)
 from .moe_train import check_fp8_training
 from .ops import grouped_matmul
+from .prepack import PrepackedMxfp4, prepack_mxfp4
 from .routing import route
 
 
@@ -106,6 +107,53 @@ class MoEFFN(nn.Module):
         self.renormalize = renormalize
         self.weights_on_input = weights_on_input
         self.fp8_training = False  # onegemm.fp8_training(layer) sets it (check_fp8_training)
+        self.prepacked = None  # (H, I, gate_up) once prepack_experts has run
+
+    def prepack_experts(self) -> "MoEFFN":
+        """MXFP4 experts rewritten in place in fragment order (onegemm.prepack_mxfp4), the
+        layout the fast 4-bit K loop reads; they take the stored bytes' memory plus the
+        padding of H and I to the 128 block. ``state_dict`` still gives (and ``load_state_dict``
+        takes) the experts as stored. Returns the layer."""
+        if weight_4bit(self.w_gate_up) != "mxfp4" or self.prepacked is not None:
+            raise checks.bad_value("module", "an MoEFFN with MXFP4 experts as stored for prepack_experts",
+                                   "prepacked ones" if self.prepacked is not None else
+                                   f"{weight_4bit(self.w_gate_up).upper() or self.w_gate_up.dtype} experts")
+        H, I = self.gate_weight.shape[1], self.w_gate_up.shape[1] // 2
+        gate_up = not self.biased_experts  # gpt-oss's GEMMs keep the rows in order (gpt_oss_experts)
+        p13 = prepack_mxfp4(self.w_gate_up, self.w_gate_up_scale, gate_up=gate_up)
+        p2 = prepack_mxfp4(self.w_down, self.w_down_scale)
+        self.w_gate_up = nn.Parameter(p13.values, requires_grad=False)
+        self.w_down = nn.Parameter(p2.values, requires_grad=False)
+        self.w_gate_up_scale, self.w_down_scale = p13.scales, p2.scales
+        self.prepacked = (H, I, gate_up)
+        return self
+
+    def experts(self) -> tuple:
+        """(w_gate_up, w_down, their scales as moe_ffn's keywords): the routed experts as the
+        kernels take them (PrepackedMxfp4s and no scales once prepacked)."""
+        if self.prepacked is None:
+            return self.w_gate_up, self.w_down, dict(w_gate_up_scale=self.w_gate_up_scale,
+                                                     w_down_scale=self.w_down_scale)
+        H, I, gate_up = self.prepacked
+        return (PrepackedMxfp4(self.w_gate_up, self.w_gate_up_scale, H, gate_up),
+                PrepackedMxfp4(self.w_down, self.w_down_scale, I), {})
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.prepacked is not None:  # the experts as stored
+            w13, w2, _ = self.experts()
+            (q13, s13), (q2, s2) = w13.unpack(), w2.unpack()
+            destination.update({prefix + "w_gate_up": q13, prefix + "w_down": q2, prefix + "w_gate_up_scale": s13,
+                                prefix + "w_down_scale": s2})
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        names = [prefix + n for n in ("w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale")]
+        if self.prepacked is not None and all(n in state_dict for n in names):
+            q13, s13, q2, s2 = (state_dict[n] for n in names)  # as stored: prepacked here
+            gate_up = self.prepacked[2]
+            p13, p2 = prepack_mxfp4(q13, s13, gate_up=gate_up), prepack_mxfp4(q2, s2)
+            state_dict = {**state_dict, **dict(zip(names, (p13.values, p13.scales, p2.values, p2.scales)))}
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def check_fp8_training(self) -> None:
         """Whether the routed experts can train in FP8 (moe_ffn's fp8_training): 16/32-bit
@@ -126,7 +174,8 @@ class MoEFFN(nn.Module):
         E, H = self.gate_weight.shape
         shared = "none" if self.shared_w_down is None else (
             f"{self.shared_w_down.shape[1]}" + (" gated" if self.shared_gate is not None else ""))
-        intermediate = self.w_down.shape[2] * {"mxfp4": 2, "int4": 8}.get(weight_4bit(self.w_down), 1)
+        intermediate = (self.prepacked[1] if self.prepacked is not None else
+                        self.w_down.shape[2] * {"mxfp4": 2, "int4": 8}.get(weight_4bit(self.w_down), 1))
         return (f"experts={E}, hidden={H}, intermediate={intermediate}, top_k={self.top_k}, "
                 f"renormalize={self.renormalize}, scoring={self.routing['scoring']!r}, "
                 f"n_group={self.routing['n_group']}, correction_bias={self.correction_bias is not None}, "
@@ -151,9 +200,9 @@ class MoEFFN(nn.Module):
         checks.check_tensor("x", x, ndim=2, dtypes=(self.gate_weight.dtype,))
         if x.shape[1] != self.gate_weight.shape[1]:
             raise checks.bad_shape("x", f"[T, H] with H = {self.gate_weight.shape[1]} (the layer's hidden size)", x.shape)
-        scales = dict(w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale)
+        w13, w2, scales = self.experts()
         if self._routes_in_moe(x):  # the routing in moe_ffn's prep launch
-            y = moe_routed(x, self.router_logits(x), self.w_gate_up, self.w_down, self.correction_bias, **scales,
+            y = moe_routed(x, self.router_logits(x), w13, w2, self.correction_bias, **scales,
                            top_k=self.top_k, renormalize=self.renormalize, **self.routing)
             return y if self.shared_w_down is None else y + self.shared_experts(x)
         weights, ids = self.route(x)
@@ -166,10 +215,10 @@ class MoEFFN(nn.Module):
             T, k = ids.shape
             xw = (x[:, None, :] * weights[:, :, None].to(x.dtype)).reshape(T * k, -1)
             ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
-            y = moe_ffn(xw, self.w_gate_up, self.w_down, ones, ids.reshape(T * k, 1), **scales, **fp8)
+            y = moe_ffn(xw, w13, w2, ones, ids.reshape(T * k, 1), **scales, **fp8)
             y = y.view(T, k, -1).sum(dim=1) if k > 1 else y
         else:
-            y = moe_ffn(x, self.w_gate_up, self.w_down, weights, ids, **scales, **fp8)
+            y = moe_ffn(x, w13, w2, weights, ids, **scales, **fp8)
         if self.shared_w_down is not None:
             y = y + self.shared_experts(x)
         return y
@@ -214,14 +263,13 @@ class MoEFFN(nn.Module):
         grouped_matmul's, with their bias."""
         T, k = ids.shape
         pair, token, offs = sort_by_expert(ids, self.num_experts)
-        s13, s2 = ((None, None) if self.w_gate_up_scale is None else  # 4-bit experts' scales
-                   (self.w_gate_up_scale.transpose(1, 2), self.w_down_scale.transpose(1, 2)))
-        h = grouped_matmul(x[token.long()], self.w_gate_up.transpose(1, 2), offs, bias=self.w_gate_up_bias, scale_b=s13)
+        w13, w2, s13, s2 = _grouped_experts(*self.experts())
+        h = grouped_matmul(x[token.long()], w13, offs, bias=self.w_gate_up_bias, scale_b=s13)
         gate, up = h.chunk(2, dim=-1)
         gate = gate.clamp(max=self.swiglu_limit)
         up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
         a = gate * torch.sigmoid(self.swiglu_alpha * gate) * (up + 1)
-        out = grouped_matmul(a, self.w_down.transpose(1, 2), offs, bias=self.w_down_bias, scale_b=s2)
+        out = grouped_matmul(a, w2, offs, bias=self.w_down_bias, scale_b=s2)
         out = out * weights.reshape(-1)[pair.long()].to(out.dtype)[:, None]
         y = torch.zeros(T * k, x.shape[1], dtype=out.dtype, device=x.device).index_copy(0, pair.long(), out)
         return y.view(T, k, -1).sum(dim=1)
@@ -283,6 +331,16 @@ class MoEFFN(nn.Module):
         from .loading import read_state_dict_layer
 
         return read_state_dict_layer(cls, state_dict, config, prefix, device)
+
+
+def _grouped_experts(w13, w2, scales) -> tuple:
+    """``MoEFFN.experts()`` as grouped_matmul's b operands: (w13, w2, scale_b13, scale_b2),
+    the weights [E, K, N] (transposed views) and 4-bit scales likewise (prepacked: as they are)."""
+    if isinstance(w13, PrepackedMxfp4):
+        return w13, w2, None, None
+    s13, s2 = scales["w_gate_up_scale"], scales["w_down_scale"]
+    return (w13.transpose(1, 2), w2.transpose(1, 2), None if s13 is None else s13.transpose(1, 2),
+            None if s2 is None else s2.transpose(1, 2))
 
 
 def _check_gpt_oss(gate_bias, b13, b2, limit, alpha, gate_weight, w_gate_up, fp8, weights_on_input) -> bool:

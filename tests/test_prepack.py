@@ -258,3 +258,39 @@ def test_moe_ffn_prepacked_refuses(change, error, match, device):
 def test_prepacked_is_a_named_tuple_of_tensors():
     """What torch.compile and state dicts see: plain tensors and ints."""
     assert PrepackedMxfp4._fields == ("values", "scales", "k", "gate_up")
+
+
+# ---- MoEFFN.prepack_experts: the layer's experts rewritten in place, saved as stored
+
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "gpt-oss"])
+def test_moeffn_prepack_experts(gpt_oss, device):
+    """The prepacked layer gives its stored twin's output (float64 reference of the decoded
+    experts), saves the experts as stored, and loads stored experts into fragment order."""
+    E, H, I, k = 4, 64, 96, 2
+    w13 = torch.randn(E, 2 * I, H, device=device) * H**-0.5
+    w2 = torch.randn(E, H, I, device=device) * I**-0.5
+    q13, s13, q2, s2 = onegemm.quantize_experts(w13, w2, format="mxfp4")
+    gate = torch.randn(E, H, device=device).to(torch.bfloat16)
+    extra = {}
+    if gpt_oss:
+        extra = dict(gate_bias=torch.randn(E, device=device).to(torch.bfloat16), swiglu_limit=7.0,
+                     w_gate_up_bias=(torch.randn(E, 2 * I, device=device) * 0.1).to(torch.bfloat16),
+                     w_down_bias=(torch.randn(E, H, device=device) * 0.1).to(torch.bfloat16),
+                     scoring="topk_softmax", renormalize=False)
+    make = lambda: onegemm.MoEFFN(gate, q13, q2, top_k=k, w_gate_up_scale=s13, w_down_scale=s2, **extra)  # noqa: E731
+    stored, layer = make(), make().prepack_experts()
+    assert layer.w_gate_up.dtype == torch.uint8 and "intermediate=96" in repr(layer)
+    x = torch.randn(9, H, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        y, want = layer(x), stored(x)
+    assert_close(y, want.double(), 2 * TOL[torch.bfloat16])
+    saved = layer.state_dict()
+    assert saved.keys() == stored.state_dict().keys()
+    for name, t in stored.state_dict().items():
+        assert saved[name].dtype == t.dtype and torch.equal(saved[name].view(torch.uint8), t.view(torch.uint8)), name
+    fresh = make().prepack_experts()
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.w_gate_up, layer.w_gate_up) and torch.equal(fresh.w_down_scale.view(torch.uint8),
+                                                                          layer.w_down_scale.view(torch.uint8))
+    with pytest.raises(ValueError, match="MXFP4 experts as stored for prepack_experts"):
+        layer.prepack_experts()
