@@ -350,7 +350,7 @@ def grouped_matmul(a, b, offs=None, *, bias=None, activation=None, out_dtype=Non
     (docs/autograd.md); list mode in every a_i and b_i (each pair's backward is two list-mode
     calls). Traceable by torch.compile, list mode excepted (eager only).
     """
-    if isinstance(b, PrepackedMxfp4) or (isinstance(b, torch.Tensor) and b.dtype == MXFP4_PREPACKED):
+    if b.__class__ is PrepackedMxfp4 or (isinstance(b, torch.Tensor) and b.dtype is MXFP4_PREPACKED):
         b, scale_b = unwrap_prepacked(a, b, scale_b)
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         checks.check_config(config)

@@ -183,10 +183,11 @@ def unwrap_prepacked(a, b, scale_b) -> tuple[torch.Tensor, torch.Tensor]:
     return b.values.transpose(1, 2), b.scales.transpose(1, 2)
 
 
-def prepacked(*ws) -> bool:
-    """Whether any of moe_ffn's weights is a PrepackedMxfp4 (or its bare uint8 values)."""
-    return any(isinstance(w, PrepackedMxfp4) or (isinstance(w, torch.Tensor) and w.dtype == MXFP4_PREPACKED)
-               for w in ws)
+def prepacked(w_gate_up, w_down) -> bool:
+    """Whether moe_ffn's experts are PrepackedMxfp4s (or bare uint8 values, refused by
+    moe_experts). On every eager call: kept to two type tests and a dtype read."""
+    return (w_gate_up.__class__ is PrepackedMxfp4 or w_down.__class__ is PrepackedMxfp4
+            or (w_gate_up is not None and w_gate_up.dtype is MXFP4_PREPACKED))
 
 
 def moe_experts(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> tuple:

@@ -239,6 +239,8 @@ def test_moe_routed_prepacked_is_moe_ffn(device):
 
 PREPACKED_MOE_BAD = [
     (lambda x, p13, p2: dict(w_down=p2.unpack()[0]), ValueError, "w_down must be a PrepackedMxfp4"),
+    (lambda x, p13, p2: dict(w_gate_up=p13.values, w_down=p2.values, w_gate_up_scale=p13.scales,
+                             w_down_scale=p2.scales), ValueError, "w_gate_up must be a PrepackedMxfp4"),
     (lambda x, p13, p2: dict(w_gate_up=p13._replace(gate_up=False)), ValueError, "prepacked with gate_up=True"),
     (lambda x, p13, p2: dict(w_down_scale=p2.scales), ValueError, "w_down_scale must be None with prepacked"),
     (lambda x, p13, p2: dict(x=x[:, :32]), ValueError, r"x must be \[T, H\] with H = 64"),
