@@ -19,6 +19,7 @@ from ..core.scaling import (INT4, INT4_MIN_GROUP, INT4_SCALE_DTYPES, MXFP4, MXFP
                             weight_4bit)
 from ..core.tma import no_tma, tma_hardware
 from .kernels import grouped_scales
+from .prepack import PrepackedMxfp4
 
 # values along K per element of b, by format
 PER_ELEMENT = {"mxfp4": 2, "int4": 8}
@@ -118,8 +119,6 @@ def dequantize_w4(b: torch.Tensor, scale_b: torch.Tensor, dtype: torch.dtype) ->
     """grouped_matmul's 4-bit b and scale_b -> the experts [G, N, K] in ``dtype`` (torch;
     prepacked: K padded to the 128 block)."""
     if b.dtype == MXFP4_PREPACKED:
-        from .prepack import PrepackedMxfp4  # (prepack imports core's tiles; w4 stays light)
-
         b, scale_b = PrepackedMxfp4(b.transpose(1, 2), scale_b.transpose(1, 2), 2 * b.shape[1]).unpack()
         return dequantize_mxfp4(b, scale_b, dtype)
     if b.dtype == MXFP4:
