@@ -187,7 +187,7 @@ def prepacked(w_gate_up, w_down) -> bool:
     """Whether moe_ffn's experts are PrepackedMxfp4s (or bare uint8 values, refused by
     moe_experts). On every eager call: kept to two type tests and a dtype read."""
     return (w_gate_up.__class__ is PrepackedMxfp4 or w_down.__class__ is PrepackedMxfp4
-            or (w_gate_up is not None and w_gate_up.dtype is MXFP4_PREPACKED))
+            or (isinstance(w_gate_up, torch.Tensor) and w_gate_up.dtype is MXFP4_PREPACKED))
 
 
 def moe_experts(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale) -> tuple:
