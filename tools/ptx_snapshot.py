@@ -187,8 +187,9 @@ def cases():
                 yield f"ragged+scatter {key}", lambda a=a, b=b, c=c, idx=idx, w=w, kw=kw: launch_ragged(
                     a, b, c, offs, strides_a=(0, *a.stride()), c_rows=idx, weight=w, **kw)
 
-    # 4-bit experts (gpt-oss-shaped, 4 experts): MXFP4 as stored and prepacked, INT4, at a
-    # decode and a prefill row count, each flavour of the packed bytes (pointers, descriptor)
+    # 4-bit experts (gpt-oss-shaped, 4 experts): MXFP4 as stored and prepacked, and INT4, each
+    # at the same forced tiles (decode to prefill heights) and with the packed bytes read both
+    # ways (through pointers and through a descriptor), so that their counts compare
     E, N, K = 4, 2880, 2880
     kp = -(-K // 128) * 128
     mxfp4 = torch.empty(E, N, K // 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
@@ -198,13 +199,15 @@ def cases():
                                                 torch.empty(E, N, kp // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), K)
     weights = {"mxfp4": (mxfp4.transpose(1, 2), e8m0.transpose(1, 2)), "int4": (int4.transpose(1, 2), int4_scale.transpose(1, 2)),
                "mxfp4-prepacked": (prepacked, None)}
-    for rows in (1, 256):
+    for tile in (configs.cfg(16, 128, 128, 4, 3), configs.cfg(64, 128, 128, 4, 3), configs.cfg(128, 128, 128, 8, 3)):
+        rows = tile.kwargs["BLOCK_M"]
         a = torch.empty(E * rows, K, dtype=torch.bfloat16)
         offs = torch.arange(1, E + 1, dtype=torch.int32) * rows
         for fmt, (b, sb) in weights.items():
-            for tma in (None, False):
-                yield f"w4 {fmt} rows={rows} tma={tma}", lambda a=a, b=b, sb=sb, offs=offs, t=tma: onegemm.grouped_matmul(
-                    a, b, offs, scale_b=sb, tma=t)
+            for tma in (True, False):
+                name = f"w4 {fmt} {rows}x128x128 w{tile.num_warps} {'tma' if tma else 'ptr'}"
+                yield name, lambda a=a, b=b, sb=sb, offs=offs, c=tile, t=tma: onegemm.grouped_matmul(
+                    a, b, offs, scale_b=sb, tma=t, config=c)
 
     for dt in ("bf16", "fp32"):
         dtype = dtypes[dt]
