@@ -296,3 +296,26 @@ def test_moeffn_prepack_experts(gpt_oss, device):
                                                                           layer.w_down_scale.view(torch.uint8))
     with pytest.raises(ValueError, match="MXFP4 experts as stored for prepack_experts"):
         layer.prepack_experts()
+
+
+# ---- on the GPU: the decode's PTX at model shapes, every tile the tuner may pick
+
+MODEL_SHAPES = [pytest.param(4, 2880, 2880, id="gpt-oss"), pytest.param(2, 7168, 2048, id="kimi-k2-down"),
+                pytest.param(3, 2048, 7168, id="kimi-k2-up")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,N,K", MODEL_SHAPES)
+@pytest.mark.parametrize("config", [None] + onegemm.grouped.configs.RAGGED_W4_FRAG[::3],
+                         ids=lambda c: "auto" if c is None else f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}w{c.num_warps}s{c.num_stages}")
+def test_grouped_matmul_prepacked_at_model_shapes(G, N, K, config, device):
+    """The PTX decode reads its 4-byte words in the compiled layout's register order, which
+    only a GPU run shows: every flavour at gpt-oss's and Kimi-K2's expert shapes (K = 2880 is
+    not a multiple of 128), 1 to 300 rows per expert, against float64."""
+    p, b_ref = _prepacked(G, N, K, device)
+    sizes = [1, 0, 300, 17][:G] if G > 2 else [17, 64]
+    a = torch.randn(sum(sizes), K, device=device).to(torch.bfloat16)
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    ref = grouped_mm_ref(a.double(), b_ref, offs)
+    for tma in (True, False):
+        assert_close(onegemm.grouped_matmul(a, p, offs, config=config, tma=tma), ref, TOL[torch.bfloat16], f"tma={tma}")
