@@ -141,7 +141,8 @@ def w4_section(fmt, x, weights, ids, layer, gpu: bool) -> bool:
     """The stored layer's experts in a 4-bit format (quantize_experts(format=fmt)) on the same
     tokens and routing: the error against float64 of the same 4-bit values (the kernels'
     own; True when within the bf16 bound 2e-2) and calc_diff against the unquantised layer
-    (the format's); on a GPU its time next to bf16 (MXFP4: then a gpt-oss-120b-shaped layer's)."""
+    (the format's); on a GPU its time next to bf16 (MXFP4: also prepacked, its error and time,
+    then a gpt-oss-120b-shaped layer's)."""
     q13, s13, q2, s2 = onegemm.quantize_experts(layer.w_gate_up, layer.w_down, format=fmt)
     scales = dict(w_gate_up_scale=s13, w_down_scale=s2)
     y4 = onegemm.moe_ffn(x, q13, q2, weights, ids, **scales)
@@ -151,10 +152,19 @@ def w4_section(fmt, x, weights, ids, layer, gpu: bool) -> bool:
     print(title)
     print(f"  relative error against float64 of the same {fmt.upper()} values: {err:.2e} (bound 2e-2)")
     print(f"  calc_diff against the unquantised float64 layer: {calc_diff(y4, ref):.2e} (the format's own error)")
+    prepacked = None
+    if fmt == "mxfp4" and gpu:  # the same experts in fragment order (tests/test_prepack.py checks them on the CPU)
+        prepacked = onegemm.prepack_mxfp4(q13, s13, gate_up=True), onegemm.prepack_mxfp4(q2, s2)
+        y4p = onegemm.moe_ffn(x, *prepacked, weights, ids)
+        err = max(err, rel_err(y4p, moe_ffn_torch(x.double(), decode(q13, s13), decode(q2, s2), weights, ids)))
+        print(f"  prepacked (fragment order): relative error {rel_err(y4p, y4.double()):.2e} against the stored layout's")
     if gpu:
+        bf16 = lambda: onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, weights, ids)  # noqa: E731
         print(timing_line(f"{fmt.upper()} vs bf16 moe_ffn", lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, **scales),
-                          lambda: onegemm.moe_ffn(x, layer.w_gate_up, layer.w_down, weights, ids)).replace("torch", "bf16"))
-        if fmt == "mxfp4":
+                          bf16).replace("torch", "bf16"))
+        if prepacked is not None:
+            print(timing_line("MXFP4 prepacked vs bf16 moe_ffn", lambda: onegemm.moe_ffn(x, *prepacked, weights, ids),
+                              bf16).replace("torch", "bf16"))
             gpt_oss_120b_timing(x.shape[0], x.device)
     print()
     return err < 2e-2
@@ -172,9 +182,13 @@ def gpt_oss_120b_timing(T, device):
     w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16) * I**-0.5
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
     weights, ids = onegemm.route(torch.randn(T, E, device=device), k)
+    bf16 = lambda: onegemm.moe_ffn(x, w13, w2, weights, ids)  # noqa: E731
     print(timing_line(f"gpt-oss-120b experts, {T} tokens, MXFP4 vs bf16",
                       lambda: onegemm.moe_ffn(x, q13, q2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2),
-                      lambda: onegemm.moe_ffn(x, w13, w2, weights, ids)).replace("torch", "bf16"))
+                      bf16).replace("torch", "bf16"))
+    p13, p2 = onegemm.prepack_mxfp4(q13, s13, gate_up=True), onegemm.prepack_mxfp4(q2, s2)
+    print(timing_line(f"gpt-oss-120b experts, {T} tokens, MXFP4 prepacked vs bf16",
+                      lambda: onegemm.moe_ffn(x, p13, p2, weights, ids), bf16).replace("torch", "bf16"))
 
 
 # DeepSeek-V3's MoE layer (transformers' DeepseekV3Config fields); under the interpreter the same
