@@ -17,7 +17,7 @@ from ..blockscaled.linear import register_fp8_training
 from ..core import checks, configs
 from ..core.dispatch import transforms_active, wants_grad
 from ..core.matmul import linear, matmul
-from ..core.scaling import weight_4bit
+from ..core.scaling import MXFP4_PREPACKED, weight_4bit
 from .moe import moe_ffn, moe_routed
 from .moe_steps import (check_expert_scales, check_expert_weights, check_layer_tensors, check_w4_experts,
                         sort_by_expert)
@@ -61,6 +61,9 @@ class MoEFFN(nn.Module):
                  swiglu_alpha: float = 1.702):
         super().__init__()
         w4 = isinstance(w_gate_up, torch.Tensor) and bool(weight_4bit(w_gate_up))
+        if w4 and MXFP4_PREPACKED in (w_gate_up.dtype, w_down.dtype):
+            raise checks.bad_dtype("w_gate_up", "experts as stored (float4_e2m1fn_x2 MXFP4 or int32 INT4; "
+                                   "prepack_experts() rewrites MXFP4 ones in fragment order)", MXFP4_PREPACKED)
         if w4:  # weight-only: x, the router and the biases in gate_weight's 16-bit dtype
             checks.check_tensor("gate_weight", gate_weight, ndim=2, dtypes=(torch.bfloat16, torch.float16))
             fp8 = False

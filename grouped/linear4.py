@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..core import checks
-from ..core.scaling import INT4_SCALE_DTYPES, MXFP4_SCALE, weight_4bit
+from ..core.scaling import INT4_SCALE_DTYPES, MXFP4_PREPACKED, MXFP4_SCALE, weight_4bit
 from .ops import grouped_matmul
 from .w4 import PER_ELEMENT
 
@@ -24,7 +24,7 @@ def linear_4bit(x, weight, weight_scale, bias=None, *, activation=None):
     checks.check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
     checks.check_tensor("weight", weight, ndim=2)
     fmt = weight_4bit(weight)
-    if not fmt:
+    if not fmt or weight.dtype == MXFP4_PREPACKED:  # (fragment order is grouped_matmul's and moe_ffn's)
         raise checks.bad_dtype("weight", "a 4-bit weight: float4_e2m1fn_x2 (MXFP4) or int32 (INT4)", weight.dtype)
     if x.dim() == 0:
         raise checks.bad_shape("x", "[..., K] (at least 1-D)", x.shape)

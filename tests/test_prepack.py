@@ -296,6 +296,11 @@ def test_moeffn_prepack_experts(gpt_oss, device):
                                                                           layer.w_down_scale.view(torch.uint8))
     with pytest.raises(ValueError, match="MXFP4 experts as stored for prepack_experts"):
         layer.prepack_experts()
+    with pytest.raises(TypeError, match="w_gate_up must be experts as stored"):  # bare fragment-order bytes
+        onegemm.MoEFFN(gate, layer.w_gate_up.data, layer.w_down.data, top_k=k, w_gate_up_scale=layer.w_gate_up_scale,
+                       w_down_scale=layer.w_down_scale, **extra)
+    with pytest.raises(TypeError, match="weight must be a 4-bit weight"):
+        onegemm.linear_4bit(x, layer.w_down.data[0], layer.w_down_scale[0])
 
 
 # ---- on the GPU: the decode's PTX at model shapes, every tile the tuner may pick
