@@ -207,17 +207,20 @@ def test_grouped_matmul_mxfp4_refuses(change, error, match, device):
         onegemm.grouped_matmul(args.pop("a"), args.pop("b"), args.pop("offs"), **args)
 
 
-def test_grouped_matmul_mxfp4_gradients(device):
+@pytest.mark.parametrize("prepacked", [False, True], ids=["stored", "prepacked"])
+def test_grouped_matmul_mxfp4_gradients(prepacked, device):
     """The weights are frozen; a and bias get their gradients (a LoRA user's dx on a 4-bit
     base), through the activation, against float64 autograd of the dequantised experts; rows
-    past offs[-1] get none."""
-    G, N, K = 3, 40, 96
+    past offs[-1] get none. Prepacked (onegemm.prepack_mxfp4): the backward dequantises the
+    fragment order, K padded from 96 to 128."""
+    G, N, K = 3, 48, 96
     w4, s8, b_ref = mxfp4_experts(G, N, K, device)
+    b = dict(b=onegemm.prepack_mxfp4(w4.transpose(1, 2), s8.transpose(1, 2))) if prepacked else dict(b=w4, scale_b=s8)
     sizes = [5, 0, 12]
     a = torch.randn(sum(sizes) + 2, K, device=device).to(torch.bfloat16).requires_grad_()
     bias = (torch.randn(G, N, device=device) * 0.1).to(torch.bfloat16).requires_grad_()
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-    out = onegemm.grouped_matmul(a, w4, offs, scale_b=s8, bias=bias, activation="gelu")
+    out = onegemm.grouped_matmul(a, offs=offs, bias=bias, activation="gelu", **b)
     dy = torch.randn_like(out)
     out.backward(dy)
     a64, bias64 = a.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
@@ -226,7 +229,7 @@ def test_grouped_matmul_mxfp4_gradients(device):
     assert_close(bias.grad, bias64.grad, TOL[torch.bfloat16], "bias.grad")
     assert (a.grad[sum(sizes):] == 0).all()
     with pytest.raises(ValueError, match="config must be None when gradients are recorded"):  # never dropped
-        onegemm.grouped_matmul(a, w4, offs, scale_b=s8, config=onegemm.core.configs.cfg(16, 32, 64, 4, 2))
+        onegemm.grouped_matmul(a, offs=offs, config=onegemm.core.configs.cfg(16, 32, 128, 4, 2), **b)
 
 
 def test_grouped_matmul_mxfp4_under_torch_compile(device):

@@ -3,9 +3,9 @@
 The layout against its description, written out here value by value; prepack_mxfp4 as a
 lossless round trip; grouped_matmul, moe_ffn and moe_routed on prepacked experts against
 float64 of the dequantised weights (odd rows, empty groups, K padded to the 128 block, N not a
-multiple of the tile); gradients for a and bias; torch.compile; and what is refused. Under the
-interpreter the decode's PTX is replaced by the same bit operations on the same 4-byte words;
-on the GPU the tests run the PTX itself."""
+multiple of the tile); torch.compile; and what is refused (a and bias's gradients: in
+tests/test_mxfp4.py). Under the interpreter the decode's PTX is replaced by the same bit
+operations on the same 4-byte words; on the GPU the tests run the PTX itself."""
 
 import pytest
 import torch
@@ -127,23 +127,6 @@ def test_grouped_matmul_prepacked_forced_tiles(config, device):
     offs = torch.tensor([23, 40], device=device, dtype=torch.int32)
     out = onegemm.grouped_matmul(a, p, offs, config=config)
     assert_close(out, grouped_mm_ref(a.double(), b_ref, offs), TOL[torch.bfloat16])
-
-
-def test_grouped_matmul_prepacked_gradients(device):
-    """a and bias get their gradients (the weights are frozen), against float64 autograd."""
-    G, N, K = 3, 32, 160
-    p, b_ref = _prepacked(G, N, K, device)
-    sizes = [5, 0, 12]
-    a = torch.randn(sum(sizes) + 2, K, device=device).to(torch.bfloat16).requires_grad_()
-    bias = (torch.randn(G, N, device=device) * 0.1).to(torch.bfloat16).requires_grad_()
-    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-    out = onegemm.grouped_matmul(a, p, offs, bias=bias, activation="gelu")
-    dy = torch.randn_like(out)
-    out.backward(dy)
-    a64, bias64 = a.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
-    grouped_mm_ref(a64, b_ref, offs, bias64, "gelu").backward(dy.double())
-    assert_close(a.grad, a64.grad, TOL[torch.bfloat16], "a.grad")
-    assert_close(bias.grad, bias64.grad, TOL[torch.bfloat16], "bias.grad")
 
 
 def test_grouped_matmul_prepacked_under_torch_compile(device):
